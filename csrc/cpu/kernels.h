@@ -1,0 +1,24 @@
+// tqvec CPU kernels. Layouts (all row-major, C-contiguous, validated by the caller):
+//   idx     (n, d)          uint8   one quantization index per coordinate, values < 2^b
+//   packed  (n, row_bytes)  uint8   row_bytes = ceil(d*b/8); index j occupies bits [j*b, (j+1)*b)
+//                                   of the row's bit stream, bit t of the stream is bit (t % 8) of
+//                                   byte t / 8 (LSB-first); padding bits at the end are zero
+//   y       (n, d)          float32 rotated vectors; scale (n) float32 multiplies row i first
+//   thr     (K-1)           float32 ascending interior decision thresholds, K = 2^b
+//   perms   (R, d)          int64   permutation of round r (forward: z_j = x_{perm[r][j]})
+//   signs   (R, d)          float32 +-1 of round r
+// Every kernel takes `nthreads` and splits rows across std::threads; none keeps global state.
+#pragma once
+#include <cstdint>
+
+namespace tqvec {
+
+void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
+void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
+void quantize_pack(const float* y, const float* scale, int64_t n, int64_t d, const float* thr,
+                   int b, uint8_t* out, int nthreads);
+void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
+                     const float* signs, int rounds, int64_t p, bool inverse, float* out,
+                     int nthreads);
+
+}  // namespace tqvec

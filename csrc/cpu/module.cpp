@@ -1,0 +1,86 @@
+// nanobind bindings for tqvec._C. Shapes are re-checked here (cheaply) so that a wrong call can
+// never write out of bounds; value checks (NaN, ranges) happen once in tqvec/_validate.py.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "kernels.h"
+
+namespace nb = nanobind;
+
+template <class T>
+using CArr = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+namespace {
+
+void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+int64_t rb(int64_t d, int b) { return (d * b + 7) / 8; }
+
+void check_bits(int b) { require(b >= 1 && b <= 8, "bits must be in 1..8"); }
+
+}  // namespace
+
+NB_MODULE(_C, m) {
+  m.doc() = "tqvec compiled CPU kernels (see csrc/cpu/kernels.h for layouts)";
+
+  m.def("pack_bits", [](CArr<const uint8_t> idx, int b, CArr<uint8_t> out, int nthreads) {
+    check_bits(b);
+    require(idx.ndim() == 2 && out.ndim() == 2, "pack_bits: 2-D arrays expected");
+    const int64_t n = idx.shape(0), d = idx.shape(1);
+    require(out.shape(0) == static_cast<size_t>(n) && out.shape(1) == static_cast<size_t>(rb(d, b)),
+            "pack_bits: out has the wrong shape");
+    nb::gil_scoped_release rel;
+    tqvec::pack_bits(idx.data(), n, d, b, out.data(), nthreads);
+  });
+
+  m.def("unpack_bits", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> out,
+                          int nthreads) {
+    check_bits(b);
+    require(packed.ndim() == 2 && out.ndim() == 2, "unpack_bits: 2-D arrays expected");
+    const int64_t n = packed.shape(0);
+    require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "unpack_bits: packed row size");
+    require(out.shape(0) == static_cast<size_t>(n) && out.shape(1) == static_cast<size_t>(d),
+            "unpack_bits: out has the wrong shape");
+    nb::gil_scoped_release rel;
+    tqvec::unpack_bits(packed.data(), n, d, b, out.data(), nthreads);
+  });
+
+  m.def("quantize_pack", [](CArr<const float> y, CArr<const float> scale, CArr<const float> thr,
+                            int b, CArr<uint8_t> out, int nthreads) {
+    check_bits(b);
+    require(y.ndim() == 2 && out.ndim() == 2 && scale.ndim() == 1 && thr.ndim() == 1,
+            "quantize_pack: bad ranks");
+    const int64_t n = y.shape(0), d = y.shape(1);
+    require(scale.shape(0) == static_cast<size_t>(n), "quantize_pack: scale length");
+    require(thr.shape(0) == static_cast<size_t>((1 << b) - 1), "quantize_pack: thresholds");
+    require(out.shape(0) == static_cast<size_t>(n) && out.shape(1) == static_cast<size_t>(rb(d, b)),
+            "quantize_pack: out has the wrong shape");
+    nb::gil_scoped_release rel;
+    tqvec::quantize_pack(y.data(), scale.data(), n, d, thr.data(), b, out.data(), nthreads);
+  });
+
+  m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
+                              CArr<const float> signs, int64_t p, bool inverse,
+                              CArr<float> out, int nthreads) {
+    require(x.ndim() == 2 && out.ndim() == 2 && perms.ndim() == 2 && signs.ndim() == 2,
+            "hadamard_rotate: bad ranks");
+    const int64_t n = x.shape(0), d = x.shape(1);
+    const int64_t rounds = perms.shape(0);
+    require(perms.shape(1) == static_cast<size_t>(d) && signs.shape(0) == perms.shape(0) &&
+                signs.shape(1) == static_cast<size_t>(d),
+            "hadamard_rotate: perms/signs shape");
+    require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d, "hadamard_rotate: block size");
+    require(out.shape(0) == static_cast<size_t>(n) && out.shape(1) == static_cast<size_t>(d),
+            "hadamard_rotate: out has the wrong shape");
+    for (int64_t k = 0; k < rounds * d; ++k)
+      require(perms.data()[k] >= 0 && perms.data()[k] < d, "hadamard_rotate: perm out of range");
+    nb::gil_scoped_release rel;
+    tqvec::hadamard_rotate(x.data(), n, d, perms.data(), signs.data(), static_cast<int>(rounds),
+                           p, inverse, out.data(), nthreads);
+  });
+}

@@ -1,0 +1,155 @@
+// Bit packing and the scalar-quantize-and-pack step of encoding. Layouts: see kernels.h.
+// Quantization must equal torch.searchsorted(thr, y * scale, right=True) bit for bit:
+// the product is one float32 multiply (no FMA: built with -ffp-contract=off), and the index is
+// the number of thresholds <= v, found by a branchless binary search over the K-1 thresholds.
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+
+namespace tqvec {
+namespace {
+
+inline int64_t row_bytes(int64_t d, int b) { return (d * b + 7) / 8; }
+
+// Appends `count` indices of width b to a zeroed byte row, LSB-first.
+template <int B>
+inline void pack_row_fixed(const uint8_t* idx, int64_t d, uint8_t* out) {
+  if constexpr (B == 8) {
+    std::memcpy(out, idx, static_cast<size_t>(d));
+  } else if constexpr (8 % B == 0) {
+    constexpr int per = 8 / B;
+    int64_t full = d / per;
+    for (int64_t i = 0; i < full; ++i) {
+      uint8_t v = 0;
+      for (int k = 0; k < per; ++k) v |= static_cast<uint8_t>(idx[i * per + k] << (k * B));
+      out[i] = v;
+    }
+    if (full * per < d) {
+      uint8_t v = 0;
+      for (int64_t k = 0; full * per + k < d; ++k)
+        v |= static_cast<uint8_t>(idx[full * per + k] << (k * B));
+      out[full] = v;
+    }
+  } else {
+    uint64_t acc = 0;
+    int nbits = 0;
+    int64_t o = 0;
+    for (int64_t j = 0; j < d; ++j) {
+      acc |= static_cast<uint64_t>(idx[j]) << nbits;
+      nbits += B;
+      while (nbits >= 8) {
+        out[o++] = static_cast<uint8_t>(acc);
+        acc >>= 8;
+        nbits -= 8;
+      }
+    }
+    if (nbits > 0) out[o] = static_cast<uint8_t>(acc);
+  }
+}
+
+template <int B>
+inline void unpack_row_fixed(const uint8_t* in, int64_t d, uint8_t* idx) {
+  constexpr uint32_t mask = (1u << B) - 1u;
+  if constexpr (B == 8) {
+    std::memcpy(idx, in, static_cast<size_t>(d));
+  } else if constexpr (8 % B == 0) {
+    constexpr int per = 8 / B;
+    for (int64_t j = 0; j < d; ++j)
+      idx[j] = static_cast<uint8_t>((in[j / per] >> ((j % per) * B)) & mask);
+  } else {
+    for (int64_t j = 0; j < d; ++j) {
+      int64_t bit = j * B;
+      uint32_t lo = in[bit >> 3];
+      uint32_t hi = ((bit & 7) + B > 8) ? in[(bit >> 3) + 1] : 0u;
+      idx[j] = static_cast<uint8_t>((((hi << 8) | lo) >> (bit & 7)) & mask);
+    }
+  }
+}
+
+template <class F>
+void with_bits(int b, F&& f) {
+  switch (b) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+template <int B>
+__attribute__((target_clones("avx2", "default")))
+void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, int64_t d,
+                   const float* thr, float* vbuf, uint8_t* idx_buf, uint8_t* out, int64_t rb) {
+  constexpr int K = 1 << B;
+  for (int64_t i = lo; i < hi; ++i) {
+    const float* yi = y + i * d;
+    const float s = scale[i];
+    for (int64_t j = 0; j < d; ++j) vbuf[j] = yi[j] * s;
+    if constexpr (B <= 4) {
+      // k = #{t : thr[t] <= v}, as K-1 vectorizable compare-and-add passes.
+      for (int64_t j = 0; j < d; ++j) idx_buf[j] = 0;
+      for (int t = 0; t < K - 1; ++t) {
+        const float th = thr[t];
+        for (int64_t j = 0; j < d; ++j) idx_buf[j] += static_cast<uint8_t>(vbuf[j] >= th);
+      }
+    } else {
+      // Same count by a branchless binary search (b steps instead of 2^b - 1 compares).
+      for (int64_t j = 0; j < d; ++j) {
+        const float v = vbuf[j];
+        int k = 0;
+        for (int step = K >> 1; step > 0; step >>= 1) k += (v >= thr[k + step - 1]) ? step : 0;
+        idx_buf[j] = static_cast<uint8_t>(k);
+      }
+    }
+    pack_row_fixed<B>(idx_buf, d, out + i * rb);
+  }
+}
+
+}  // namespace
+
+void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads) {
+  const int64_t rb = row_bytes(d, b);
+  with_bits(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    parallel_rows(n, nthreads, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) {
+        std::memset(out + i * rb, 0, static_cast<size_t>(rb));
+        pack_row_fixed<B>(idx + i * d, d, out + i * rb);
+      }
+    });
+  });
+}
+
+void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out,
+                 int nthreads) {
+  const int64_t rb = row_bytes(d, b);
+  with_bits(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    parallel_rows(n, nthreads, [&](int64_t lo, int64_t hi) {
+      for (int64_t i = lo; i < hi; ++i) unpack_row_fixed<B>(packed + i * rb, d, out + i * d);
+    });
+  });
+}
+
+void quantize_pack(const float* y, const float* scale, int64_t n, int64_t d, const float* thr,
+                   int b, uint8_t* out, int nthreads) {
+  const int64_t rb = row_bytes(d, b);
+  with_bits(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    parallel_rows(n, nthreads, [&](int64_t lo, int64_t hi) {
+      std::vector<uint8_t> buf(static_cast<size_t>(d));
+      std::vector<float> vbuf(static_cast<size_t>(d));
+      for (int64_t i = lo; i < hi; ++i) std::memset(out + i * rb, 0, static_cast<size_t>(rb));
+      quantize_rows<B>(y, scale, lo, hi, d, thr, vbuf.data(), buf.data(), out, rb);
+    });
+  });
+}
+
+}  // namespace tqvec

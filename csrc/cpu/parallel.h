@@ -1,0 +1,31 @@
+// Row-parallel loop over [0, n) with plain std::threads (no OpenMP runtime to clash with torch's).
+#pragma once
+#include <algorithm>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace tqvec {
+
+// Rows below this count per thread are not worth a thread start (~20 us).
+constexpr int64_t kMinRowsPerThread = 512;
+
+template <class F>
+void parallel_rows(int64_t n, int nthreads, F&& fn) {
+  int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / kMinRowsPerThread));
+  if (t <= 1) {
+    fn(int64_t{0}, n);
+    return;
+  }
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(t - 1));
+  int64_t chunk = (n + t - 1) / t;
+  for (int64_t i = 1; i < t; ++i) {
+    int64_t lo = i * chunk, hi = std::min(n, lo + chunk);
+    if (lo < hi) pool.emplace_back([&fn, lo, hi] { fn(lo, hi); });
+  }
+  fn(int64_t{0}, std::min(n, chunk));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace tqvec

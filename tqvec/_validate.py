@@ -1,0 +1,102 @@
+"""Every check of user input, done once at the public boundary.
+
+Messages follow ``<param> must be <expected>, got <actual>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+_FLOAT_TORCH = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"torch.Tensor(shape={tuple(x.shape)}, dtype={x.dtype}, device={x.device})"
+    if isinstance(x, np.ndarray):
+        return f"numpy.ndarray(shape={x.shape}, dtype={x.dtype})"
+    return f"{type(x).__name__}"
+
+
+def as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
+    """Return ``(tensor, was_numpy)`` without copying where possible."""
+    if isinstance(x, torch.Tensor):
+        return x, False
+    if isinstance(x, np.ndarray):
+        if x.dtype == np.float64:
+            # float64 is coerced to float32 as faiss does; a copy is unavoidable anyway.
+            x = x.astype(np.float32)
+        if x.dtype.kind == "f" or x.dtype.kind in "biu":
+            if not x.flags.writeable:
+                x = x.copy()
+            return torch.from_numpy(np.ascontiguousarray(x)), True
+        raise TypeError(f"{name} must be a floating array, got {describe(x)}")
+    raise TypeError(f"{name} must be a numpy array or torch tensor, got {describe(x)}")
+
+
+def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = True
+                 ) -> tuple[torch.Tensor, bool]:
+    """Validate an ``(n, d)`` floating matrix of finite values.
+
+    Returns the tensor (dtype float32/float16/bfloat16; float64 becomes float32) and whether
+    the input was numpy.
+    """
+    t, was_numpy = as_tensor(x, name)
+    if t.dtype not in _FLOAT_TORCH:
+        raise TypeError(
+            f"{name} must have dtype float32, float16 or bfloat16, got {t.dtype} "
+            f"(convert integers explicitly, e.g. x.astype(np.float32))")
+    if t.dtype == torch.float64:
+        t = t.to(torch.float32)
+    if t.ndim != 2:
+        hint = " (use x[None, :] for a single vector)" if t.ndim == 1 else ""
+        raise ValueError(f"{name} must be 2-D (n, d), got shape {tuple(t.shape)}{hint}")
+    if dim is not None and t.shape[1] != dim:
+        raise ValueError(f"{name} must have {dim} columns (the codec's dim), got {t.shape[1]}")
+    if t.shape[1] == 0:
+        raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
+    if t.shape[0] == 0 and not allow_empty:
+        raise ValueError(f"{name} must have at least one row, got shape {tuple(t.shape)}")
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        bad = (~torch.isfinite(t)).any(dim=1).nonzero()[:, 0]
+        raise ValueError(
+            f"{name} must be finite, got NaN/Inf in {bad.numel()} row(s), first at row {int(bad[0])}")
+    return t, was_numpy
+
+
+def positive_int(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if v < minimum or (maximum is not None and v > maximum):
+        rng = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
+        raise ValueError(f"{name} must be {rng}, got {v}")
+    return v
+
+
+def choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def seed(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"seed must be an int, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not 0 <= v < 2**63:
+        raise ValueError(f"seed must be in 0..2**63-1, got {v}")
+    return v
+
+
+def uint8_codes(payload: Any, name: str, row_bytes: int) -> torch.Tensor:
+    """Codes are never cast: uint8 or TypeError (as faiss)."""
+    t, _ = as_tensor(payload, name)
+    if t.dtype != torch.uint8:
+        raise TypeError(f"{name} must have dtype uint8, got {t.dtype}")
+    if t.ndim != 2 or t.shape[1] != row_bytes:
+        raise ValueError(f"{name} must have shape (n, {row_bytes}), got {tuple(t.shape)}")
+    return t

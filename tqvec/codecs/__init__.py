@@ -1,0 +1,9 @@
+"""Fit-free codecs: QJL, PolarQuant, TurboQuant (mse / prod)."""
+
+from .base import BLOCK_ROWS, Codec, Codes, codec_from_params, concat_codes
+from .polar import PolarQuant
+from .qjl import QJL, top_channels
+from .turbo import TurboQuant
+
+__all__ = ["Codec", "Codes", "TurboQuant", "QJL", "PolarQuant", "codec_from_params",
+           "concat_codes", "top_channels", "BLOCK_ROWS"]

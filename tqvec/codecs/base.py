@@ -1,0 +1,277 @@
+"""The codec interface and the ``Codes`` container shared by every codec.
+
+A codec is fixed by ``(name, dim, params, seed)``: there is no fit/train step. ``encode`` works
+in blocks of ``BLOCK_ROWS`` rows, so its peak memory is O(n * code_size) plus one block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+
+__all__ = ["Codes", "Codec", "codec_from_params", "register", "concat_codes", "BLOCK_ROWS"]
+
+BLOCK_ROWS = 8192
+_REGISTRY: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def codec_from_params(params: Mapping[str, Any]) -> Codec:
+    """Rebuild a codec from ``Codec.params`` (e.g. read from a file header)."""
+    params = dict(params)
+    name = params.pop("codec", None)
+    if name not in _REGISTRY:
+        raise ValueError(f"codec must be one of {sorted(_REGISTRY)}, got {name!r}")
+    return _REGISTRY[name](**params)
+
+
+@dataclass(frozen=True, eq=False)
+class Codes:
+    """Encoded vectors: packed payload + per-vector scalars + the codec's params.
+
+    payload: (n, payload_bytes) uint8, row-major, LSB-first bit packing (segments per codec).
+    scalars: name -> (n,) or (n, k) float32/float16 tensor (norms, residual norms, radii).
+    params:  the codec's ``params`` dict (JSON-serializable), enough to rebuild the codec.
+    """
+
+    payload: torch.Tensor
+    scalars: Mapping[str, torch.Tensor]
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.payload.dtype != torch.uint8 or self.payload.ndim != 2:
+            raise TypeError(f"payload must be a 2-D uint8 tensor, got {V.describe(self.payload)}")
+        n = self.payload.shape[0]
+        for k, v in self.scalars.items():
+            if v.shape[0] != n:
+                raise ValueError(f"scalars[{k!r}] must have {n} rows, got {tuple(v.shape)}")
+
+    def __len__(self) -> int:
+        return int(self.payload.shape[0])
+
+    @property
+    def dim(self) -> int:
+        return int(self.params["dim"])
+
+    @property
+    def device(self) -> torch.device:
+        return self.payload.device
+
+    @property
+    def code_size(self) -> int:
+        """Bytes stored per vector, side information included."""
+        per = self.payload.shape[1]
+        for v in self.scalars.values():
+            per += v.element_size() * (v[0].numel() if v.ndim > 1 else 1)
+        return int(per)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * self.code_size
+
+    def __getitem__(self, key: int | slice | Sequence[int] | np.ndarray | torch.Tensor) -> Codes:
+        if isinstance(key, (int, np.integer)):
+            n = len(self)
+            if not -n <= int(key) < n:
+                raise IndexError(f"index {int(key)} is out of range for {n} codes")
+            key = slice(int(key) % n, int(key) % n + 1)
+        elif not isinstance(key, slice):
+            key = torch.as_tensor(np.asarray(key) if not isinstance(key, torch.Tensor) else key)
+            if key.dtype == torch.bool:
+                if key.shape != (len(self),):
+                    raise ValueError(f"boolean mask must have shape ({len(self)},), "
+                                     f"got {tuple(key.shape)}")
+            elif key.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
+                                   torch.uint8):
+                raise TypeError(f"index must be int, slice, int array or bool mask, got "
+                                f"{key.dtype}")
+            key = key.to(self.payload.device)
+        return Codes(self.payload[key], {k: v[key] for k, v in self.scalars.items()},
+                     self.params)
+
+    def __iter__(self) -> Iterator[Codes]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def to(self, device: str | torch.device) -> Codes:
+        return Codes(self.payload.to(device), {k: v.to(device) for k, v in self.scalars.items()},
+                     self.params)
+
+    def __repr__(self) -> str:
+        return (f"Codes(n={len(self)}, codec={self.params.get('codec')!r}, dim={self.dim}, "
+                f"code_size={self.code_size} B, device={self.device})")
+
+
+def concat_codes(parts: Sequence[Codes]) -> Codes:
+    """Concatenate codes of the same codec (same params) along the rows."""
+    if not parts:
+        raise ValueError("parts must hold at least one Codes, got an empty sequence")
+    p0 = dict(parts[0].params)
+    for i, c in enumerate(parts):
+        if not isinstance(c, Codes):
+            raise TypeError(f"parts[{i}] must be Codes, got {type(c).__name__}")
+        if dict(c.params) != p0:
+            raise ValueError(f"parts[{i}] was encoded with {dict(c.params)}, expected {p0}")
+    return Codes(torch.cat([c.payload for c in parts]),
+                 {k: torch.cat([c.scalars[k] for c in parts]) for k in parts[0].scalars}, p0)
+
+
+Codes.concat = staticmethod(concat_codes)  # type: ignore[attr-defined]
+
+
+class Codec:
+    """Base class: ``encode`` / ``decode`` / ``score`` with no training.
+
+    Subclasses implement ``_encode_block(x float32 (B, d)) -> (payload, scalars)``,
+    ``_decode_block(codes) -> float32 (B, d)``, ``_prepare_queries(q float32) -> state`` and
+    ``_score_block(state, codes) -> float32 (nq, B)``.
+    """
+
+    name: ClassVar[str] = ""
+    dim: int
+    seed: int
+    backend: str
+
+    # -- to implement -----------------------------------------------------------------------
+    @property
+    def params(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    @property
+    def payload_bytes(self) -> int:
+        raise NotImplementedError
+
+    def _scalar_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (per-vector shape, dtype) of the stored scalars."""
+        raise NotImplementedError
+
+    def _encode_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def _decode_block(self, codes: Codes) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _prepare_queries(self, q: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def _score_block(self, state: Any, codes: Codes) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _fingerprint_arrays(self) -> list[np.ndarray]:
+        """Every materialized random/codebook array that decoding depends on."""
+        raise NotImplementedError
+
+    # -- shared -----------------------------------------------------------------------------
+    @property
+    def code_size(self) -> int:
+        """Bytes stored per vector: packed payload plus per-vector scalars."""
+        per = self.payload_bytes
+        for shape, dtype in self._scalar_layout().values():
+            per += int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        return per
+
+    @property
+    def bits_per_dim(self) -> float:
+        return 8.0 * self.code_size / self.dim
+
+    def fingerprint(self) -> str:
+        """sha256 of every materialized array the codec decodes with (stored in files)."""
+        h = hashlib.sha256(json.dumps(self.params, sort_keys=True).encode())
+        for a in self._fingerprint_arrays():
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items() if k != "codec")
+        return f"{type(self).__name__}({args})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Codec) and self.params == other.params
+
+    def __hash__(self) -> int:
+        return hash(json.dumps(self.params, sort_keys=True))
+
+    def encode(self, x: Any) -> Codes:
+        """Encode ``x``: (n, d) float32 | float16 | bfloat16, numpy or torch -> ``Codes``."""
+        t, _ = V.float_matrix(x, "x", self.dim)
+        n = t.shape[0]
+        payload = torch.empty((n, self.payload_bytes), dtype=torch.uint8, device=t.device)
+        scalars = {k: torch.empty((n, *shape), dtype=dt, device=t.device)
+                   for k, (shape, dt) in self._scalar_layout().items()}
+        for s in range(0, n, BLOCK_ROWS):
+            e = min(n, s + BLOCK_ROWS)
+            p, sc = self._encode_block(t[s:e].to(torch.float32))
+            payload[s:e] = p
+            for k, v in sc.items():
+                scalars[k][s:e] = v
+        return Codes(payload, scalars, self.params)
+
+    def check_codes(self, codes: Any, name: str = "codes") -> Codes:
+        if not isinstance(codes, Codes):
+            raise TypeError(f"{name} must be tqvec.Codes, got {type(codes).__name__}")
+        if dict(codes.params) != self.params:
+            raise ValueError(f"{name} were encoded with {dict(codes.params)}, but this codec is "
+                             f"{self.params}")
+        V.uint8_codes(codes.payload, f"{name}.payload", self.payload_bytes)
+        for k, (shape, _) in self._scalar_layout().items():
+            if k not in codes.scalars or tuple(codes.scalars[k].shape[1:]) != shape:
+                raise ValueError(f"{name}.scalars[{k!r}] must have per-vector shape {shape}")
+        return codes
+
+    def decode(self, codes: Codes, *, like: Any = None) -> Any:
+        """Reconstruct (n, d) float32. Returns numpy if the codes were made from numpy input
+        (``like`` decides when given: a numpy array or a torch tensor), else torch."""
+        codes = self.check_codes(codes)
+        out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
+        for s in range(0, len(codes), BLOCK_ROWS):
+            e = min(len(codes), s + BLOCK_ROWS)
+            out[s:e] = self._decode_block(codes[s:e])
+        return out.cpu().numpy() if isinstance(like, np.ndarray) else out
+
+    def score(self, q: Any, codes: Codes) -> Any:
+        """Asymmetric estimates of <q_i, x_j>: (nq, n) float32; q stays exact (not quantized).
+
+        numpy ``q`` gives a numpy result, a torch ``q`` a torch result.
+        """
+        codes = self.check_codes(codes)
+        qt, was_numpy = V.float_matrix(q, "q", self.dim)
+        qt = qt.to(device=codes.device, dtype=torch.float32)
+        state = self._prepare_queries(qt)
+        out = torch.empty((qt.shape[0], len(codes)), dtype=torch.float32, device=codes.device)
+        for s in range(0, len(codes), BLOCK_ROWS):
+            e = min(len(codes), s + BLOCK_ROWS)
+            out[:, s:e] = self._score_block(state, codes[s:e])
+        return out.cpu().numpy() if was_numpy else out
+
+
+def norms_and_inverse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row norms (float32) and their inverses (0 for a zero row, so it encodes to norm 0)."""
+    nrm = torch.linalg.vector_norm(x, dim=1)
+    if not bool(torch.isfinite(nrm).all()):
+        raise ValueError("x must have rows whose norm fits in float32, got an overflowing norm")
+    inv = torch.where(nrm > 0, 1.0 / torch.where(nrm > 0, nrm, 1.0), torch.zeros_like(nrm))
+    return nrm, inv
+
+
+def store_norm(nrm: torch.Tensor, dtype: torch.dtype, name: str = "norm",
+               option: str = "norm_dtype") -> torch.Tensor:
+    """Cast norms to the storage dtype; float16 raises instead of storing inf."""
+    if dtype == torch.float16 and bool((nrm > 65504.0).any()):
+        raise ValueError(f"{name} must fit in float16 (<= 65504) with {option}='float16', got "
+                         f"{float(nrm.max()):.6g}; use {option}='float32'")
+    return nrm.to(dtype)
+
+
+NORM_DTYPES = {"float32": torch.float32, "float16": torch.float16}

@@ -1,0 +1,163 @@
+"""QJL (Zandieh, Daliri, Han 2024): k -> (sign(S k), ||k||), m sign bits + one norm.
+
+Estimator (QJL paper, Eq. (4)): <q, k> ~ sqrt(pi/2)/m * ||k|| * <S q, sign(S k)>, unbiased for
+Gaussian S and for orthogonalized rows scaled by E[chi_d] (tqvec.random.jl_row_scale).
+
+Outlier channels (QJL paper, Section 4.1): a fixed set O of channels is split off and sketched
+by an independent QJL instance with more bits per coordinate; then
+<q, k> = <q_I, k_I> + <q_O, k_O>, each part estimated with its own matrix and norm. The
+channels are a parameter (the codec stays fit-free); ``top_channels`` picks them from data, e.g.
+from a prefill, as the paper does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from .. import ops
+from ..random import JL_KINDS, jl_matrix
+from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
+from .base import NORM_DTYPES, Codec, Codes, norms_and_inverse, register, store_norm
+
+__all__ = ["QJL", "top_channels"]
+
+
+def top_channels(x: Any, count: int) -> list[int]:
+    """The ``count`` channels of x (n, d) with the largest mean squared magnitude."""
+    t, _ = V.float_matrix(x, "x", allow_empty=False)
+    count = V.positive_int(count, "count", 0, t.shape[1] - 1)
+    energy = (t.float() ** 2).mean(0)
+    return sorted(int(i) for i in torch.topk(energy, count).indices)
+
+
+@register
+class QJL(Codec):
+    """QJL key quantizer.
+
+    Parameters
+    ----------
+    dim: vector dimension d >= 2.
+    sketch_dim: sign bits m per vector for the (inlier) channels (default d).
+    seed: fixes the JL matrices.
+    jl: ``"orthogonal"`` (default; lower variance, QJL paper Section 4) or ``"gaussian"``.
+    outliers: channel indices quantized by a separate QJL instance (default none).
+    outlier_sketch_dim: sign bits for the outlier part (default 8 per outlier channel).
+    norm_dtype: ``"float32"`` or ``"float16"``.
+    """
+
+    name = "qjl"
+
+    def __init__(self, dim: int, sketch_dim: int | None = None, seed: int = 0, *,
+                 jl: str = "orthogonal", outliers: Any = (), outlier_sketch_dim: int | None = None,
+                 norm_dtype: str = "float32", backend: str = "auto"):
+        self.dim = V.positive_int(dim, "dim", minimum=2)
+        self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim") if sketch_dim else self.dim
+        self.seed = V.seed(seed)
+        self.jl = V.choice(jl, "jl", JL_KINDS)
+        self.norm_dtype = V.choice(norm_dtype, "norm_dtype", tuple(NORM_DTYPES))
+        self.backend = V.choice(backend, "backend", ops.BACKENDS)
+        out = sorted({int(i) for i in outliers})
+        if out and (out[0] < 0 or out[-1] >= self.dim):
+            raise ValueError(f"outliers must be channel indices in 0..{self.dim - 1}, got {out}")
+        if len(out) > self.dim - 2:
+            raise ValueError(f"outliers must leave at least 2 inlier channels, got {len(out)} "
+                             f"of {self.dim}")
+        self.outliers = out
+        if out:
+            self.outlier_sketch_dim = (V.positive_int(outlier_sketch_dim, "outlier_sketch_dim")
+                                       if outlier_sketch_dim else 8 * len(out))
+        elif outlier_sketch_dim:
+            raise ValueError("outlier_sketch_dim must be None without outliers, got "
+                             f"{outlier_sketch_dim}")
+        else:
+            self.outlier_sketch_dim = 0
+        inl = np.setdiff1d(np.arange(self.dim), np.asarray(out, dtype=np.int64))
+        arrays = {"S": jl_matrix(self.sketch_dim, len(inl), self.seed, self.jl,
+                                 purpose="qjl").astype(np.float32),
+                  "inliers": inl.astype(np.int64)}
+        if out:
+            arrays["S_out"] = jl_matrix(self.outlier_sketch_dim, len(out), self.seed, self.jl,
+                                        purpose="qjl.outliers").astype(np.float32)
+            arrays["outliers"] = np.asarray(out, dtype=np.int64)
+        self._arr = DeviceCache(**arrays)
+        self._in_bytes = ops.row_bytes(self.sketch_dim, 1)
+        self._out_bytes = ops.row_bytes(self.outlier_sketch_dim, 1) if out else 0
+
+    @property
+    def params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {"codec": self.name, "dim": self.dim, "sketch_dim": self.sketch_dim,
+                             "seed": self.seed, "jl": self.jl, "norm_dtype": self.norm_dtype}
+        if self.outliers:
+            p["outliers"] = list(self.outliers)
+            p["outlier_sketch_dim"] = self.outlier_sketch_dim
+        return p
+
+    @property
+    def payload_bytes(self) -> int:
+        return self._in_bytes + self._out_bytes
+
+    def _scalar_layout(self):
+        dt = NORM_DTYPES[self.norm_dtype]
+        lay = {"norm": ((), dt)}
+        if self.outliers:
+            lay["onorm"] = ((), dt)
+        return lay
+
+    def _fingerprint_arrays(self):
+        return [a.numpy() for a in self._arr._cpu.values()]
+
+    def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.outliers:
+            return x, None
+        return (x[:, self._arr.get("inliers", x.device)],
+                x[:, self._arr.get("outliers", x.device)])
+
+    def _encode_block(self, x: torch.Tensor):
+        dt = NORM_DTYPES[self.norm_dtype]
+        xi, xo = self._split(x)
+        nrm, _ = norms_and_inverse(xi)
+        parts = [sign_pack(xi @ self._arr.get("S", x.device).T, self.backend)]
+        scalars = {"norm": store_norm(nrm, dt)}
+        if xo is not None:
+            onrm, _ = norms_and_inverse(xo)
+            parts.append(sign_pack(xo @ self._arr.get("S_out", x.device).T, self.backend))
+            scalars["onorm"] = store_norm(onrm, dt, "onorm")
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], scalars
+
+    def _parts(self, codes: Codes):
+        """(signs, scaled norms, JL matrix) for the inlier and (if any) outlier sketch."""
+        dev = codes.device
+        yield (signs_pm1(codes.payload[:, : self._in_bytes], self.sketch_dim, self.backend),
+               codes.scalars["norm"].float() * qjl_scale(self.sketch_dim), self._arr.get("S", dev))
+        if self.outliers:
+            yield (signs_pm1(codes.payload[:, self._in_bytes:], self.outlier_sketch_dim,
+                             self.backend),
+                   codes.scalars["onorm"].float() * qjl_scale(self.outlier_sketch_dim),
+                   self._arr.get("S_out", dev))
+
+    def _decode_block(self, codes: Codes) -> torch.Tensor:
+        parts = [(s @ S) * g[:, None] for s, g, S in self._parts(codes)]
+        if not self.outliers:
+            return parts[0]
+        out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
+        out[:, self._arr.get("inliers", codes.device)] = parts[0]
+        out[:, self._arr.get("outliers", codes.device)] = parts[1]
+        return out
+
+    def _prepare_queries(self, q: torch.Tensor):
+        qi, qo = self._split(q)
+        sq = [qi @ self._arr.get("S", q.device).T]
+        if qo is not None:
+            sq.append(qo @ self._arr.get("S_out", q.device).T)
+        return sq
+
+    def _score_block(self, state, codes: Codes) -> torch.Tensor:
+        out = None
+        for sq, (s, g, _) in zip(state, self._parts(codes), strict=True):
+            part = (sq @ s.T) * g[None, :]
+            out = part if out is None else out + part
+        return out

@@ -1,0 +1,194 @@
+"""TurboQuant (Zandieh et al.): random rotation + Lloyd-Max scalar quantization.
+
+``variant="mse"`` (Algorithm 1): x -> (||x||, idx = Q(Pi x / ||x||)), b bits per coordinate;
+decode ||x|| Pi^T c[idx]; E||x - x_hat||^2 / ||x||^2 is the Lloyd-Max cost (Theorem 1).
+
+``variant="prod"`` (Algorithm 2): (b-1)-bit mse codes, then the unit residual
+r = Pi x/||x|| - c[idx] sketched as sign(S r) with m rows (default m = d) and gamma = ||r||; the
+estimate <q, x> ~ ||x|| (<Pi q, c[idx]> + gamma sqrt(pi/2)/m <S Pi q, sign(S r)>) is unbiased
+(Theorem 2). The residual is sketched in the rotated domain: S Pi has the distribution of S
+(S is rotation invariant), so this is the paper's estimator without an inverse rotation.
+
+The pseudocode calls the mse stage "PolarQuant"; it is not the recursive polar transform of the
+PolarQuant paper (that is ``tqvec.PolarQuant``) but the rotation + Lloyd-Max of Algorithm 1.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from .. import ops
+from ..codebooks import sphere_codebook
+from ..random import JL_KINDS, ROTATIONS, jl_matrix, make_rotation
+from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
+from .base import NORM_DTYPES, Codec, Codes, norms_and_inverse, register, store_norm
+
+__all__ = ["TurboQuant"]
+
+
+@register
+class TurboQuant(Codec):
+    """TurboQuant codec.
+
+    Parameters
+    ----------
+    dim: vector dimension d >= 2.
+    bits: bits per coordinate b (1..8). For ``prod``, b-1 go to the mse stage and 1 to QJL.
+    variant: ``"mse"`` (best reconstruction and ranking) or ``"prod"`` (unbiased inner products).
+    seed: fixes the rotation (and the QJL matrix).
+    rotation: ``"hadamard"`` (multi-round randomized Hadamard, O(d log d)) or ``"haar"`` (dense
+        Haar matrix as in the paper, O(d^2)).
+    rounds: Hadamard rounds (default 3).
+    sketch_dim: QJL rows m for ``prod`` (default d).
+    jl: ``"orthogonal"`` (default) or ``"gaussian"`` rows for the QJL matrix.
+    norm_dtype: ``"float32"`` (default) or ``"float16"`` for the stored norms.
+    backend: ``"auto"``, ``"ref"``, ``"cpu"`` or ``"cuda"``.
+    """
+
+    name = "turboquant"
+
+    def __init__(self, dim: int, bits: int = 4, variant: str = "mse", seed: int = 0, *,
+                 rotation: str = "hadamard", rounds: int = 3, sketch_dim: int | None = None,
+                 jl: str = "orthogonal", norm_dtype: str = "float32", backend: str = "auto"):
+        self.dim = V.positive_int(dim, "dim", minimum=2)
+        self.bits = V.positive_int(bits, "bits", 1, 8)
+        self.variant = V.choice(variant, "variant", ("mse", "prod"))
+        self.seed = V.seed(seed)
+        self.rotation = V.choice(rotation, "rotation", ROTATIONS)
+        self.rounds = V.positive_int(rounds, "rounds", 1, 16)
+        self.jl = V.choice(jl, "jl", JL_KINDS)
+        self.norm_dtype = V.choice(norm_dtype, "norm_dtype", tuple(NORM_DTYPES))
+        self.backend = V.choice(backend, "backend", ops.BACKENDS)
+        prod = self.variant == "prod"
+        if sketch_dim is not None and not prod:
+            raise ValueError("sketch_dim must be None for variant='mse' (it sizes the QJL "
+                             f"residual sketch of variant='prod'), got {sketch_dim}")
+        self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim") if sketch_dim else (
+            self.dim if prod else 0)
+        self.mse_bits = self.bits - 1 if prod else self.bits
+        self._rot = make_rotation(self.rotation, self.dim, self.seed,
+                                  self.rounds if self.rotation == "hadamard" else 3)
+        arrays: dict[str, np.ndarray] = {}
+        if self.mse_bits:
+            cb = sphere_codebook(self.dim, self.mse_bits)
+            self.codebook = cb
+            arrays["centroids"] = cb.centroids.astype(np.float32)
+            arrays["thresholds"] = cb.thresholds.astype(np.float32)
+        else:
+            self.codebook = None
+        if prod:
+            arrays["S"] = jl_matrix(self.sketch_dim, self.dim, self.seed, self.jl,
+                                    purpose="turboquant.qjl").astype(np.float32)
+        self._arr = DeviceCache(**arrays)
+        self._mse_bytes = ops.row_bytes(self.dim, self.mse_bits)
+        self._sign_bytes = ops.row_bytes(self.sketch_dim, 1) if prod else 0
+
+    # -- description ------------------------------------------------------------------------
+    @property
+    def params(self) -> dict[str, Any]:
+        p: dict[str, Any] = {"codec": self.name, "dim": self.dim, "bits": self.bits,
+                             "variant": self.variant, "seed": self.seed,
+                             "rotation": self.rotation, "norm_dtype": self.norm_dtype}
+        if self.rotation == "hadamard":
+            p["rounds"] = self.rounds
+        if self.variant == "prod":
+            p["sketch_dim"] = self.sketch_dim
+            p["jl"] = self.jl
+        return p
+
+    @property
+    def payload_bytes(self) -> int:
+        return self._mse_bytes + self._sign_bytes
+
+    def _scalar_layout(self):
+        dt = NORM_DTYPES[self.norm_dtype]
+        lay = {"norm": ((), dt)}
+        if self.variant == "prod" and self.mse_bits:
+            lay["rnorm"] = ((), dt)
+        return lay
+
+    def _fingerprint_arrays(self):
+        out = [np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]
+        for k in ("centroids", "thresholds", "S"):
+            if k in self._arr._cpu:
+                out.append(self._arr._cpu[k].numpy())
+        return out
+
+    @property
+    def expected_mse(self) -> float:
+        """E||x - x_hat||^2 / ||x||^2 of the mse stage (the exact Lloyd-Max cost)."""
+        return self.codebook.mse if self.codebook is not None else 1.0
+
+    # -- encode -----------------------------------------------------------------------------
+    def _encode_block(self, x: torch.Tensor):
+        dev = x.device
+        nrm, inv = norms_and_inverse(x)
+        y = self._rot.apply(x)
+        dt = NORM_DTYPES[self.norm_dtype]
+        scalars = {"norm": store_norm(nrm, dt)}
+        parts = []
+        if self.mse_bits:
+            packed = ops.quantize_pack(y, inv, self._arr.get("thresholds", dev), self.mse_bits,
+                                       self.backend)
+            parts.append(packed)
+        if self.variant == "prod":
+            u = y * inv[:, None]  # the same float32 product the quantizer compared
+            if self.mse_bits:
+                idx = ops.unpack_bits(packed, self.dim, self.mse_bits, self.backend)
+                r = u - self._arr.get("centroids", dev)[idx.long()]
+                scalars["rnorm"] = store_norm(torch.linalg.vector_norm(r, dim=1), dt, "rnorm")
+            else:
+                r = u
+            parts.append(sign_pack(r @ self._arr.get("S", dev).T, self.backend))
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], scalars
+
+    # -- decode / score ---------------------------------------------------------------------
+    def _rotated_unit(self, codes: Codes) -> torch.Tensor:
+        """Reconstruction of Pi x / ||x|| in the rotated domain: (B, d) float32."""
+        dev = codes.device
+        if self.mse_bits:
+            idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
+                                  self.backend)
+            yhat = self._arr.get("centroids", dev)[idx.long()]
+        else:
+            yhat = torch.zeros((len(codes), self.dim), dtype=torch.float32, device=dev)
+        if self.variant == "prod":
+            s = signs_pm1(codes.payload[:, self._mse_bytes:], self.sketch_dim, self.backend)
+            g = self._gamma(codes) * qjl_scale(self.sketch_dim)
+            yhat = yhat + g[:, None] * (s @ self._arr.get("S", dev))
+        return yhat
+
+    def _gamma(self, codes: Codes) -> torch.Tensor:
+        if self.mse_bits:
+            return codes.scalars["rnorm"].float()
+        return torch.ones(len(codes), dtype=torch.float32, device=codes.device)
+
+    def _decode_block(self, codes: Codes) -> torch.Tensor:
+        y = self._rotated_unit(codes) * codes.scalars["norm"].float()[:, None]
+        return self._rot.inverse(y.contiguous())
+
+    def _prepare_queries(self, q: torch.Tensor):
+        qr = self._rot.apply(q)
+        sq = qr @ self._arr.get("S", q.device).T if self.variant == "prod" else None
+        return qr, sq
+
+    def _score_block(self, state, codes: Codes) -> torch.Tensor:
+        qr, sq = state
+        dev = codes.device
+        nrm = codes.scalars["norm"].float()
+        if self.mse_bits:
+            idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
+                                  self.backend)
+            # Centroid values of this block in the rotated domain (never inverse-rotated).
+            s = qr @ self._arr.get("centroids", dev)[idx.long()].T
+        else:
+            s = torch.zeros((qr.shape[0], len(codes)), dtype=torch.float32, device=dev)
+        if self.variant == "prod":
+            signs = signs_pm1(codes.payload[:, self._mse_bytes:], self.sketch_dim, self.backend)
+            g = self._gamma(codes) * qjl_scale(self.sketch_dim)
+            s = s + (sq @ signs.T) * g[None, :]
+        return s * nrm[None, :]

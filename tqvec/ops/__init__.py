@@ -1,0 +1,91 @@
+"""Ops: one meaning (``ref.py``), several implementations, dispatched per call.
+
+CPU tensors go to the compiled kernels when ``tqvec._C`` imported, else to the reference
+(``backend="auto"`` falls back silently, with one logged warning). CUDA tensors use the
+reference in torch until CUDA kernels are loaded. Asking explicitly for a backend that is
+missing raises ``BackendUnavailable``. Inputs are made contiguous here; kernels validate nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch
+
+from ..errors import BackendUnavailable
+from . import cpu as _cpu
+from . import ref as _ref
+from .ref import row_bytes
+
+__all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
+           "hadamard_rotate", "row_bytes"]
+
+BACKENDS = ("auto", "ref", "cpu", "cuda")
+_log = logging.getLogger("tqvec")
+_warned: set[str] = set()
+_lock = threading.Lock()
+
+
+def available_backends() -> tuple[str, ...]:
+    out = ["ref"]
+    if _cpu.available():
+        out.append("cpu")
+    return tuple(out)
+
+
+def _warn_once(key: str, msg: str) -> None:
+    with _lock:
+        if key in _warned:
+            return
+        _warned.add(key)
+    _log.warning(msg)
+
+
+def _pick(name: str, device: torch.device, backend: str) -> Callable:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
+    ref = getattr(_ref, f"{name}_ref")
+    if backend == "ref":
+        return ref
+    if backend == "cuda":
+        raise BackendUnavailable(f"backend 'cuda' is not available for {name}: no CUDA kernels "
+                                 "are loaded in this build")
+    if device.type == "cpu":
+        if _cpu.available():
+            return getattr(_cpu, f"{name}_cpu")
+        if backend == "cpu":
+            raise BackendUnavailable(
+                f"backend 'cpu' needs the compiled module tqvec._C, which failed to import: "
+                f"{_cpu.IMPORT_ERROR}")
+        _warn_once("cpu", f"tqvec._C is not available ({_cpu.IMPORT_ERROR}); using the torch "
+                          "reference ops (slower)")
+        return ref
+    if backend == "cpu":
+        raise BackendUnavailable(f"backend 'cpu' cannot run on a {device.type} tensor")
+    return ref
+
+
+def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
+    """(n, d) uint8 indices < 2^b -> (n, ceil(d*b/8)) uint8 packed codes."""
+    return _pick("pack_bits", idx.device, backend)(idx.contiguous(), b)
+
+
+def unpack_bits(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> torch.Tensor:
+    """(n, ceil(d*b/8)) uint8 -> (n, d) uint8 indices."""
+    return _pick("unpack_bits", packed.device, backend)(packed.contiguous(), d, b)
+
+
+def quantize_pack(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor, b: int,
+                  backend: str = "auto") -> torch.Tensor:
+    """Quantize ``y * scale[:, None]`` (float32) against ``thresholds`` and pack to b bits."""
+    return _pick("quantize_pack", y.device, backend)(
+        y.contiguous(), scale.contiguous(), thresholds.contiguous(), b)
+
+
+def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
+                    inverse: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Multi-round randomized Hadamard rotation of the rows of x (n, d) float32."""
+    return _pick("hadamard_rotate", x.device, backend)(
+        x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)

@@ -1,0 +1,58 @@
+"""Compiled CPU implementations (tqvec._C); same arguments and results as ``ref.py``."""
+
+from __future__ import annotations
+
+import torch
+
+from .ref import row_bytes
+
+try:  # the compiled module is optional: tqvec.ops falls back to the reference without it
+    from .. import _C
+except ImportError as e:  # pragma: no cover - exercised only on broken installs
+    _C = None
+    IMPORT_ERROR: ImportError | None = e
+else:
+    IMPORT_ERROR = None
+
+__all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
+           "hadamard_rotate_cpu"]
+
+
+def available() -> bool:
+    return _C is not None
+
+
+def _threads() -> int:
+    return max(1, torch.get_num_threads())
+
+
+def pack_bits_cpu(idx: torch.Tensor, b: int) -> torch.Tensor:
+    n, d = idx.shape
+    out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
+    if n:
+        _C.pack_bits(idx, b, out, _threads())
+    return out
+
+
+def unpack_bits_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
+    out = torch.empty((packed.shape[0], d), dtype=torch.uint8)
+    if packed.shape[0]:
+        _C.unpack_bits(packed, d, b, out, _threads())
+    return out
+
+
+def quantize_pack_cpu(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor, b: int
+                      ) -> torch.Tensor:
+    n, d = y.shape
+    out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
+    if n:
+        _C.quantize_pack(y, scale, thresholds, b, out, _threads())
+    return out
+
+
+def hadamard_rotate_cpu(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
+                        inverse: bool = False) -> torch.Tensor:
+    out = torch.empty_like(x)
+    if x.shape[0]:
+        _C.hadamard_rotate(x, perms, signs, p, inverse, out, _threads())
+    return out

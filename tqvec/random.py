@@ -1,0 +1,197 @@
+"""Seeded random structures: rotations and JL matrices.
+
+Everything is generated on the CPU with numpy's PCG64 from ``(seed, purpose)``, so the same seed
+gives the same matrix on every device and backend; the result is cached and moved to the device
+on demand. Files record a fingerprint of the materialized arrays (``fingerprint``), so a file can
+never silently decode with a different rotation.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import math
+import zlib
+
+import numpy as np
+import torch
+
+from . import ops
+
+__all__ = [
+    "ROTATIONS",
+    "JL_KINDS",
+    "Rotation",
+    "HaarRotation",
+    "HadamardRotation",
+    "make_rotation",
+    "haar_matrix",
+    "jl_matrix",
+    "jl_row_scale",
+    "generator",
+]
+
+ROTATIONS = ("hadamard", "haar")
+JL_KINDS = ("orthogonal", "gaussian")
+
+
+def generator(seed: int, purpose: str, *extra: int) -> np.random.Generator:
+    """An independent stream for each ``(seed, purpose, *extra)``."""
+    key = (zlib.crc32(purpose.encode()),) + tuple(int(e) for e in extra)
+    return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
+
+
+def haar_matrix(d: int, rng: np.random.Generator) -> np.ndarray:
+    """A Haar-distributed orthogonal (d, d) float64 matrix: QR of a Gaussian with the sign fix
+    (multiplying column j of Q by sign(R_jj) makes the distribution exactly Haar)."""
+    g = rng.standard_normal((d, d))
+    q, r = np.linalg.qr(g)
+    s = np.sign(np.diag(r))
+    s[s == 0] = 1.0
+    return q * s[None, :]
+
+
+def jl_row_scale(d: int) -> float:
+    """Norm given to each row of an orthogonalized JL matrix: E[chi_d] = sqrt(2) G((d+1)/2)/G(d/2).
+
+    With rows s_i = c * u_i (u_i uniform on the sphere), E[|s_i.k|] = c ||k|| E|u_1| and the QJL
+    estimator sqrt(pi/2)/m ||k|| <Sq, sign(Sk)> (QJL paper, Eq. (4)) is unbiased exactly when
+    c = 1 / (sqrt(pi/2) E|u_1|) = E[chi_d], the mean norm of a Gaussian row. Unit rows (the QJL
+    reference code's QR output) are biased by a factor ~1/sqrt(d); sqrt(d) is off by O(1/d).
+    """
+    return math.sqrt(2.0) * math.exp(math.lgamma((d + 1) / 2) - math.lgamma(d / 2))
+
+
+def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl"
+              ) -> np.ndarray:
+    """A JL matrix S (m, d) float64 for which sqrt(pi/2)/m * ||k|| * <Sq, sign(Sk)> is unbiased.
+
+    ``gaussian``: i.i.d. N(0, 1) entries (QJL Definition 3.1). ``orthogonal``: rows of independent
+    Haar blocks (m > d stacks ceil(m/d) blocks, truncating the last), each row scaled by
+    ``jl_row_scale(d)``; orthogonal rows lower the variance (QJL paper, Section 4).
+    """
+    rng = generator(seed, purpose, m, d)
+    if kind == "gaussian":
+        return rng.standard_normal((m, d))
+    if kind != "orthogonal":
+        raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
+    blocks = []
+    rows = 0
+    while rows < m:
+        q = haar_matrix(d, rng)
+        blocks.append(q[: min(d, m - rows)])
+        rows += blocks[-1].shape[0]
+    return np.concatenate(blocks, axis=0) * jl_row_scale(d)
+
+
+def _sha(*arrays: np.ndarray) -> str:
+    h = hashlib.sha256()
+    for a in arrays:
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+class Rotation:
+    """An orthogonal map of R^d fixed by ``(kind, d, seed)``."""
+
+    kind: str
+    d: int
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:  # (n, d) float32 -> (n, d) float32
+        raise NotImplementedError
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def fingerprint(self) -> str:
+        raise NotImplementedError
+
+    def matrix(self) -> torch.Tensor:
+        """The (d, d) float32 matrix M with apply(x) == x @ M.T (up to rounding)."""
+        return self.apply(torch.eye(self.d)).T.contiguous()
+
+
+class HaarRotation(Rotation):
+    """Dense Haar rotation (TurboQuant paper, Algorithm 1): y = Pi x as one float32 GEMM."""
+
+    kind = "haar"
+
+    def __init__(self, d: int, seed: int):
+        self.d = d
+        self.seed = seed
+        self._m64 = haar_matrix(d, generator(seed, "rotation.haar", d))
+        self._m = torch.from_numpy(self._m64.astype(np.float32))
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def _mat(self, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self._m
+        if device not in self._on:
+            self._on[device] = self._m.to(device)
+        return self._on[device]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self._mat(x.device).T
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        return y @ self._mat(y.device)
+
+    def fingerprint(self) -> str:
+        return _sha(self._m.numpy())
+
+    def matrix(self) -> torch.Tensor:
+        return self._m
+
+
+class HadamardRotation(Rotation):
+    """Multi-round randomized Hadamard rotation for any d, O(d log d) per vector.
+
+    p = the largest power of two <= d. Round r: permute by a random permutation, flip random
+    signs, then apply H_p / sqrt(p) to the first p coordinates and, when p < d, to the last p
+    (the two blocks overlap and cover all of R^d). The composition is exactly orthogonal and
+    keeps exactly d coordinates (no padding to 2^k, so codes cost exactly d*b bits). One round of
+    D.H maps e_1 to a vector of equal magnitudes; the default 3 rounds make one-hot, sparse and
+    constant inputs behave like random ones (tests/test_random.py measures it).
+    """
+
+    kind = "hadamard"
+
+    def __init__(self, d: int, seed: int, rounds: int = 3):
+        self.d = d
+        self.seed = seed
+        self.rounds = rounds
+        rng = generator(seed, "rotation.hadamard", d, rounds)
+        self.p = 1 << (d.bit_length() - 1)
+        self.perms = torch.from_numpy(np.stack([rng.permutation(d) for _ in range(rounds)])
+                                      .astype(np.int64))
+        self.signs = torch.from_numpy(
+            (rng.integers(0, 2, size=(rounds, d)) * 2 - 1).astype(np.float32))
+        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _params(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        if device.type == "cpu":
+            return self.perms, self.signs
+        if device not in self._on:
+            self._on[device] = (self.perms.to(device), self.signs.to(device))
+        return self._on[device]
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        perms, signs = self._params(x.device)
+        return ops.hadamard_rotate(x, perms, signs, self.p, inverse=False)
+
+    def inverse(self, y: torch.Tensor) -> torch.Tensor:
+        perms, signs = self._params(y.device)
+        return ops.hadamard_rotate(y, perms, signs, self.p, inverse=True)
+
+    def fingerprint(self) -> str:
+        return _sha(self.perms.numpy(), self.signs.numpy(), np.array([self.p], np.int64))
+
+
+@functools.lru_cache(maxsize=64)
+def make_rotation(kind: str, d: int, seed: int, rounds: int = 3) -> Rotation:
+    """Cached rotation for ``(kind, d, seed, rounds)``; ``rounds`` only applies to hadamard."""
+    if kind == "haar":
+        return HaarRotation(d, seed)
+    if kind == "hadamard":
+        return HadamardRotation(d, seed, rounds)
+    raise ValueError(f"rotation must be one of {list(ROTATIONS)}, got {kind!r}")

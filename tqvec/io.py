@@ -53,7 +53,8 @@ def write_container(path: str | os.PathLike, kind: str, meta: Mapping[str, Any],
             raise TypeError(f"array {k!r} must have one of the dtypes {sorted(_DTYPES)}, "
                             f"got {a.dtype}")
     entries = [{"name": k, "dtype": a.dtype.name, "shape": list(a.shape),
-                "nbytes": int(a.nbytes), "sha256": hashlib.sha256(a.tobytes()).hexdigest()}
+                "nbytes": int(a.nbytes),
+                "sha256": hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest()}
                for k, a in arrs.items()]
     # Offsets depend on the header length, which depends on the offsets' digits: iterate.
     offset_guess = 0
@@ -70,6 +71,10 @@ def write_container(path: str | os.PathLike, kind: str, meta: Mapping[str, Any],
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=".tqvec-", suffix=".tmp", dir=folder)
     try:
+        # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "wb") as f:
             f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header)
             f.write(hashlib.sha256(header).digest())
@@ -156,8 +161,7 @@ def read_container(path: str | os.PathLike, kind: str, *, mmap: bool = False,
             else:
                 f.seek(off)
                 a = np.frombuffer(bytearray(f.read(nbytes)), dtype=dt).reshape(shape)
-            if verify and hashlib.sha256(a.tobytes() if not a.flags.c_contiguous else
-                                         memoryview(a).cast("B")).hexdigest() != sha:
+            if verify and hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest() != sha:
                 raise FormatError(f"{path!r} is corrupted: array {name!r} checksum mismatch")
             arrays[name] = a
     return meta, arrays

@@ -1,0 +1,50 @@
+import importlib.util
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+import tqvec
+
+settings.register_profile("ci", derandomize=True, max_examples=40, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=40, deadline=None)
+settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE",
+                                                                           "ci"))
+
+_NEEDS = {
+    "gpu": (lambda: torch.cuda.is_available(), "no CUDA device"),
+    "nvcc": (lambda: shutil.which("nvcc") is not None, "nvcc not found"),
+    "hf": (lambda: importlib.util.find_spec("transformers") is not None,
+           "transformers not installed"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, (check, why) in _NEEDS.items():
+            if marker in item.keywords and not check():
+                item.add_marker(pytest.mark.skip(reason=why))
+
+
+@pytest.fixture(params=["ref", "cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def backend(request):
+    """Each reference-vs-kernel test is written once and runs on every available backend."""
+    if request.param == "cpu" and "cpu" not in tqvec.available_backends():
+        pytest.skip("tqvec._C not built")
+    if request.param == "cuda":
+        pytest.skip("no CUDA kernels in this build")
+    return request.param
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(12345)
+
+
+def unit_rows(rng, n, d):
+    x = rng.standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)

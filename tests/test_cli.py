@@ -1,0 +1,49 @@
+import json
+
+import numpy as np
+import pytest
+
+import tqvec
+from tqvec.cli import main
+
+
+def test_encode_info_decode(tmp_path, capsys, rng):
+    x = rng.standard_normal((500, 40)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    assert main(["encode", str(tmp_path / "x.npy"), str(tmp_path / "x.tqc"), "--bits", "3",
+                 "--variant", "prod"]) == 0
+    assert "500 vectors x 40" in capsys.readouterr().out
+    assert main(["info", str(tmp_path / "x.tqc")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["params"]["variant"] == "prod" and info["n"] == 500
+    assert main(["decode", str(tmp_path / "x.tqc"), str(tmp_path / "y.npy")]) == 0
+    y = np.load(tmp_path / "y.npy")
+    c = tqvec.TurboQuant(40, 3, "prod")
+    np.testing.assert_array_equal(y, c.decode(c.encode(x), like=x))
+
+
+@pytest.mark.parametrize("codec", ["qjl", "polarquant"])
+def test_encode_other_codecs(tmp_path, codec, rng):
+    np.save(tmp_path / "x.npy", rng.standard_normal((20, 32)).astype(np.float32))
+    assert main(["encode", str(tmp_path / "x.npy"), str(tmp_path / "x.tqc"), "--codec", codec,
+                 "--level-bits", "3,2"]) == 0
+    assert tqvec.load_codes(tmp_path / "x.tqc").params["codec"] == codec
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    np.save(tmp_path / "v.npy", np.ones(5, np.float32))
+    assert main(["encode", str(tmp_path / "v.npy"), str(tmp_path / "o.tqc")]) == 2
+    assert "input must hold a 2-D (n, d) array" in capsys.readouterr().err
+    (tmp_path / "junk.tqc").write_bytes(b"hello")
+    assert main(["decode", str(tmp_path / "junk.tqc"), str(tmp_path / "o.npy")]) == 2
+    assert "not a tqvec file" in capsys.readouterr().err
+
+
+def test_demo_runs_on_the_embedded_dataset(tmp_path, capsys):
+    pytest.importorskip("sklearn")
+    assert main(["demo", "--bits", "2", "--quiet", "--json", str(tmp_path / "d.json")]) == 0
+    out = capsys.readouterr().out
+    assert "TurboQuant mse b=2" in out and "1597 x 64" in out
+    rows = json.loads((tmp_path / "d.json").read_text())["rows"]
+    tq = next(r for r in rows if r["method"] == "TurboQuant mse b=2")
+    assert 0.08 < tq["rel_mse"] < 0.15 and tq["bytes_per_vector"] == 20

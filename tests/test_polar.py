@@ -1,0 +1,54 @@
+import numpy as np
+import pytest
+import torch
+
+import tqvec
+from tests.conftest import unit_rows
+from tqvec.codebooks import polar_expected_mse
+
+
+@pytest.mark.parametrize("level_bits", [(4, 2, 2, 2), (3, 2, 2), (2, 1), (6, 3, 3, 3, 3)])
+def test_measured_mse_matches_codebook_prediction(level_bits, rng):
+    """E||x - x_hat||^2 = 2 (1 - prod_l E cos(psi_l - Q(psi_l))) with independent angles."""
+    x = unit_rows(rng, 20000, 128)
+    c = tqvec.PolarQuant(128, level_bits, seed=0, radius_dtype="float32")
+    xh = c.decode(c.encode(x), like=x)
+    mse = float(((x - xh) ** 2).sum(1).mean())
+    assert mse == pytest.approx(polar_expected_mse(level_bits), rel=0.03)
+    assert mse == pytest.approx(c.expected_mse, rel=0.03)
+
+
+def test_default_bits_per_coordinate_is_3_875():
+    c = tqvec.PolarQuant(128)
+    assert c.code_size == (64 * 4 + 32 * 2 + 16 * 2 + 8 * 2) // 8 + 8 * 2
+    assert c.bits_per_dim == pytest.approx(3.875)
+
+
+def test_float16_radii_cost_almost_nothing(rng):
+    x = unit_rows(rng, 5000, 64)
+    e = {}
+    for dt in ("float16", "float32"):
+        c = tqvec.PolarQuant(64, seed=1, radius_dtype=dt)
+        e[dt] = float(((x - c.decode(c.encode(x), like=x)) ** 2).sum(1).mean())
+    assert e["float16"] == pytest.approx(e["float32"], rel=0.01)
+
+
+def test_polar_score_decode_idempotence_and_backends(backend, rng):
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    q = rng.standard_normal((4, 64)).astype(np.float32)
+    c = tqvec.PolarQuant(64, seed=2, backend=backend)
+    codes = c.encode(x)
+    ref = tqvec.PolarQuant(64, seed=2, backend="ref").encode(x)
+    assert torch.equal(codes.payload, ref.payload)
+    np.testing.assert_allclose(c.score(q, codes), q @ c.decode(codes, like=x).T, rtol=1e-4,
+                               atol=1e-3)
+    assert torch.equal(c.encode(c.decode(codes, like=x)).payload, codes.payload)
+    zero = c.encode(np.zeros((1, 64), np.float32))
+    np.testing.assert_array_equal(c.decode(zero, like=x), 0)
+
+
+def test_polar_rejects_indivisible_dim():
+    with pytest.raises(ValueError, match="divisible by 2\\^4 = 16"):
+        tqvec.PolarQuant(100)
+    with pytest.raises(ValueError, match="level_bits must be"):
+        tqvec.PolarQuant(64, level_bits=())

@@ -37,12 +37,13 @@ def as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {describe(x)}")
 
 
-def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = True
-                 ) -> tuple[torch.Tensor, bool]:
+def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = True,
+                 check_finite: bool = True) -> tuple[torch.Tensor, bool]:
     """Validate an ``(n, d)`` floating matrix of finite values.
 
     Returns the tensor (dtype float32/float16/bfloat16; float64 becomes float32) and whether
-    the input was numpy.
+    the input was numpy. ``check_finite=False`` leaves the NaN/Inf check to the caller, which
+    then calls ``finite_rows`` per block (no n x d temporary).
     """
     t, was_numpy = as_tensor(x, name)
     if t.dtype not in _FLOAT_TORCH:
@@ -60,11 +61,26 @@ def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = 
         raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
     if t.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{name} must have at least one row, got shape {tuple(t.shape)}")
-    if t.numel() and not bool(torch.isfinite(t).all()):
-        bad = (~torch.isfinite(t)).any(dim=1).nonzero()[:, 0]
-        raise ValueError(
-            f"{name} must be finite, got NaN/Inf in {bad.numel()} row(s), first at row {int(bad[0])}")
+    if check_finite and t.numel() and not bool(torch.isfinite(t).all()):
+        raise_nonfinite(t, name)
     return t, was_numpy
+
+
+def raise_nonfinite(t: torch.Tensor, name: str, row_offset: int = 0) -> None:
+    """Raise the ValueError for a block that holds NaN/Inf, or whose row norms overflow."""
+    bad = (~torch.isfinite(t)).any(dim=1).nonzero()[:, 0]
+    if bad.numel():
+        raise ValueError(f"{name} must be finite, got NaN/Inf in {bad.numel()} row(s), first "
+                         f"at row {int(bad[0]) + row_offset}")
+    raise ValueError(f"{name} must have rows whose norm fits in float32, got an overflowing "
+                     "norm")
+
+
+def finite_rows(block: torch.Tensor, norms: torch.Tensor, name: str, row_offset: int) -> None:
+    """Per-block check through the row norms: a NaN/Inf entry makes its row norm NaN/Inf, so
+    checking the (n,) norms is enough and costs nothing extra."""
+    if not bool(torch.isfinite(norms).all()):
+        raise_nonfinite(block, name, row_offset)
 
 
 def positive_int(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:

@@ -108,12 +108,8 @@ def read_container(path: str | os.PathLike, kind: str, *, mmap: bool = False,
     every array's sha256 (reads the whole file once).
     """
     path = os.fspath(path)
-    try:
-        size = os.path.getsize(path)
-        f = open(path, "rb")
-    except OSError as e:
-        raise FormatError(f"cannot open {path!r}: {e}") from e
-    with f:
+    size = os.path.getsize(path)  # a missing file is FileNotFoundError, not a format error
+    with open(path, "rb") as f:
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:
             raise FormatError(f"{path!r} is not a tqvec file (bad magic {head[:8]!r})")

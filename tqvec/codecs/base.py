@@ -134,7 +134,7 @@ Codes.concat = staticmethod(concat_codes)  # type: ignore[attr-defined]
 class Codec:
     """Base class: ``encode`` / ``decode`` / ``score`` with no training.
 
-    Subclasses implement ``_encode_block(x float32 (B, d)) -> (payload, scalars)``,
+    Subclasses implement ``_encode_block(x float32 (B, d), norms (B,)) -> (payload, scalars)``,
     ``_decode_block(codes) -> float32 (B, d)``, ``_prepare_queries(q float32) -> state`` and
     ``_score_block(state, codes) -> float32 (nq, B)``.
     """
@@ -157,7 +157,8 @@ class Codec:
         """name -> (per-vector shape, dtype) of the stored scalars."""
         raise NotImplementedError
 
-    def _encode_block(self, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _encode_block(self, x: torch.Tensor, norms: torch.Tensor
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         raise NotImplementedError
 
     def _decode_block(self, codes: Codes) -> torch.Tensor:
@@ -205,14 +206,17 @@ class Codec:
 
     def encode(self, x: Any) -> Codes:
         """Encode ``x``: (n, d) float32 | float16 | bfloat16, numpy or torch -> ``Codes``."""
-        t, _ = V.float_matrix(x, "x", self.dim)
+        t, _ = V.float_matrix(x, "x", self.dim, check_finite=False)  # checked per block
         n = t.shape[0]
         payload = torch.empty((n, self.payload_bytes), dtype=torch.uint8, device=t.device)
         scalars = {k: torch.empty((n, *shape), dtype=dt, device=t.device)
                    for k, (shape, dt) in self._scalar_layout().items()}
         for s in range(0, n, BLOCK_ROWS):
             e = min(n, s + BLOCK_ROWS)
-            p, sc = self._encode_block(t[s:e].to(torch.float32))
+            block = t[s:e].to(torch.float32)
+            norms = torch.linalg.vector_norm(block, dim=1)
+            V.finite_rows(block, norms, "x", s)
+            p, sc = self._encode_block(block, norms)
             payload[s:e] = p
             for k, v in sc.items():
                 scalars[k][s:e] = v
@@ -256,13 +260,9 @@ class Codec:
         return out.cpu().numpy() if was_numpy else out
 
 
-def norms_and_inverse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row norms (float32) and their inverses (0 for a zero row, so it encodes to norm 0)."""
-    nrm = torch.linalg.vector_norm(x, dim=1)
-    if not bool(torch.isfinite(nrm).all()):
-        raise ValueError("x must have rows whose norm fits in float32, got an overflowing norm")
-    inv = torch.where(nrm > 0, 1.0 / torch.where(nrm > 0, nrm, 1.0), torch.zeros_like(nrm))
-    return nrm, inv
+def inverse_norms(nrm: torch.Tensor) -> torch.Tensor:
+    """1 / norm, and 0 for a zero row (so it encodes to norm 0 and decodes to zeros)."""
+    return torch.where(nrm > 0, 1.0 / torch.where(nrm > 0, nrm, 1.0), torch.zeros_like(nrm))
 
 
 def store_norm(nrm: torch.Tensor, dtype: torch.dtype, name: str = "norm",

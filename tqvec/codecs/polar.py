@@ -99,7 +99,7 @@ class PolarQuant(Codec):
         """Predicted E||x - x_hat||^2 / ||x||^2 from the codebooks (exact radii)."""
         return polar_expected_mse(self.level_bits)
 
-    def _encode_block(self, x: torch.Tensor):
+    def _encode_block(self, x: torch.Tensor, norms: torch.Tensor):
         dev = x.device
         y = self._rot.apply(x)
         parts = []

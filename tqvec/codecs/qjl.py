@@ -21,7 +21,7 @@ from .. import _validate as V
 from .. import ops
 from ..random import JL_KINDS, jl_matrix
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
-from .base import NORM_DTYPES, Codec, Codes, norms_and_inverse, register, store_norm
+from .base import NORM_DTYPES, Codec, Codes, register, store_norm
 
 __all__ = ["QJL", "top_channels"]
 
@@ -116,14 +116,15 @@ class QJL(Codec):
         return (x[:, self._arr.get("inliers", x.device)],
                 x[:, self._arr.get("outliers", x.device)])
 
-    def _encode_block(self, x: torch.Tensor):
+    def _encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
         dt = NORM_DTYPES[self.norm_dtype]
         xi, xo = self._split(x)
-        nrm, _ = norms_and_inverse(xi)
+        if xo is not None:
+            nrm = torch.linalg.vector_norm(xi, dim=1)
         parts = [sign_pack(xi @ self._arr.get("S", x.device).T, self.backend)]
         scalars = {"norm": store_norm(nrm, dt)}
         if xo is not None:
-            onrm, _ = norms_and_inverse(xo)
+            onrm = torch.linalg.vector_norm(xo, dim=1)
             parts.append(sign_pack(xo @ self._arr.get("S_out", x.device).T, self.backend))
             scalars["onorm"] = store_norm(onrm, dt, "onorm")
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], scalars

@@ -25,7 +25,7 @@ from .. import ops
 from ..codebooks import sphere_codebook
 from ..random import JL_KINDS, ROTATIONS, jl_matrix, make_rotation
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
-from .base import NORM_DTYPES, Codec, Codes, norms_and_inverse, register, store_norm
+from .base import NORM_DTYPES, Codec, Codes, inverse_norms, register, store_norm
 
 __all__ = ["TurboQuant"]
 
@@ -124,9 +124,9 @@ class TurboQuant(Codec):
         return self.codebook.mse if self.codebook is not None else 1.0
 
     # -- encode -----------------------------------------------------------------------------
-    def _encode_block(self, x: torch.Tensor):
+    def _encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
         dev = x.device
-        nrm, inv = norms_and_inverse(x)
+        inv = inverse_norms(nrm)
         y = self._rot.apply(x)
         dt = NORM_DTYPES[self.norm_dtype]
         scalars = {"norm": store_norm(nrm, dt)}

@@ -117,7 +117,7 @@ def write_markdown(rows, path, a) -> None:
              "vectors (mean over seeds) and scikit-learn digits (normalized). MSE = "
              "E||x - x_hat||^2 / ||x||^2; IP x d = d * E[(<q,x> - est)^2] for unit q, x.", "",
              "| data | b | codec | bits/coord stored | MSE | MSE bound (upper / lower) | "
-             "IP x d | IP x d bound (upper / lower) | IP bias |", "|---|---|---|---|---|---|---|---|---|"]
+             "IP x d | IP x d bound (upper / lower) | IP bias |", "|---" * 9 + "|"]
     for r in rows:
         lines.append(f"| {r['data']} | {r['bits']} | {r['codec']} | {r['bits_per_coord']:.3f} | "
                      f"{r['rel_mse']:.4f} | {r['mse_upper']:.4f} / {r['mse_lower']:.4f} | "

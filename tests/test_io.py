@@ -123,7 +123,8 @@ def test_golden_v1_file_still_decodes():
     assert meta["params"] == dict(codes.params)
 
 
-def make_golden():  # pragma: no cover - run once by hand: python -c "from tests.test_io import *; make_golden()"
+def make_golden():  # pragma: no cover
+    """Run once by hand: python -c "from tests.test_io import make_golden; make_golden()"."""
     rng = np.random.default_rng(2026)
     x = rng.standard_normal((6, 24)).astype(np.float32)
     c = tqvec.TurboQuant(24, 3, "prod", seed=5)

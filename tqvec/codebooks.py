@@ -114,7 +114,8 @@ def _lloyd_max(dist: _CosPower, init: np.ndarray, vmin: float, vmax: float,
     c = np.sort(np.asarray(init, dtype=np.float64))
     K = len(c)
     it = 0
-    for it in range(1, max_iter + 1):
+    while it < max_iter:
+        it += 1
         edges_v, edges, m0, mu, err = lloyd(c)
         resid = c - mu
         if np.max(np.abs(resid)) < tol:

@@ -20,6 +20,7 @@ from .codecs import (
 )
 from .codecs.storage import load_codes, save_codes
 from .errors import BackendUnavailable, FormatError
+from .index import FlatIndex, index_factory, read_index, write_index
 from .ops import available_backends
 
 __all__ = [
@@ -37,4 +38,8 @@ __all__ = [
     "FormatError",
     "BackendUnavailable",
     "available_backends",
+    "FlatIndex",
+    "index_factory",
+    "read_index",
+    "write_index",
 ]

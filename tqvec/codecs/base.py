@@ -170,6 +170,20 @@ class Codec:
     def _score_block(self, state: Any, codes: Codes) -> torch.Tensor:
         raise NotImplementedError
 
+    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+        """||decode(codes)||^2 per vector (B,); codecs override this with a rotation-free form."""
+        return (self._decode_block(codes) ** 2).sum(1)
+
+    def reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+        """(n,) float32 squared norms of the decoded vectors (what L2 search against the
+        reconstruction needs: ||q - x_hat||^2 = ||q||^2 - 2 <q, x_hat> + ||x_hat||^2)."""
+        codes = self.check_codes(codes)
+        out = torch.empty(len(codes), dtype=torch.float32, device=codes.device)
+        for s in range(0, len(codes), BLOCK_ROWS):
+            e = min(len(codes), s + BLOCK_ROWS)
+            out[s:e] = self._reconstruction_sqnorms(codes[s:e])
+        return out
+
     def _fingerprint_arrays(self) -> list[np.ndarray]:
         """Every materialized random/codebook array that decoding depends on."""
         raise NotImplementedError

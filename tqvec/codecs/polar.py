@@ -128,6 +128,10 @@ class PolarQuant(Codec):
             r = torch.stack((r * torch.cos(psi), r * torch.sin(psi)), dim=2).reshape(len(codes), -1)
         return r
 
+    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+        # Polar reconstruction keeps the stored radii exactly: ||x_hat||^2 = sum of radii^2.
+        return (codes.scalars["radii"].float() ** 2).sum(1)
+
     def _decode_block(self, codes: Codes) -> torch.Tensor:
         return self._rot.inverse(self._rotated(codes).contiguous())
 

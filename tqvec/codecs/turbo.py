@@ -167,6 +167,10 @@ class TurboQuant(Codec):
             return codes.scalars["rnorm"].float()
         return torch.ones(len(codes), dtype=torch.float32, device=codes.device)
 
+    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+        # The rotation is orthogonal: ||x_hat|| = ||x|| * ||y_hat|| in the rotated domain.
+        return (self._rotated_unit(codes) ** 2).sum(1) * codes.scalars["norm"].float() ** 2
+
     def _decode_block(self, codes: Codes) -> torch.Tensor:
         y = self._rotated_unit(codes) * codes.scalars["norm"].float()[:, None]
         return self._rot.inverse(y.contiguous())

@@ -1,0 +1,192 @@
+"""FlatIndex: faiss semantics, checked against faiss's exact index over the decoded vectors."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import tqvec
+from tqvec import FormatError
+from tqvec.index import METRIC_INNER_PRODUCT, METRIC_L2
+
+faiss = pytest.importorskip("faiss")
+FLT_MAX = np.finfo(np.float32).max
+
+
+def _data(rng, n=2000, d=32, nq=25):
+    return rng.standard_normal((n, d)).astype(np.float32), \
+        rng.standard_normal((nq, d)).astype(np.float32)
+
+
+def _same_neighbours(I1, I2, D1, D2, tol):
+    """Tie-aware: where the id lists differ, the distances must agree within tol."""
+    for i in range(len(I1)):
+        if not np.array_equal(I1[i], I2[i]):
+            np.testing.assert_allclose(D1[i], D2[i], rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("spec", ["TQ2", "TQ4", "TQprod3", "Polar", "QJL64"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_search_equals_exact_search_over_reconstructions(spec, metric, rng):
+    xb, xq = _data(rng)
+    index = tqvec.index_factory(32, spec, metric)
+    index.add(xb)
+    D, I = index.search(xq, 10)
+    assert D.dtype == np.float32 and I.dtype == np.int64 and D.shape == I.shape == (25, 10)
+    rec = index.reconstruct_n(0, index.ntotal)
+    q = xq
+    if metric == "cosine":
+        rec = rec / np.linalg.norm(rec, axis=1, keepdims=True)
+        q = xq / np.linalg.norm(xq, axis=1, keepdims=True)
+    ref = faiss.IndexFlatL2(32) if metric == "l2" else faiss.IndexFlatIP(32)
+    ref.add(np.ascontiguousarray(rec))
+    Dr, Ir = ref.search(q, 10)
+    np.testing.assert_allclose(D, Dr, rtol=1e-3, atol=1e-3)
+    _same_neighbours(I, Ir, D, Dr, 1e-3)
+    assert (I == Ir).mean() > 0.97
+
+
+def test_metric_codes_match_faiss():
+    assert METRIC_INNER_PRODUCT == faiss.METRIC_INNER_PRODUCT
+    assert METRIC_L2 == faiss.METRIC_L2
+    idx = tqvec.index_factory(8, "TQ4", faiss.METRIC_L2)
+    assert idx.metric_type == faiss.METRIC_L2 and idx.is_trained and idx.d == 8
+
+
+@pytest.mark.parametrize("metric,pad", [("ip", -FLT_MAX), ("l2", FLT_MAX)])
+def test_k_larger_than_ntotal_pads_like_faiss(metric, pad, rng):
+    xb, xq = _data(rng, n=3, d=8, nq=2)
+    index = tqvec.index_factory(8, "TQ4", metric)
+    index.add(xb)
+    D, I = index.search(xq, 5)
+    assert (I[:, 3:] == -1).all() and (D[:, 3:] == pad).all()
+    assert sorted(I[0, :3]) == [0, 1, 2]
+    empty = tqvec.index_factory(8, "TQ4", metric)
+    D, I = empty.search(xq, 2)
+    assert (I == -1).all() and (D == pad).all()
+
+
+def test_ids_removal_reconstruct_and_filters(rng):
+    xb, xq = _data(rng, n=500, d=16)
+    index = tqvec.index_factory(16, "TQ8", "l2")
+    ids = np.arange(1000, 1500, dtype=np.int64)
+    index.add_with_ids(xb, ids)
+    assert index.ntotal == 500
+    D, I = index.search(xb[:5], 1)
+    np.testing.assert_array_equal(I[:, 0], ids[:5])
+    np.testing.assert_allclose(index.reconstruct(1003), xb[3], atol=0.05)
+    assert index.remove_ids(np.array([1000, 1001, 7])) == 2 and index.ntotal == 498
+    _, I = index.search(xb[:2], 3)
+    assert 1000 not in I and 1001 not in I
+    with pytest.raises(KeyError):
+        index.reconstruct(1000)
+    allowed = ids[100:110]
+    D, I = index.search(xq, 10, allowed_ids=allowed)
+    assert set(I.ravel()) <= set(allowed.tolist()) and (I != -1).all()
+    D, I = index.search(xq, 12, allowed_ids=allowed)
+    assert (I[:, 10:] == -1).all()
+    sel = faiss.IDSelectorBatch(allowed)
+    _, I2 = index.search(xq, 10, params=faiss.SearchParameters(sel=sel))
+    assert set(I2.ravel()) <= set(allowed.tolist())
+    index.add(xb[:3])  # plain add after ids continues after the largest id, like IndexIDMap2
+    assert index.ntotal == 501 and index.search(xb[:1], 1)[1][0, 0] in (1000, 1500)
+    index.reset()
+    assert index.ntotal == 0
+
+
+def test_range_search_matches_search(rng):
+    xb, xq = _data(rng, n=300, d=16, nq=4)
+    for metric, radius in (("l2", 20.0), ("ip", 3.0)):
+        index = tqvec.index_factory(16, "TQ4", metric)
+        index.add(xb)
+        lims, D, I = index.range_search(xq, radius)
+        Dk, Ik = index.search(xq, 300)
+        for i in range(len(xq)):
+            inside = (Dk[i] < radius) if metric == "l2" else (Dk[i] > radius)
+            assert set(I[lims[i]:lims[i + 1]].tolist()) == set(Ik[i][inside].tolist())
+
+
+def test_refinement_improves_recall(rng):
+    xb, xq = _data(rng, n=3000, d=32, nq=50)
+    exact = faiss.IndexFlatL2(32)
+    exact.add(xb)
+    _, It = exact.search(xq, 10)
+
+    def recall(spec):
+        index = tqvec.index_factory(32, spec, "l2", k_factor=8)
+        index.add(xb)
+        _, I = index.search(xq, 10)
+        return np.mean([len(set(I[i]) & set(It[i])) / 10 for i in range(len(xq))])
+
+    assert recall("TQ2,Refine(Flat)") > recall("TQ2") + 0.2
+    assert recall("TQ2,Refine(TQ8)") > recall("TQ2") + 0.2
+    assert tqvec.index_factory(32, "TQ2,Refine(TQ8)").code_size == (8 + 4) + (32 + 4)
+
+
+@pytest.mark.parametrize("spec", ["TQ3", "TQ2,Refine(TQ8)", "QJL64,Refine(Flat)"])
+@pytest.mark.parametrize("mmap", [False, True])
+def test_write_read_round_trip(tmp_path, spec, mmap, rng):
+    xb, xq = _data(rng, n=400)
+    index = tqvec.index_factory(32, spec, "l2")
+    index.add_with_ids(xb, np.arange(400) * 3)
+    tqvec.write_index(index, tmp_path / "i.tqv")
+    back = tqvec.read_index(tmp_path / "i.tqv", mmap=mmap)
+    D1, I1 = index.search(xq, 7)
+    D2, I2 = back.search(xq, 7)
+    np.testing.assert_array_equal(I1, I2)
+    np.testing.assert_array_equal(D1, D2)
+    assert back.ntotal == 400 and back.metric_type == index.metric_type
+
+
+def test_hostile_index_files(tmp_path, rng):
+    index = tqvec.index_factory(32, "TQ3")
+    index.add(_data(rng, n=50)[0])
+    path = tmp_path / "i.tqv"
+    tqvec.write_index(index, path)
+    data = path.read_bytes()
+    for bad in (data[: len(data) // 2], b"junk" + data[4:], data[:-1] + bytes([data[-1] ^ 1])):
+        path.write_bytes(bad)
+        with pytest.raises(FormatError):
+            tqvec.read_index(path)
+    tqvec.save_codes(path, tqvec.TurboQuant(8, 2).encode(np.ones((2, 8), np.float32)))
+    with pytest.raises(FormatError, match="holds a 'codes', expected 'index'"):
+        tqvec.read_index(path)
+
+
+def test_concurrent_searches_agree(rng):
+    xb, xq = _data(rng, n=3000)
+    index = tqvec.index_factory(32, "TQ4", "ip")
+    index.add(xb)
+    want = index.search(xq, 5)
+    out = [None] * 4
+
+    def run(i):
+        out[i] = index.search(xq, 5)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for D, I in out:
+        np.testing.assert_array_equal(I, want[1])
+
+
+def test_torch_inputs_and_single_query(rng):
+    xb, _ = _data(rng, n=100)
+    index = tqvec.index_factory(32, "TQ4")
+    index.add(torch.from_numpy(xb).to(torch.bfloat16))
+    D, I = index.search(torch.from_numpy(xb[:1]), 3)
+    assert I.shape == (1, 3) and I[0, 0] == 0
+
+
+@pytest.mark.parametrize("spec,msg", [("PQ8", "index spec component must be one of"),
+                                      ("IVF64,TQ4", "IVF indexes are not implemented"),
+                                      ("Flat", "Flat is only a refinement"),
+                                      ("TQ4,Refine(TQ8", "spec must look like")])
+def test_bad_factory_strings(spec, msg):
+    with pytest.raises(ValueError, match=msg):
+        tqvec.index_factory(32, spec)
+    with pytest.raises(ValueError, match="metric must be one of"):
+        tqvec.index_factory(32, "TQ4", "hamming")

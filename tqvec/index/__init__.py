@@ -1,0 +1,8 @@
+"""Search indexes over tqvec codes (faiss-compatible surface)."""
+
+from .factory import index_factory
+from .flat import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, FlatIndex
+from .io import read_index, write_index
+
+__all__ = ["FlatIndex", "index_factory", "read_index", "write_index", "METRIC_INNER_PRODUCT",
+           "METRIC_L2", "METRIC_COSINE"]

@@ -1,0 +1,66 @@
+"""``index_factory(d, spec, metric)``: build an index from a faiss-style string.
+
+Grammar: ``CODE[,Refine(CODE|Flat)]`` where CODE is one of
+
+==================  =======================================================  =================
+spec                codec                                                    bytes / vector
+==================  =======================================================  =================
+``TQ{b}``           TurboQuant mse, b = 1..8 bits/coordinate                 ceil(b d / 8) + 4
+``TQprod{b}``       TurboQuant prod, b-1 mse bits + 1 QJL bit/coordinate     ceil((b-1) d/8) + ceil(d/8) + 8
+``QJL{m}``          QJL with m sign bits                                     ceil(m / 8) + 4
+``Polar``           PolarQuant, level bits (4, 2, 2, 2)                      3.875 d / 8
+``Polar{b1}-{b2}..``PolarQuant with the given level bits                     see PolarQuant
+``Flat``            (refinement only) exact float32 vectors                  4 d
+==================  =======================================================  =================
+
+``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..codecs import QJL, PolarQuant, TurboQuant
+from ..codecs.base import Codec
+from .flat import FlatIndex
+
+__all__ = ["index_factory", "parse_codec"]
+
+_REFINE = re.compile(r"^(?P<base>[^,]+)(,Refine\((?P<ref>[^)]+)\))?$")
+
+
+def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
+    s = spec.strip()
+    if m := re.fullmatch(r"TQ(\d)", s):
+        return TurboQuant(d, int(m[1]), seed=seed)
+    if m := re.fullmatch(r"TQprod(\d)", s):
+        return TurboQuant(d, int(m[1]), "prod", seed=seed)
+    if m := re.fullmatch(r"QJL(\d+)", s):
+        return QJL(d, int(m[1]), seed)
+    if s == "Polar":
+        return PolarQuant(d, seed=seed)
+    if m := re.fullmatch(r"Polar(\d(?:-\d)*)", s):
+        return PolarQuant(d, tuple(int(b) for b in m[1].split("-")), seed)
+    if s == "Flat":
+        return "flat"
+    raise ValueError(f"index spec component must be one of TQ{{b}}, TQprod{{b}}, QJL{{m}}, Polar, "
+                     f"Polar{{b1}}-{{b2}}..., Flat, got {spec!r}")
+
+
+def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
+                  k_factor: int = 4) -> FlatIndex:
+    """Build an index from a factory string (see the module docstring)."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a str, got {type(spec).__name__}")
+    if spec.strip().startswith("IVF"):
+        raise ValueError(f"IVF indexes are not implemented yet, got {spec!r}")
+    m = _REFINE.fullmatch(spec.replace(" ", ""))
+    if not m:
+        raise ValueError(f"spec must look like 'TQ4' or 'TQ2,Refine(TQ8)', got {spec!r}")
+    base = parse_codec(d, m["base"], seed)
+    if base == "flat":
+        raise ValueError("spec must start with a codec (Flat is only a refinement), got "
+                         f"{spec!r}")
+    ref = parse_codec(d, m["ref"], seed + 1) if m["ref"] else None
+    return FlatIndex(base, metric, refine=ref, k_factor=k_factor)

@@ -1,0 +1,334 @@
+"""Flat (exhaustive) search over tqvec codes, with faiss's interface and semantics.
+
+``search(x, k) -> (D, I)``: D float32 (nq, k), I int64 (nq, k), best first; missing results are
+I = -1 with D = -FLT_MAX (inner product, cosine) or +FLT_MAX (L2), exactly as faiss pads.
+Distances by metric (the estimator matters more than the code, see issue #6 lesson (a)):
+
+* ``ip``: the codec's asymmetric estimate of <q, x> (query exact, never quantized);
+* ``l2``: the squared distance to the reconstruction, ||q||^2 - 2 <q, x_hat> + ||x_hat||^2,
+  with ||x_hat||^2 cached at add time (ranking by ||x||^2 - 2 est<q,x> with the true norm
+  collapses recall, because the MSE reconstruction shrinks inner products);
+* ``cosine``: <q, x_hat> / (||q|| ||x_hat||), the cosine to the reconstruction, which also
+  undoes the per-vector shrinkage of the MSE reconstruction.
+
+Search scores blocks of codes against blocks of queries (the codec's ``score``) and keeps a
+running top-k, so memory stays bounded for any n and nq. Searches do not mutate the index, so
+concurrent ``search`` calls are safe; ``add``/``remove_ids`` must not run concurrently with them.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from ..codecs.base import Codec, Codes
+
+__all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code"]
+
+# faiss's integer codes for its metrics (faiss.METRIC_INNER_PRODUCT = 0, faiss.METRIC_L2 = 1);
+# cosine has no faiss code: it is faiss's inner product on normalized vectors.
+METRIC_INNER_PRODUCT = 0
+METRIC_L2 = 1
+METRIC_COSINE = 100
+_METRICS = {"ip": METRIC_INNER_PRODUCT, "inner_product": METRIC_INNER_PRODUCT,
+            "l2": METRIC_L2, "euclidean": METRIC_L2, "cosine": METRIC_COSINE,
+            "angular": METRIC_COSINE}
+_FLT_MAX = float(np.finfo(np.float32).max)
+_QUERY_BLOCK = 1024
+_CODE_BLOCK = 16384
+
+
+def metric_code(metric: Any) -> int:
+    """'ip' | 'l2' | 'cosine' (or faiss's integer metric) -> the integer code."""
+    if isinstance(metric, (int, np.integer)) and not isinstance(metric, bool):
+        if int(metric) in (METRIC_INNER_PRODUCT, METRIC_L2, METRIC_COSINE):
+            return int(metric)
+    elif isinstance(metric, str) and metric.lower() in _METRICS:
+        return _METRICS[metric.lower()]
+    raise ValueError(f"metric must be one of ['ip', 'l2', 'cosine'] or faiss.METRIC_INNER_PRODUCT"
+                     f"/METRIC_L2, got {metric!r}")
+
+
+def metric_name(code: int) -> str:
+    return {METRIC_INNER_PRODUCT: "ip", METRIC_L2: "l2", METRIC_COSINE: "cosine"}[code]
+
+
+class FlatIndex:
+    """Exhaustive search over codes of one codec, optionally re-ranked by a finer refinement.
+
+    Parameters
+    ----------
+    codec: any tqvec codec (``TurboQuant``, ``QJL``, ``PolarQuant``).
+    metric: ``"ip"``, ``"l2"``, ``"cosine"`` or faiss's METRIC_INNER_PRODUCT / METRIC_L2.
+    refine: ``None``, another codec (finer codes) or ``"flat"`` (exact float32 vectors); search
+        then takes ``k_factor * k`` candidates from the codes and re-ranks them with the refinement.
+    k_factor: candidates per result for refinement (default 4, faiss's default is 1).
+    """
+
+    def __init__(self, codec: Codec, metric: Any = "ip", *, refine: Codec | str | None = None,
+                 k_factor: int = 4):
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
+        self.codec = codec
+        self.d = codec.dim
+        self.metric_type = metric_code(metric)
+        if refine is not None and not (refine == "flat" or isinstance(refine, Codec)):
+            raise ValueError(f"refine must be None, 'flat' or a tqvec codec, got {refine!r}")
+        if isinstance(refine, Codec) and refine.dim != self.d:
+            raise ValueError(f"refine codec must have dim {self.d}, got {refine.dim}")
+        self.refine = refine
+        self.k_factor = V.positive_int(k_factor, "k_factor")
+        self.is_trained = True  # data-oblivious: nothing to train
+        self._lock = threading.Lock()
+        self.reset()
+
+    # -- faiss surface ------------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return self._n
+
+    @property
+    def code_size(self) -> int:
+        """Bytes stored per vector (codes + side information + refinement)."""
+        extra = 0
+        if self.refine == "flat":
+            extra = 4 * self.d
+        elif isinstance(self.refine, Codec):
+            extra = self.refine.code_size
+        return self.codec.code_size + extra
+
+    def train(self, x: Any) -> None:
+        """No-op (data-oblivious); kept for faiss compatibility."""
+        V.float_matrix(x, "x", self.d)
+
+    def reset(self) -> None:
+        self._n = 0
+        self._next_id = 0
+        self._codes: Codes | None = None
+        self._ref: Codes | torch.Tensor | None = None
+        self._sqnorms = torch.empty(0, dtype=torch.float32)  # ||x_hat||^2 (l2 / cosine)
+        self._ids = torch.empty(0, dtype=torch.int64)
+        self._pos: dict[int, int] | None = None
+
+    def add(self, x: Any) -> None:
+        """Add vectors with ids ntotal, ntotal+1, ... (faiss's flat-index convention)."""
+        t, _ = V.float_matrix(x, "x", self.d)
+        start = self._next_id
+        self._append(t, torch.arange(start, start + t.shape[0], dtype=torch.int64))
+
+    def add_with_ids(self, x: Any, ids: Any) -> None:
+        t, _ = V.float_matrix(x, "x", self.d)
+        idt, _ = V.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids,
+                             "ids")
+        if idt.dtype not in (torch.int64, torch.int32) or idt.shape != (t.shape[0],):
+            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got "
+                             f"{V.describe(idt)}")
+        self._append(t, idt.to(torch.int64).cpu())
+
+    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+        if t.shape[0] == 0:
+            return
+        codes = self.codec.encode(t)
+        ref = None
+        if self.refine == "flat":
+            ref = t.to(torch.float32).cpu().clone()
+        elif isinstance(self.refine, Codec):
+            ref = self.refine.encode(t)
+        sq = self._sqnorms_of(self.codec, codes)
+        with self._lock:
+            from ..codecs.base import concat_codes
+
+            self._codes = codes if self._codes is None else concat_codes([self._codes, codes])
+            if ref is not None:
+                if self._ref is None:
+                    self._ref = ref
+                elif isinstance(ref, Codes):
+                    self._ref = concat_codes([self._ref, ref])
+                else:
+                    self._ref = torch.cat([self._ref, ref])
+            self._sqnorms = torch.cat([self._sqnorms, sq])
+            self._ids = torch.cat([self._ids, ids])
+            self._n += t.shape[0]
+            self._next_id = max(self._next_id, int(ids.max()) + 1)
+            self._pos = None
+
+    def _sqnorms_of(self, codec: Codec, codes: Codes) -> torch.Tensor:
+        if self.metric_type == METRIC_INNER_PRODUCT:
+            return torch.empty(0, dtype=torch.float32)
+        return codec.reconstruction_sqnorms(codes).cpu()
+
+    def remove_ids(self, ids: Any) -> int:
+        """Remove the given ids; returns how many were removed (faiss semantics)."""
+        sel = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1))
+        with self._lock:
+            if self._n == 0 or sel.numel() == 0:
+                return 0
+            keep = ~torch.isin(self._ids, sel)
+            removed = int((~keep).sum())
+            if removed:
+                self._codes = self._codes[keep]
+                if isinstance(self._ref, Codes):
+                    self._ref = self._ref[keep]
+                elif self._ref is not None:
+                    self._ref = self._ref[keep]
+                if self._sqnorms.numel():
+                    self._sqnorms = self._sqnorms[keep]
+                self._ids = self._ids[keep]
+                self._n -= removed
+                self._pos = None
+            return removed
+
+    def _position(self, key: int) -> int:
+        if self._pos is None:
+            self._pos = {int(i): p for p, i in enumerate(self._ids.tolist())}
+        if int(key) not in self._pos:
+            raise KeyError(f"id {int(key)} is not in the index")
+        return self._pos[int(key)]
+
+    def reconstruct(self, key: int) -> np.ndarray:
+        """Decode the vector with id ``key`` -> (d,) float32."""
+        p = self._position(key)
+        return self.codec.decode(self._codes[p], like=np.empty(0))[0]
+
+    def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
+        """Decode the vectors at positions i0 .. i0+n-1 -> (n, d) float32."""
+        if not 0 <= i0 <= i0 + n <= self._n:
+            raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
+        return self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0))
+
+    # -- search -------------------------------------------------------------------------------
+    def _scores(self, codec: Codec, q: torch.Tensor, codes: Codes, sqn: torch.Tensor
+                ) -> torch.Tensor:
+        """(nq, B) similarities (larger is better; for L2 the negated squared distance)."""
+        s = codec.score(q, codes)
+        if self.metric_type == METRIC_L2:
+            return 2 * s - sqn[None, :] - (q * q).sum(1, keepdim=True)
+        if self.metric_type == METRIC_COSINE:
+            return s / torch.sqrt(sqn.clamp_min(1e-30))[None, :]
+        return s
+
+    def _prepare(self, x: Any) -> tuple[torch.Tensor, bool]:
+        q, was_numpy = V.float_matrix(x, "x", self.d)
+        q = q.to(torch.float32)
+        if self.metric_type == METRIC_COSINE:
+            q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
+        return q, was_numpy
+
+    def _allowed_mask(self, allowed_ids: Any) -> torch.Tensor | None:
+        if allowed_ids is None:
+            return None
+        sel = torch.as_tensor(np.asarray(allowed_ids, dtype=np.int64).reshape(-1))
+        return torch.isin(self._ids, sel)
+
+    def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
+               params: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """k nearest neighbours of each row of x: ``(D, I)`` as faiss returns them.
+
+        ``allowed_ids`` restricts the search to those ids and still returns k results when k of
+        them exist (faiss's ``SearchParameters(sel=...)`` idea). ``params`` may be a faiss
+        ``SearchParameters`` whose ``sel`` is an ``IDSelectorBatch``/``IDSelectorArray``-like
+        object with ``is_member``; prefer ``allowed_ids``.
+        """
+        k = V.positive_int(k, "k")
+        q, was_numpy = self._prepare(x)
+        if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
+            sel = params.sel
+            allowed_ids = [int(i) for i in self._ids.tolist() if sel.is_member(int(i))]
+        nq = q.shape[0]
+        D = np.full((nq, k), -_FLT_MAX if self.metric_type != METRIC_L2 else _FLT_MAX,
+                    dtype=np.float32)
+        I = np.full((nq, k), -1, dtype=np.int64)  # noqa: E741 (faiss's name)
+        with self._lock:  # a consistent snapshot; searching itself needs no lock
+            codes, ids, sqn, ref, n = self._codes, self._ids, self._sqnorms, self._ref, self._n
+        if n == 0 or nq == 0:
+            return D, I
+        mask = self._allowed_mask(allowed_ids)
+        kk = min(n, k * self.k_factor if ref is not None else k)
+        for qs in range(0, nq, _QUERY_BLOCK):
+            qe = min(nq, qs + _QUERY_BLOCK)
+            qb = q[qs:qe]
+            best_s = torch.full((qe - qs, 0), 0.0)
+            best_p = torch.empty((qe - qs, 0), dtype=torch.int64)
+            for cs in range(0, n, _CODE_BLOCK):
+                ce = min(n, cs + _CODE_BLOCK)
+                s = self._scores(self.codec, qb, codes[cs:ce],
+                                 sqn[cs:ce] if sqn.numel() else sqn)
+                if mask is not None:
+                    s = s.masked_fill(~mask[cs:ce][None, :], -float("inf"))
+                s = torch.cat([best_s, s], dim=1)
+                p = torch.cat([best_p, torch.arange(cs, ce).expand(qe - qs, -1)], dim=1)
+                top = torch.topk(s, min(kk, s.shape[1]), dim=1)
+                best_s, best_p = top.values, torch.gather(p, 1, top.indices)
+            if ref is not None:
+                best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
+            valid = torch.isfinite(best_s)
+            m = best_s.shape[1]
+            vals = best_s.numpy()
+            if self.metric_type == METRIC_L2:
+                vals = -vals
+            D[qs:qe, :m] = np.where(valid.numpy(), vals, D[qs:qe, :m])
+            I[qs:qe, :m] = np.where(valid.numpy(), ids[best_p].numpy(), -1)
+        return D, I
+
+    def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, ref: Any, k: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Re-score the candidates p (nq, kk) with the refinement and keep the best k."""
+        nq, kk = p.shape
+        flat = p.reshape(-1)
+        if isinstance(ref, Codes):
+            cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)
+        else:
+            cand = ref[flat].reshape(nq, kk, self.d)
+        ip = torch.einsum("qd,qkd->qk", q, cand)
+        if self.metric_type == METRIC_L2:
+            new = 2 * ip - (cand * cand).sum(-1) - (q * q).sum(1, keepdim=True)
+        elif self.metric_type == METRIC_COSINE:
+            new = ip / torch.linalg.vector_norm(cand, dim=-1).clamp_min(1e-30)
+        else:
+            new = ip
+        new = torch.where(torch.isfinite(s), new, torch.full_like(new, -float("inf")))
+        top = torch.topk(new, min(k, kk), dim=1)
+        return top.values, torch.gather(p, 1, top.indices)
+
+    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All results within ``radius``: L2 distance < radius, or similarity > radius.
+
+        Returns faiss's ``(lims, D, I)``: results of query i are D[lims[i]:lims[i+1]].
+        """
+        q, _ = self._prepare(x)
+        with self._lock:
+            codes, ids, sqn, n = self._codes, self._ids, self._sqnorms, self._n
+        lims = np.zeros(q.shape[0] + 1, dtype=np.int64)
+        Ds: list[np.ndarray] = []
+        Is: list[np.ndarray] = []
+        per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(q.shape[0])]
+        for cs in range(0, n, _CODE_BLOCK):
+            ce = min(n, cs + _CODE_BLOCK)
+            s = self._scores(self.codec, q, codes[cs:ce], sqn[cs:ce] if sqn.numel() else sqn)
+            if self.metric_type == METRIC_L2:
+                s = -s
+                hit = s < radius
+            else:
+                hit = s > radius
+            for i in range(q.shape[0]):
+                sel = hit[i].nonzero()[:, 0]
+                if sel.numel():
+                    per_query[i].append((s[i, sel].numpy(), ids[cs:ce][sel].numpy()))
+        for i, parts in enumerate(per_query):
+            for dd, ii in parts:
+                Ds.append(dd.astype(np.float32))
+                Is.append(ii)
+            lims[i + 1] = lims[i] + sum(len(dd) for dd, _ in parts)
+        D = np.concatenate(Ds) if Ds else np.zeros(0, np.float32)
+        I = np.concatenate(Is) if Is else np.zeros(0, np.int64)  # noqa: E741
+        return lims, D, I
+
+    def __repr__(self) -> str:
+        ref = f", refine={self.refine!r}" if self.refine is not None else ""
+        return (f"FlatIndex({self.codec!r}, metric={metric_name(self.metric_type)!r}{ref}, "
+                f"ntotal={self._n})")

@@ -169,7 +169,7 @@ def test_concurrent_searches_agree(rng):
         t.start()
     for t in threads:
         t.join()
-    for D, I in out:
+    for _, I in out:
         np.testing.assert_array_equal(I, want[1])
 
 

@@ -2,16 +2,16 @@
 
 Grammar: ``CODE[,Refine(CODE|Flat)]`` where CODE is one of
 
-==================  =======================================================  =================
+==================  =======================================================  ==================
 spec                codec                                                    bytes / vector
-==================  =======================================================  =================
+==================  =======================================================  ==================
 ``TQ{b}``           TurboQuant mse, b = 1..8 bits/coordinate                 ceil(b d / 8) + 4
-``TQprod{b}``       TurboQuant prod, b-1 mse bits + 1 QJL bit/coordinate     ceil((b-1) d/8) + ceil(d/8) + 8
+``TQprod{b}``       TurboQuant prod, b-1 mse bits + 1 QJL bit/coordinate     ceil((b-1)d/8)+d/8+8
 ``QJL{m}``          QJL with m sign bits                                     ceil(m / 8) + 4
 ``Polar``           PolarQuant, level bits (4, 2, 2, 2)                      3.875 d / 8
 ``Polar{b1}-{b2}..``PolarQuant with the given level bits                     see PolarQuant
 ``Flat``            (refinement only) exact float32 vectors                  4 d
-==================  =======================================================  =================
+==================  =======================================================  ==================
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes.
 """

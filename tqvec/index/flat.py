@@ -242,7 +242,7 @@ class FlatIndex:
         nq = q.shape[0]
         D = np.full((nq, k), -_FLT_MAX if self.metric_type != METRIC_L2 else _FLT_MAX,
                     dtype=np.float32)
-        I = np.full((nq, k), -1, dtype=np.int64)  # noqa: E741 (faiss's name)
+        I = np.full((nq, k), -1, dtype=np.int64)
         with self._lock:  # a consistent snapshot; searching itself needs no lock
             codes, ids, sqn, ref, n = self._codes, self._ids, self._sqnorms, self._ref, self._n
         if n == 0 or nq == 0:
@@ -325,7 +325,7 @@ class FlatIndex:
                 Is.append(ii)
             lims[i + 1] = lims[i] + sum(len(dd) for dd, _ in parts)
         D = np.concatenate(Ds) if Ds else np.zeros(0, np.float32)
-        I = np.concatenate(Is) if Is else np.zeros(0, np.int64)  # noqa: E741
+        I = np.concatenate(Is) if Is else np.zeros(0, np.int64)
         return lims, D, I
 
     def __repr__(self) -> str:

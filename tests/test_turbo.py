@@ -189,3 +189,28 @@ def test_codes_slicing_and_concat(rng):
     np.testing.assert_array_equal(c.decode(codes[[4, 2]], like=x), c.decode(codes, like=x)[[4, 2]])
     with pytest.raises(ValueError, match="encoded with"):
         tqvec.concat_codes([codes, tqvec.TurboQuant(32, 3).encode(x)])
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_unbiased_scale_makes_projection_exact_and_keeps_bytes(b, rng):
+    """EDEN's scale: <x_hat, x> = ||x||^2 for every vector; MSE ~ D / (1 - D); +2 bytes."""
+    d = 128
+    x = rng.standard_normal((3000, d)).astype(np.float32) * 3
+    c = tqvec.TurboQuant(d, b, seed=0, scale="unbiased")
+    assert c.code_size == tqvec.TurboQuant(d, b).code_size + 2
+    xh = c.decode(c.encode(x), like=x)
+    np.testing.assert_allclose((xh * x).sum(1), (x * x).sum(1), rtol=2e-3)  # float16 corr
+    D = sphere_codebook(d, b).mse
+    rel = ((x - xh) ** 2).sum(1) / (x**2).sum(1)
+    assert rel.mean() == pytest.approx(D / (1 - D), rel=0.05)
+    # Inner products with correlated queries are no longer shrunk by (1 - D).
+    q = x + 0.3 * rng.standard_normal(x.shape).astype(np.float32)
+    ratio = np.diag(c.score(q[:500], c.encode(x[:500]))) / (q[:500] * x[:500]).sum(1)
+    assert ratio.mean() == pytest.approx(1.0, abs=0.02)
+
+
+def test_unbiased_scale_is_mse_only():
+    with pytest.raises(ValueError, match="scale must be 'norm' for variant='prod'"):
+        tqvec.TurboQuant(16, 3, "prod", scale="unbiased")
+    with pytest.raises(ValueError, match="scale must be one of"):
+        tqvec.TurboQuant(16, 3, scale="mse")

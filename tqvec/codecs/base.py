@@ -170,6 +170,14 @@ class Codec:
     def _score_block(self, state: Any, codes: Codes) -> torch.Tensor:
         raise NotImplementedError
 
+    #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
+    #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).
+    unbiased_ip: bool = False
+
+    def true_sqnorms(self, codes: Codes) -> torch.Tensor:
+        """(n,) stored ||x||^2 (exact up to the norm dtype), for codecs that store the norm."""
+        raise NotImplementedError(f"{type(self).__name__} does not store the true norm")
+
     def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
         """||decode(codes)||^2 per vector (B,); codecs override this with a rotation-free form."""
         return (self._decode_block(codes) ** 2).sum(1)

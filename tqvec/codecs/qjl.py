@@ -110,6 +110,14 @@ class QJL(Codec):
     def _fingerprint_arrays(self):
         return [a.numpy() for a in self._arr._cpu.values()]
 
+    unbiased_ip = True
+
+    def true_sqnorms(self, codes: Codes) -> torch.Tensor:
+        sq = codes.scalars["norm"].float() ** 2
+        if self.outliers:
+            sq = sq + codes.scalars["onorm"].float() ** 2
+        return sq
+
     def _split(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.outliers:
             return x, None

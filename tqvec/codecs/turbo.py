@@ -46,6 +46,12 @@ class TurboQuant(Codec):
     sketch_dim: QJL rows m for ``prod`` (default d).
     jl: ``"orthogonal"`` (default) or ``"gaussian"`` rows for the QJL matrix.
     norm_dtype: ``"float32"`` (default) or ``"float16"`` for the stored norms.
+    scale: ``"norm"`` (default, the paper: store ||x||, decode ||x|| Pi^T c[idx]) or
+        ``"unbiased"`` (mse only; EDEN's scale ||x|| / <u, c[idx]> with u = Pi x / ||x||, so
+        that <x_hat, x> = ||x||^2 exactly). The unbiased scale stores the correction
+        <u, c[idx]> as float16 beside the norm (+2 bytes): the norm itself is still needed to
+        pair the unbiased inner product with ||x||^2 in L2 and cosine search. It removes the
+        per-vector shrinkage of inner products, at a slightly higher MSE (~D / (1 - D)).
     backend: ``"auto"``, ``"ref"``, ``"cpu"`` or ``"cuda"``.
     """
 
@@ -53,7 +59,8 @@ class TurboQuant(Codec):
 
     def __init__(self, dim: int, bits: int = 4, variant: str = "mse", seed: int = 0, *,
                  rotation: str = "hadamard", rounds: int = 3, sketch_dim: int | None = None,
-                 jl: str = "orthogonal", norm_dtype: str = "float32", backend: str = "auto"):
+                 jl: str = "orthogonal", norm_dtype: str = "float32", scale: str = "norm",
+                 backend: str = "auto"):
         self.dim = V.positive_int(dim, "dim", minimum=2)
         self.bits = V.positive_int(bits, "bits", 1, 8)
         self.variant = V.choice(variant, "variant", ("mse", "prod"))
@@ -63,7 +70,11 @@ class TurboQuant(Codec):
         self.jl = V.choice(jl, "jl", JL_KINDS)
         self.norm_dtype = V.choice(norm_dtype, "norm_dtype", tuple(NORM_DTYPES))
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
+        self.scale = V.choice(scale, "scale", ("norm", "unbiased"))
         prod = self.variant == "prod"
+        if prod and self.scale != "norm":
+            raise ValueError("scale must be 'norm' for variant='prod' (its QJL term already "
+                             f"makes inner products unbiased), got {scale!r}")
         if sketch_dim is not None and not prod:
             raise ValueError("sketch_dim must be None for variant='mse' (it sizes the QJL "
                              f"residual sketch of variant='prod'), got {sketch_dim}")
@@ -95,6 +106,8 @@ class TurboQuant(Codec):
                              "rotation": self.rotation, "norm_dtype": self.norm_dtype}
         if self.rotation == "hadamard":
             p["rounds"] = self.rounds
+        if self.scale != "norm":
+            p["scale"] = self.scale
         if self.variant == "prod":
             p["sketch_dim"] = self.sketch_dim
             p["jl"] = self.jl
@@ -109,7 +122,23 @@ class TurboQuant(Codec):
         lay = {"norm": ((), dt)}
         if self.variant == "prod" and self.mse_bits:
             lay["rnorm"] = ((), dt)
+        if self.scale == "unbiased":
+            lay["corr"] = ((), torch.float16)
         return lay
+
+    @property
+    def unbiased_ip(self) -> bool:  # type: ignore[override]
+        return self.variant == "prod" or self.scale == "unbiased"
+
+    def true_sqnorms(self, codes: Codes) -> torch.Tensor:
+        return codes.scalars["norm"].float() ** 2
+
+    def _multiplier(self, codes: Codes) -> torch.Tensor:
+        """Per-vector factor on the rotated-domain reconstruction: ||x|| or ||x|| / <u, c>."""
+        m = codes.scalars["norm"].float()
+        if self.scale == "unbiased":
+            m = m / codes.scalars["corr"].float()
+        return m
 
     def _fingerprint_arrays(self):
         out = [np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]
@@ -135,6 +164,13 @@ class TurboQuant(Codec):
             packed = ops.quantize_pack(y, inv, self._arr.get("thresholds", dev), self.mse_bits,
                                        self.backend)
             parts.append(packed)
+            if self.scale == "unbiased":
+                # <u, c[idx]> >= 0 term by term (symmetric codebook with a threshold at 0); it
+                # is 0 only for a zero vector, which then decodes to 0 through its zero norm.
+                idx = ops.unpack_bits(packed, self.dim, self.mse_bits, self.backend)
+                dot = ((y * inv[:, None]) * self._arr.get("centroids", dev)[idx.long()]).sum(1)
+                scalars["corr"] = torch.where(nrm > 0, dot, torch.ones_like(dot)).to(
+                    torch.float16)
         if self.variant == "prod":
             u = y * inv[:, None]  # the same float32 product the quantizer compared
             if self.mse_bits:
@@ -169,10 +205,10 @@ class TurboQuant(Codec):
 
     def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
         # The rotation is orthogonal: ||x_hat|| = ||x|| * ||y_hat|| in the rotated domain.
-        return (self._rotated_unit(codes) ** 2).sum(1) * codes.scalars["norm"].float() ** 2
+        return (self._rotated_unit(codes) ** 2).sum(1) * self._multiplier(codes) ** 2
 
     def _decode_block(self, codes: Codes) -> torch.Tensor:
-        y = self._rotated_unit(codes) * codes.scalars["norm"].float()[:, None]
+        y = self._rotated_unit(codes) * self._multiplier(codes)[:, None]
         return self._rot.inverse(y.contiguous())
 
     def _prepare_queries(self, q: torch.Tensor):
@@ -183,7 +219,7 @@ class TurboQuant(Codec):
     def _score_block(self, state, codes: Codes) -> torch.Tensor:
         qr, sq = state
         dev = codes.device
-        nrm = codes.scalars["norm"].float()
+        nrm = self._multiplier(codes)
         if self.mse_bits:
             idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
                                   self.backend)

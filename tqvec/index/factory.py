@@ -6,6 +6,7 @@ Grammar: ``CODE[,Refine(CODE|Flat)]`` where CODE is one of
 spec                codec                                                    bytes / vector
 ==================  =======================================================  ==================
 ``TQ{b}``           TurboQuant mse, b = 1..8 bits/coordinate                 ceil(b d / 8) + 4
+``TQ{b}u``          TurboQuant mse with EDEN's unbiased scale                ceil(b d / 8) + 6
 ``TQprod{b}``       TurboQuant prod, b-1 mse bits + 1 QJL bit/coordinate     ceil((b-1)d/8)+d/8+8
 ``QJL{m}``          QJL with m sign bits                                     ceil(m / 8) + 4
 ``Polar``           PolarQuant, level bits (4, 2, 2, 2)                      3.875 d / 8
@@ -34,6 +35,8 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
     s = spec.strip()
     if m := re.fullmatch(r"TQ(\d)", s):
         return TurboQuant(d, int(m[1]), seed=seed)
+    if m := re.fullmatch(r"TQ(\d)u", s):
+        return TurboQuant(d, int(m[1]), seed=seed, scale="unbiased")
     if m := re.fullmatch(r"TQprod(\d)", s):
         return TurboQuant(d, int(m[1]), "prod", seed=seed)
     if m := re.fullmatch(r"QJL(\d+)", s):
@@ -44,7 +47,8 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
         return PolarQuant(d, tuple(int(b) for b in m[1].split("-")), seed)
     if s == "Flat":
         return "flat"
-    raise ValueError(f"index spec component must be one of TQ{{b}}, TQprod{{b}}, QJL{{m}}, Polar, "
+    raise ValueError(f"index spec component must be one of TQ{{b}}, TQ{{b}}u, TQprod{{b}}, "
+                     f"QJL{{m}}, Polar, "
                      f"Polar{{b1}}-{{b2}}..., Flat, got {spec!r}")
 
 

@@ -5,11 +5,12 @@ I = -1 with D = -FLT_MAX (inner product, cosine) or +FLT_MAX (L2), exactly as fa
 Distances by metric (the estimator matters more than the code, see issue #6 lesson (a)):
 
 * ``ip``: the codec's asymmetric estimate of <q, x> (query exact, never quantized);
-* ``l2``: the squared distance to the reconstruction, ||q||^2 - 2 <q, x_hat> + ||x_hat||^2,
-  with ||x_hat||^2 cached at add time (ranking by ||x||^2 - 2 est<q,x> with the true norm
-  collapses recall, because the MSE reconstruction shrinks inner products);
-* ``cosine``: <q, x_hat> / (||q|| ||x_hat||), the cosine to the reconstruction, which also
-  undoes the per-vector shrinkage of the MSE reconstruction.
+* ``l2``: ||q||^2 - 2 est<q, x> + N(x), where N must match the estimator: for the biased MSE
+  estimators (TurboQuant-mse, PolarQuant) N = ||x_hat||^2, i.e. the distance to the
+  reconstruction (pairing the shrunk inner product with the true ||x||^2 collapses recall);
+  for unbiased estimators (TurboQuant-prod, QJL, the unbiased scale) N = the true ||x||^2,
+  which makes the distance estimate unbiased (||x_hat||^2 would add the estimator's noise).
+* ``cosine``: est<q, x> / (||q|| sqrt(N(x))), the same pairing.
 
 Search scores blocks of codes against blocks of queries (the codec's ``score``) and keeps a
 running top-k, so memory stays bounded for any n and nq. Searches do not mutate the index, so
@@ -158,8 +159,11 @@ class FlatIndex:
             self._pos = None
 
     def _sqnorms_of(self, codec: Codec, codes: Codes) -> torch.Tensor:
+        """N(x) of the module docstring, cached at add time (not needed for inner product)."""
         if self.metric_type == METRIC_INNER_PRODUCT:
             return torch.empty(0, dtype=torch.float32)
+        if codec.unbiased_ip:
+            return codec.true_sqnorms(codes).cpu()
         return codec.reconstruction_sqnorms(codes).cpu()
 
     def remove_ids(self, ids: Any) -> int:

@@ -213,3 +213,18 @@ def test_bad_factory_strings(spec, msg):
         tqvec.index_factory(32, spec)
     with pytest.raises(ValueError, match="metric must be one of"):
         tqvec.index_factory(32, "TQ4", "hamming")
+
+
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_lut_and_gemm_search_paths_agree(metric, rng, monkeypatch):
+    """Few queries use the LUT scan, many the block GEMM: same results either way."""
+    from tqvec.index import flat
+
+    xb, xq = _data(rng, n=3000, d=48, nq=20)
+    index = tqvec.index_factory(48, "TQ3,Refine(TQ8)", metric)
+    index.add(xb)
+    D1, I1 = index.search(xq, 10, allowed_ids=np.arange(0, 3000, 2))
+    monkeypatch.setattr(flat, "_LUT_MAX_QUERIES", 0)
+    D2, I2 = index.search(xq, 10, allowed_ids=np.arange(0, 3000, 2))
+    np.testing.assert_allclose(D1, D2, rtol=1e-4, atol=1e-4)
+    assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()

@@ -83,3 +83,24 @@ def test_unknown_and_unavailable_backends():
         ops.pack_bits(idx, 2, backend="gpu")
     with pytest.raises(BackendUnavailable):
         ops.pack_bits(idx, 2, backend="cuda")
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("d,n,nq", [(7, 50, 3), (100, 5000, 1), (96, 9000, 5), (384, 300, 40)])
+def test_lut_scan_matches_reference(backend, b, d, n, nq, rng):
+    """Scores within float-summation tolerance; positions equal up to ties."""
+    qr = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
+    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))
+    packed = ops.pack_bits(idx, b, backend="ref")
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    mult = torch.from_numpy(rng.uniform(0.5, 2, n).astype(np.float32))
+    add = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    add[::5] = -float("inf")  # excluded rows (filters)
+    k = 12 if n > 12 else n + 3  # also k > number of finite rows: -inf / -1 padding
+    vr, pr = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
+    vc, pc = ops.lut_scan(qr, packed, c, mult, add, b, k, backend=backend)
+    torch.testing.assert_close(vc, vr, rtol=1e-4, atol=1e-4)
+    differ = pc != pr
+    assert torch.equal(vc[differ].isfinite(), vr[differ].isfinite())
+    assert (pc[~torch.isfinite(vc)] == -1).all()
+    assert not torch.isin(pc[torch.isfinite(vc)], torch.arange(0, n, 5)).any()

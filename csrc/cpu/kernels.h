@@ -21,4 +21,8 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
                      const float* signs, int rounds, int64_t p, bool inverse, float* out,
                      int nthreads);
 
+void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
+              const float* centroids, const float* mult, const float* add, int64_t k,
+              float* out_vals, int64_t* out_idx, int nthreads);
+
 }  // namespace tqvec

@@ -64,6 +64,28 @@ NB_MODULE(_C, m) {
     tqvec::quantize_pack(y.data(), scale.data(), n, d, thr.data(), b, out.data(), nthreads);
   });
 
+  m.def("lut_scan", [](CArr<const float> qr, CArr<const uint8_t> packed,
+                       CArr<const float> centroids, CArr<const float> mult, CArr<const float> add,
+                       int b, int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
+                       int nthreads) {
+    check_bits(b);
+    require(qr.ndim() == 2 && packed.ndim() == 2 && out_vals.ndim() == 2 && out_idx.ndim() == 2,
+            "lut_scan: bad ranks");
+    const int64_t nq = qr.shape(0), d = qr.shape(1), n = packed.shape(0);
+    require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "lut_scan: packed row size");
+    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
+            "lut_scan: centroids");
+    require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+                add.shape(0) == static_cast<size_t>(n), "lut_scan: mult/add length");
+    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
+                out_vals.shape(1) == static_cast<size_t>(k) &&
+                out_idx.shape(0) == static_cast<size_t>(nq) &&
+                out_idx.shape(1) == static_cast<size_t>(k), "lut_scan: outputs");
+    nb::gil_scoped_release rel;
+    tqvec::lut_scan(qr.data(), nq, d, packed.data(), n, b, centroids.data(), mult.data(),
+                    add.data(), k, out_vals.data(), out_idx.data(), nthreads);
+  });
+
   m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
                               CArr<const float> signs, int64_t p, bool inverse,
                               CArr<float> out, int nthreads) {

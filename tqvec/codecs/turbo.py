@@ -216,6 +216,17 @@ class TurboQuant(Codec):
         sq = qr @ self._arr.get("S", q.device).T if self.variant == "prod" else None
         return qr, sq
 
+    def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor, add: torch.Tensor,
+                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k rows by weight_i * <q, x_hat_i> + add_i straight from the packed codes (LUT
+        scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32."""
+        if self.variant != "mse":
+            raise ValueError("scan_topk needs variant='mse'")
+        qr = self._rot.apply(q)
+        mult = (weight * self._multiplier(codes)).to(torch.float32)
+        return ops.lut_scan(qr, codes.payload, self._arr.get("centroids", q.device), mult,
+                            add.to(torch.float32), self.bits, k, self.backend)
+
     def _score_block(self, state, codes: Codes) -> torch.Tensor:
         qr, sq = state
         dev = codes.device

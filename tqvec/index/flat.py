@@ -28,6 +28,7 @@ import torch
 
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
+from ..codecs.turbo import TurboQuant
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code"]
 
@@ -42,6 +43,9 @@ _METRICS = {"ip": METRIC_INNER_PRODUCT, "inner_product": METRIC_INNER_PRODUCT,
 _FLT_MAX = float(np.finfo(np.float32).max)
 _QUERY_BLOCK = 1024
 _CODE_BLOCK = 16384
+# Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
+# only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
+_LUT_MAX_QUERIES = 32
 
 
 def metric_code(metric: Any) -> int:
@@ -253,12 +257,16 @@ class FlatIndex:
             return D, I
         mask = self._allowed_mask(allowed_ids)
         kk = min(n, k * self.k_factor if ref is not None else k)
+        lut = (nq <= _LUT_MAX_QUERIES and isinstance(self.codec, TurboQuant)
+               and self.codec.variant == "mse")
         for qs in range(0, nq, _QUERY_BLOCK):
             qe = min(nq, qs + _QUERY_BLOCK)
             qb = q[qs:qe]
             best_s = torch.full((qe - qs, 0), 0.0)
             best_p = torch.empty((qe - qs, 0), dtype=torch.int64)
-            for cs in range(0, n, _CODE_BLOCK):
+            if lut:
+                best_s, best_p = self._lut_search(qb, codes, sqn, mask, kk)
+            for cs in range(0, n if not lut else 0, _CODE_BLOCK):
                 ce = min(n, cs + _CODE_BLOCK)
                 s = self._scores(self.codec, qb, codes[cs:ce],
                                  sqn[cs:ce] if sqn.numel() else sqn)
@@ -278,6 +286,25 @@ class FlatIndex:
             D[qs:qe, :m] = np.where(valid.numpy(), vals, D[qs:qe, :m])
             I[qs:qe, :m] = np.where(valid.numpy(), ids[best_p].numpy(), -1)
         return D, I
+
+    def _lut_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
+                    mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same similarities as ``_scores`` via the codec's LUT scan (fused top-k)."""
+        n = len(codes)
+        add = torch.zeros(n, dtype=torch.float32)
+        if self.metric_type == METRIC_L2:
+            weight = torch.full((n,), 2.0)
+            add = -sqn
+        elif self.metric_type == METRIC_COSINE:
+            weight = 1.0 / torch.sqrt(sqn.clamp_min(1e-30))
+        else:
+            weight = torch.ones(n)
+        if mask is not None:
+            add = add.masked_fill(~mask, -float("inf"))
+        vals, pos = self.codec.scan_topk(q, codes, weight, add, kk)
+        if self.metric_type == METRIC_L2:
+            vals = vals - (q * q).sum(1, keepdim=True)
+        return vals, pos
 
     def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, ref: Any, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from . import ref as _ref
 from .ref import row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "row_bytes"]
+           "hadamard_rotate", "lut_scan", "row_bytes"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -89,3 +89,12 @@ def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p
     """Multi-round randomized Hadamard rotation of the rows of x (n, d) float32."""
     return _pick("hadamard_rotate", x.device, backend)(
         x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
+
+
+def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
+             add: torch.Tensor, b: int, k: int, backend: str = "auto"
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k rows by mult_i * <qr, centroids[idx_i]> + add_i; see ``ref.lut_scan_ref``."""
+    return _pick("lut_scan", qr.device, backend)(
+        qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
+        add.contiguous(), b, k)

@@ -15,7 +15,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
-           "hadamard_rotate_cpu"]
+           "hadamard_rotate_cpu", "lut_scan_cpu"]
 
 
 def available() -> bool:
@@ -56,3 +56,14 @@ def hadamard_rotate_cpu(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tenso
     if x.shape[0]:
         _C.hadamard_rotate(x, perms, signs, p, inverse, out, _threads())
     return out
+
+
+def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                 mult: torch.Tensor, add: torch.Tensor, b: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq = qr.shape[0]
+    vals = torch.empty((nq, k), dtype=torch.float32)
+    pos = torch.empty((nq, k), dtype=torch.int64)
+    if nq:
+        _C.lut_scan(qr, packed, centroids, mult, add, b, k, vals, pos, _threads())
+    return vals, pos

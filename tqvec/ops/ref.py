@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
-           "row_bytes"]
+           "lut_scan_ref", "row_bytes"]
 
 
 def row_bytes(d: int, b: int) -> int:
@@ -86,3 +86,30 @@ def hadamard_rotate_ref(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tenso
             out[:, perms[r]] = z * signs[r]
             z = out
     return z
+
+
+def lut_scan_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                 mult: torch.Tensor, add: torch.Tensor, b: int, k: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of score_i = mult_i * <qr, centroids[idx_i]> + add_i over packed scalar codes.
+
+    qr (nq, d) float32; packed (n, ceil(d*b/8)) uint8; centroids (2^b,); mult, add (n,)
+    float32 (add = -inf excludes a row). Returns (values (nq, k) float32 best first, positions
+    (nq, k) int64), padded with -inf / -1 when fewer than k rows have a finite score.
+    (The TurboQuant estimator of Algorithm 1 with a per-row affine map, which covers inner
+    product, L2 to the reconstruction and cosine.)
+    """
+    nq, d = qr.shape
+    n = packed.shape[0]
+    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32, device=qr.device)
+    pos = torch.full((nq, k), -1, dtype=torch.int64, device=qr.device)
+    if n == 0:
+        return vals, pos
+    yhat = centroids[unpack_bits_ref(packed, d, b).long()]  # (n, d)
+    s = (qr @ yhat.T) * mult[None, :] + add[None, :]
+    top = torch.topk(s, min(k, n), dim=1)
+    ok = torch.isfinite(top.values)
+    m = top.values.shape[1]
+    vals[:, :m] = torch.where(ok, top.values, vals[:, :m])
+    pos[:, :m] = torch.where(ok, top.indices, pos[:, :m])
+    return vals, pos

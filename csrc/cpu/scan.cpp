@@ -1,0 +1,170 @@
+// Asymmetric scan of packed scalar-quantized codes with a fused top-k (meaning: lut_scan_ref in
+// tqvec/ops/ref.py). Layouts:
+//   qr        (nq, d)        float32  queries in the codes' (rotated) domain
+//   packed    (n, rb)        uint8    rb = ceil(d*b/8), LSB-first indices (kernels.h)
+//   centroids (2^b)          float32  value of each index
+//   mult, add (n)            float32  score_i = mult_i * <qr, c[idx_i]> + add_i (add may be -inf)
+//   out_vals  (nq, k)        float32  best first; -inf where fewer than k finite scores
+//   out_idx   (nq, k)        int64    row positions, -1 where missing
+// Per query a lookup table turns the dot product into one table lookup per code byte (b = 1, 2,
+// 4, 8: T[byte position][byte value] sums the 8/b coordinates the byte holds) or per coordinate
+// (other b). Scores are summed in a different order than the reference GEMM: equal within float
+// rounding, not bit-exact. Threads split queries, or the database when there are few queries.
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+#include "parallel.h"
+
+namespace tqvec {
+namespace {
+
+using Hit = std::pair<float, int64_t>;  // (score, position)
+
+// Min-heap of the k best hits (std::greater: the smallest kept score sits on top).
+struct TopK {
+  int64_t k;
+  std::vector<Hit> heap;
+  explicit TopK(int64_t kk) : k(kk) { heap.reserve(static_cast<size_t>(kk)); }
+  inline void push(float s, int64_t i) {
+    if (!(s > -std::numeric_limits<float>::infinity())) return;
+    if (static_cast<int64_t>(heap.size()) < k) {
+      heap.emplace_back(s, i);
+      std::push_heap(heap.begin(), heap.end(), std::greater<Hit>());
+    } else if (s > heap.front().first) {
+      std::pop_heap(heap.begin(), heap.end(), std::greater<Hit>());
+      heap.back() = Hit(s, i);
+      std::push_heap(heap.begin(), heap.end(), std::greater<Hit>());
+    }
+  }
+};
+
+struct Table {
+  bool bytewise;
+  std::vector<float> t;
+};
+
+Table build_table(const float* q, int64_t d, int b, const float* c) {
+  const int K = 1 << b;
+  Table tab;
+  tab.bytewise = (8 % b == 0);
+  if (tab.bytewise) {
+    const int per = 8 / b;
+    const int64_t rb = (d * b + 7) / 8;
+    tab.t.assign(static_cast<size_t>(rb * 256), 0.0f);
+    for (int64_t p = 0; p < rb; ++p) {
+      for (int v = 0; v < 256; ++v) {
+        float s = 0.0f;
+        for (int t = 0; t < per; ++t) {
+          const int64_t j = p * per + t;
+          if (j < d) s += q[j] * c[(v >> (t * b)) & (K - 1)];
+        }
+        tab.t[static_cast<size_t>(p * 256 + v)] = s;
+      }
+    }
+  } else {
+    tab.t.resize(static_cast<size_t>(d * K));
+    for (int64_t j = 0; j < d; ++j)
+      for (int v = 0; v < K; ++v) tab.t[static_cast<size_t>(j * K + v)] = q[j] * c[v];
+  }
+  return tab;
+}
+
+void scan_range(const Table& tab, const uint8_t* packed, int64_t lo, int64_t hi, int64_t d,
+                int b, const float* mult, const float* add, TopK& top) {
+  const int64_t rb = (d * b + 7) / 8;
+  const float* T = tab.t.data();
+  if (tab.bytewise) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* row = packed + i * rb;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+      int64_t p = 0;
+      for (; p + 4 <= rb; p += 4) {
+        s0 += T[(p + 0) * 256 + row[p + 0]];
+        s1 += T[(p + 1) * 256 + row[p + 1]];
+        s2 += T[(p + 2) * 256 + row[p + 2]];
+        s3 += T[(p + 3) * 256 + row[p + 3]];
+      }
+      for (; p < rb; ++p) s0 += T[p * 256 + row[p]];
+      top.push(((s0 + s1) + (s2 + s3)) * mult[i] + add[i], i);
+    }
+  } else {
+    const int K = 1 << b;
+    const uint32_t mask = static_cast<uint32_t>(K - 1);
+    for (int64_t i = lo; i < hi; ++i) {
+      const uint8_t* row = packed + i * rb;
+      float s = 0.f;
+      for (int64_t j = 0; j < d; ++j) {
+        const int64_t bit = j * b;
+        const uint32_t lo8 = row[bit >> 3];
+        const uint32_t hi8 = ((bit & 7) + b > 8) ? row[(bit >> 3) + 1] : 0u;
+        s += T[j * K + ((((hi8 << 8) | lo8) >> (bit & 7)) & mask)];
+      }
+      top.push(s * mult[i] + add[i], i);
+    }
+  }
+}
+
+void write_out(std::vector<Hit>& hits, int64_t k, float* vals, int64_t* idx) {
+  std::sort(hits.begin(), hits.end(), [](const Hit& a, const Hit& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
+  for (int64_t r = 0; r < k; ++r) {
+    if (r < static_cast<int64_t>(hits.size())) {
+      vals[r] = hits[static_cast<size_t>(r)].first;
+      idx[r] = hits[static_cast<size_t>(r)].second;
+    } else {
+      vals[r] = -std::numeric_limits<float>::infinity();
+      idx[r] = -1;
+    }
+  }
+}
+
+}  // namespace
+
+void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
+              const float* centroids, const float* mult, const float* add, int64_t k,
+              float* out_vals, int64_t* out_idx, int nthreads) {
+  if (nq >= nthreads || n < 4096) {
+    // Threads over queries (strided): each builds its table and scans the whole database.
+    const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nq));
+    auto work = [&](int64_t w) {
+      for (int64_t qi = w; qi < nq; qi += t) {
+        Table tab = build_table(qr + qi * d, d, b, centroids);
+        TopK top(k);
+        scan_range(tab, packed, 0, n, d, b, mult, add, top);
+        write_out(top.heap, k, out_vals + qi * k, out_idx + qi * k);
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < t; ++w) pool.emplace_back(work, w);
+    work(0);
+    for (auto& th : pool) th.join();
+    return;
+  }
+  // Few queries: split the database between threads, merge their top-k.
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    Table tab = build_table(qr + qi * d, d, b, centroids);
+    const int t = std::max(1, nthreads);
+    std::vector<TopK> tops(static_cast<size_t>(t), TopK(k));
+    std::vector<std::thread> pool;
+    const int64_t chunk = (n + t - 1) / t;
+    for (int w = 1; w < t; ++w)
+      pool.emplace_back([&, w] {
+        scan_range(tab, packed, std::min(n, w * chunk), std::min(n, (w + 1) * chunk), d, b,
+                   mult, add, tops[static_cast<size_t>(w)]);
+      });
+    scan_range(tab, packed, 0, std::min(n, chunk), d, b, mult, add, tops[0]);
+    for (auto& th : pool) th.join();
+    std::vector<Hit> all;
+    for (auto& tp : tops) all.insert(all.end(), tp.heap.begin(), tp.heap.end());
+    write_out(all, k, out_vals + qi * k, out_idx + qi * k);
+  }
+}
+
+}  // namespace tqvec

@@ -5,6 +5,8 @@ HDF5 files built by the recipes in ``datasets/``."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
 __all__ = ["EMBEDDED", "load_embedded", "split_queries", "read_hdf5", "write_hdf5", "ground_truth",
@@ -48,8 +50,6 @@ FASHION_DIRS = ("/usr/share/datasets/fashion-mnist",)  # Debian's dataset-fashio
 
 def data_dir() -> str:
     """Where built datasets are cached: $TQVEC_DATA or ~/.cache/tqvec (never the repo)."""
-    import os
-
     return os.environ.get("TQVEC_DATA", os.path.join(os.path.expanduser("~"), ".cache", "tqvec"))
 
 
@@ -118,7 +118,6 @@ def ground_truth(train: np.ndarray, test: np.ndarray, k: int, distance: str
 def write_hdf5(path: str, train: np.ndarray, test: np.ndarray, distance: str, k: int = 100
                ) -> None:
     """Write an ann-benchmarks file (with exact ground truth), atomically."""
-    import os
     import tempfile
 
     import h5py
@@ -170,8 +169,6 @@ def read_idx(path: str) -> np.ndarray:
 def build_fashion_mnist(src: str | None = None, out: str | None = None) -> str:
     """Build fashion-mnist-784-euclidean.hdf5 (ann-benchmarks layout) from the idx files in
     ``src`` (default: Debian's dataset-fashion-mnist); returns the output path."""
-    import os
-
     dirs = [src] if src else list(FASHION_DIRS)
     for folder in dirs:
         tr = os.path.join(folder, "train-images-idx3-ubyte.gz")
@@ -192,8 +189,6 @@ def build_fashion_mnist(src: str | None = None, out: str | None = None) -> str:
 def load_ann(name_or_path: str) -> dict:
     """An ann-benchmarks set by file path, or by name from the cache (built on first use for
     'fashion-mnist-784-euclidean'). Never downloads."""
-    import os
-
     if os.path.exists(name_or_path):
         return read_hdf5(name_or_path)
     path = os.path.join(data_dir(), f"{name_or_path}.hdf5")

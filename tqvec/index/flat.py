@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .. import _validate as V
-from ..codecs.base import Codec, Codes
+from ..codecs.base import Codec, Codes, concat_codes
 from ..codecs.turbo import TurboQuant
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code"]
@@ -46,6 +46,13 @@ _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
 _LUT_MAX_QUERIES = 32
+
+
+def _append_rows(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
+                 ) -> Codes | torch.Tensor:
+    if old is None:
+        return new
+    return concat_codes([old, new]) if isinstance(new, Codes) else torch.cat([old, new])
 
 
 def metric_code(metric: Any) -> int:
@@ -146,16 +153,9 @@ class FlatIndex:
             ref = self.refine.encode(t)
         sq = self._sqnorms_of(self.codec, codes)
         with self._lock:
-            from ..codecs.base import concat_codes
-
-            self._codes = codes if self._codes is None else concat_codes([self._codes, codes])
+            self._codes = _append_rows(self._codes, codes)
             if ref is not None:
-                if self._ref is None:
-                    self._ref = ref
-                elif isinstance(ref, Codes):
-                    self._ref = concat_codes([self._ref, ref])
-                else:
-                    self._ref = torch.cat([self._ref, ref])
+                self._ref = _append_rows(self._ref, ref)
             self._sqnorms = torch.cat([self._sqnorms, sq])
             self._ids = torch.cat([self._ids, ids])
             self._n += t.shape[0]
@@ -180,9 +180,7 @@ class FlatIndex:
             removed = int((~keep).sum())
             if removed:
                 self._codes = self._codes[keep]
-                if isinstance(self._ref, Codes):
-                    self._ref = self._ref[keep]
-                elif self._ref is not None:
+                if self._ref is not None:  # Codes or an exact-vector tensor: both index by rows
                     self._ref = self._ref[keep]
                 if self._sqnorms.numel():
                     self._sqnorms = self._sqnorms[keep]
@@ -210,10 +208,10 @@ class FlatIndex:
         return self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0))
 
     # -- search -------------------------------------------------------------------------------
-    def _scores(self, codec: Codec, q: torch.Tensor, codes: Codes, sqn: torch.Tensor
-                ) -> torch.Tensor:
-        """(nq, B) similarities (larger is better; for L2 the negated squared distance)."""
-        s = codec.score(q, codes)
+    def _scores(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor) -> torch.Tensor:
+        """(nq, B) similarities (larger is better; for L2 the negated squared distance).
+        ``sqn`` is the N(x) slice of these codes (empty for inner product)."""
+        s = self.codec.score(q, codes)
         if self.metric_type == METRIC_L2:
             return 2 * s - sqn[None, :] - (q * q).sum(1, keepdim=True)
         if self.metric_type == METRIC_COSINE:
@@ -262,20 +260,10 @@ class FlatIndex:
         for qs in range(0, nq, _QUERY_BLOCK):
             qe = min(nq, qs + _QUERY_BLOCK)
             qb = q[qs:qe]
-            best_s = torch.full((qe - qs, 0), 0.0)
-            best_p = torch.empty((qe - qs, 0), dtype=torch.int64)
             if lut:
                 best_s, best_p = self._lut_search(qb, codes, sqn, mask, kk)
-            for cs in range(0, n if not lut else 0, _CODE_BLOCK):
-                ce = min(n, cs + _CODE_BLOCK)
-                s = self._scores(self.codec, qb, codes[cs:ce],
-                                 sqn[cs:ce] if sqn.numel() else sqn)
-                if mask is not None:
-                    s = s.masked_fill(~mask[cs:ce][None, :], -float("inf"))
-                s = torch.cat([best_s, s], dim=1)
-                p = torch.cat([best_p, torch.arange(cs, ce).expand(qe - qs, -1)], dim=1)
-                top = torch.topk(s, min(kk, s.shape[1]), dim=1)
-                best_s, best_p = top.values, torch.gather(p, 1, top.indices)
+            else:
+                best_s, best_p = self._gemm_search(qb, codes, sqn, mask, kk)
             if ref is not None:
                 best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
             valid = torch.isfinite(best_s)
@@ -286,6 +274,23 @@ class FlatIndex:
             D[qs:qe, :m] = np.where(valid.numpy(), vals, D[qs:qe, :m])
             I[qs:qe, :m] = np.where(valid.numpy(), ids[best_p].numpy(), -1)
         return D, I
+
+    def _gemm_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
+                     mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Running top-kk over blocks of codes scored with the codec (decode block + GEMM)."""
+        n = len(codes)
+        best_s = torch.empty((q.shape[0], 0))
+        best_p = torch.empty((q.shape[0], 0), dtype=torch.int64)
+        for cs in range(0, n, _CODE_BLOCK):
+            ce = min(n, cs + _CODE_BLOCK)
+            s = self._scores(q, codes[cs:ce], sqn[cs:ce])
+            if mask is not None:
+                s = s.masked_fill(~mask[cs:ce][None, :], -float("inf"))
+            s = torch.cat([best_s, s], dim=1)
+            p = torch.cat([best_p, torch.arange(cs, ce).expand(q.shape[0], -1)], dim=1)
+            top = torch.topk(s, min(kk, s.shape[1]), dim=1)
+            best_s, best_p = top.values, torch.gather(p, 1, top.indices)
+        return best_s, best_p
 
     def _lut_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
                     mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -340,7 +345,7 @@ class FlatIndex:
         per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(q.shape[0])]
         for cs in range(0, n, _CODE_BLOCK):
             ce = min(n, cs + _CODE_BLOCK)
-            s = self._scores(self.codec, q, codes[cs:ce], sqn[cs:ce] if sqn.numel() else sqn)
+            s = self._scores(q, codes[cs:ce], sqn[cs:ce])
             if self.metric_type == METRIC_L2:
                 s = -s
                 hit = s < radius

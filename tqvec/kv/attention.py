@@ -1,0 +1,159 @@
+"""Attention computed from the codes, registered with transformers as ``"tqvec"``.
+
+For each (batch, KV head) the queries of its group are scored against every stored segment:
+codes by the codec's asymmetric estimator (queries rotated/projected once per call, keys never
+decoded), full-precision segments exactly; one softmax over all of them (with BalanceKV's
+log 2^level token weights as additive logits); values of code segments accumulated in the
+rotated domain and rotated back once per output row.
+
+The mask: transformers builds it for the layer's logical key range (``get_mask_sizes``); every
+stored token carries its absolute position, so its mask column is looked up by position. That
+is what keeps sliding windows, padding and BalanceKV's sparse token sets right. Registering an
+attention function alone makes transformers build *no* mask for it, so the sdpa mask builder
+is registered under the same name.
+
+Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
+"tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which
+makes a cache whose window covers the sequence reproduce DynamicCache's logits bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+__all__ = ["ATTENTION_NAME", "register", "tqvec_attention", "attend"]
+
+ATTENTION_NAME = "tqvec"
+_QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
+
+
+def register() -> None:
+    """Register the attention and mask functions (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, tqvec_attention)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def tqvec_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                    scaling: float | None = None, softcap: float | None = None, **kwargs):
+    layer = getattr(key, "tqvec_layer", None)
+    if layer is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, softcap=softcap, **kwargs)
+    if dropout:
+        raise ValueError(f"dropout must be 0 with the compressed cache, got {dropout}")
+    if kwargs.get("s_aux") is not None:
+        raise ValueError("attention sinks (s_aux) are not supported by the compressed cache")
+    layer.awaiting_attention = False
+    layer.observe_queries(query)
+    try:
+        if layer.only_window() and softcap is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=0.0, scaling=scaling, **kwargs)
+        if scaling is None:
+            scaling = 1.0 / math.sqrt(query.shape[-1])
+        out = attend(layer, query, attention_mask, scaling, softcap)
+        return out.transpose(1, 2).contiguous(), None
+    finally:
+        layer.flush()
+
+
+def _bias(mask, pos, qpos: torch.Tensor, kv_offset: int, B: int, H: int, G: int
+          ) -> torch.Tensor | None:
+    """Additive mask (B or 1, H or 1, G*Q, n) for keys at positions ``pos``: a (start, stop)
+    range or a (B, H, n) tensor. mask: None (causal) or (B, 1, Q, kv_len) bool / additive."""
+    Q = qpos.shape[0]
+    if mask is None:
+        if isinstance(pos, tuple):
+            p = torch.arange(pos[0], pos[1], device=qpos.device)
+            allowed = p[None, :] <= qpos[:, None]  # (Q, n)
+            if bool(allowed.all()):
+                return None
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+            bias = bias.masked_fill_(~allowed, float("-inf"))
+            return bias.repeat(G, 1)[None, None]
+        allowed = pos[:, :, None, :] <= qpos[None, None, :, None]  # (B, H, Q, n)
+    else:
+        kv_len = mask.shape[-1]
+        if isinstance(pos, tuple):
+            a, b = pos[0] - kv_offset, pos[1] - kv_offset
+            if a < 0 or b > kv_len:
+                raise RuntimeError(f"stored positions {pos} fall outside the mask's key range "
+                                   f"[{kv_offset}, {kv_offset + kv_len})")
+            m = mask[:, :, :, a:b]  # (B, 1, Q, n)
+        else:
+            col = pos - kv_offset
+            if bool((col < 0).any()) or bool((col >= kv_len).any()):
+                raise RuntimeError("stored positions fall outside the mask's key range")
+            m = torch.gather(mask.expand(B, H, Q, kv_len), 3,
+                             col[:, :, None, :].expand(B, H, Q, col.shape[-1]))
+        if m.dtype == torch.bool:
+            allowed = m
+        else:
+            return m.float().repeat(1, 1, G, 1)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+    bias.masked_fill_(~allowed, float("-inf"))
+    return bias.repeat(1, 1, G, 1)
+
+
+def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | None = None
+           ) -> torch.Tensor:
+    """Attention output (B, Hq, Q, D) in query's dtype from the layer's stored segments.
+
+    query: (B, Hq, Q, D), query head h*G + g reads KV head h (transformers' repeat_kv order).
+    """
+    B, Hq, Q, D = query.shape
+    H = layer.num_heads
+    if Hq % H:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({H})")
+    G = Hq // H
+    L = layer.cumulative_length
+    qpos = torch.arange(L - Q, L, device=query.device)
+    kv_offset = L - mask.shape[-1] if mask is not None else 0
+    qs = query.float().reshape(B, H, G, Q, D)
+    segs = list(layer.segments())
+    outs = []
+    step = max(1, _QUERY_ROWS // G)
+    for s0 in range(0, Q, step):
+        s1 = min(Q, s0 + step)
+        # Rows are (g, q) pairs, g-major, for the queries s0..s1 of every group member.
+        q = qs[:, :, :, s0:s1].reshape(B, H, G * (s1 - s0), D)
+        m = mask[:, :, s0:s1] if mask is not None else None
+        o = _attend_rows(layer, segs, q, G, qpos[s0:s1], m, kv_offset, scaling, softcap)
+        outs.append(o.reshape(B, H, G, s1 - s0, D))
+    out = torch.cat(outs, dim=3)
+    return out.reshape(B, Hq, Q, D).to(query.dtype)
+
+
+def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
+    """q: (B, H, G*Q, D) float32 rows for queries at positions qpos (Q,)."""
+    B, H = q.shape[:2]
+    scores = []
+    for kind, k, _, pos, logw in segs:
+        if kind == "codes":
+            s = layer.kq.scores(q, k)
+        else:
+            s = q @ k.float().transpose(-1, -2)
+        s = s * scaling
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        bias = _bias(mask, pos, qpos, kv_offset, B, H, G)
+        if bias is not None:
+            s = s + bias
+        if logw:
+            s = s + logw
+        scores.append(s)
+    sizes = [s.shape[-1] for s in scores]
+    p = torch.softmax(torch.cat(scores, dim=-1), dim=-1)
+    # A row whose every key is masked (left padding) gives NaN; SDPA returns 0 there too
+    # only by accident of the kernel, so define it: zero output.
+    p = torch.nan_to_num(p, nan=0.0)
+    out = None
+    for (kind, _, v, _, _), pp in zip(segs, torch.split(p, sizes, dim=-1), strict=True):
+        o = layer.vq.weighted_sum(pp, v) if kind == "codes" else pp @ v.float()
+        out = o if out is None else out + o
+    return out

@@ -1,0 +1,385 @@
+"""One decoder layer's compressed KV cache (a transformers ``CacheLayerMixin``).
+
+Tokens live in up to four segments, oldest first, per (batch, KV head):
+
+* sink:    the first ``sink_length`` tokens, full precision (attention sinks);
+* codes:   keys and values as tqvec codes (never decoded to d-space during attention);
+* pending: BalanceKV tokens still inside MergeAndReduce (full precision, weight 2^level);
+* window:  the most recent ``residual_length`` tokens plus the tokens of the current forward,
+           full precision in the model's dtype.
+
+Tokens move window -> (sink | balance ->) codes when the window overflows, each token encoded
+exactly once. The move happens right after the attention of the forward that brought the token
+(so a forward always attends to its own tokens exactly) or, on the decode-then-SDPA fallback,
+at the start of the next ``update``. Sliding-window layers drop tokens older than the window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .balance import BalanceConfig, MergeAndReduce
+from .quant import ChannelScale, ChannelSplit, Fields, KVQuantizer, make_quantizer
+
+__all__ = ["KVSettings", "CompressedLayer"]
+
+
+@dataclass(frozen=True)
+class KVSettings:
+    key_codec: str = "turbo"
+    key_bits: float = 3
+    value_codec: str = "turbo"
+    value_bits: float = 3
+    residual_length: int = 32
+    sink_length: int = 4
+    outlier_channels: int = 0
+    outlier_bits: int | None = None
+    value_outlier_channels: int = 0
+    group: int | None = None
+    calibrate: bool = True
+    balance: BalanceConfig | None = None
+    seed: int = 0
+
+
+class _Buffer:
+    """Growable (B, H, capacity, *) buffers for per-token fields; append along tokens."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, torch.Tensor] = {}
+        self.start = 0
+        self.stop = 0
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def append(self, f: Fields) -> None:
+        n = next(iter(f.values())).shape[2]
+        if not self.data:
+            self.data = {k: v.new_empty((*v.shape[:2], max(64, 2 * n), *v.shape[3:]))
+                         for k, v in f.items()}
+        cap = next(iter(self.data.values())).shape[2]
+        if self.stop + n > cap:
+            live = len(self)
+            new_cap = max(2 * (live + n), 64)
+            self.data = {k: torch.cat([v[:, :, self.start: self.stop],
+                                       v.new_empty((*v.shape[:2], new_cap - live, *v.shape[3:]))],
+                                      dim=2) for k, v in self.data.items()}
+            self.start, self.stop = 0, live
+        for k, v in f.items():
+            self.data[k][:, :, self.stop: self.stop + n] = v
+        self.stop += n
+
+    def view(self) -> Fields:
+        return {k: v[:, :, self.start: self.stop] for k, v in self.data.items()}
+
+    def drop_front(self, n: int) -> None:
+        self.start += min(n, len(self))
+
+    def keep_front(self, n: int) -> None:
+        self.stop = self.start + min(n, len(self))
+
+    def map_(self, fn) -> None:
+        self.data = {k: fn(v[:, :, self.start: self.stop]) for k, v in self.data.items()}
+        self.stop -= self.start
+        self.start = 0
+
+    def nbytes(self) -> int:
+        return sum(v[0, 0, 0].numel() * v.element_size() * v.shape[0] * v.shape[1]
+                   for v in self.data.values()) * len(self)
+
+
+class CompressedLayer(CacheLayerMixin):
+    """Keys/values of one layer: sink + codes (+ BalanceKV pending) + full-precision window."""
+
+    is_compileable = False
+    is_croppable = True
+    supports_early_init = False
+
+    def __init__(self, settings: KVSettings, layer_idx: int, sliding_window: int | None = None,
+                 codes_attention=lambda: True):
+        super().__init__()
+        self.settings = settings
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self._codes_attention = codes_attention
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.keys = self.values = None  # the full-precision window (B, H, w, D)
+        self.is_initialized = False
+        self.cumulative_length = 0
+        self.sink_k = self.sink_v = None
+        self.kbuf, self.vbuf = _Buffer(), _Buffer()
+        self.code_start = 0                 # position of the first code (no balance)
+        self.code_pos: _Buffer | None = None  # explicit positions (with balance)
+        self.mr: MergeAndReduce | None = None
+        self.kq = self.vq = None
+        self.awaiting_attention = False
+        self.q_energy = None  # (H, d) query mean squares seen at the first attention
+
+    # -- setup -------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        s = self.settings
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch, self.num_heads, _, self.head_dim = key_states.shape
+        d = self.head_dim
+        seed = s.seed + 1000003 * self.layer_idx
+        self.kq: KVQuantizer = make_quantizer(s.key_codec, d, s.key_bits, seed=seed, role="keys",
+                                              outlier_channels=s.outlier_channels,
+                                              outlier_bits=s.outlier_bits, group=s.group)
+        self.vq: KVQuantizer = make_quantizer(s.value_codec, d, s.value_bits, seed=seed + 1,
+                                              role="values",
+                                              outlier_channels=s.value_outlier_channels,
+                                              group=s.group)
+        if s.calibrate and s.key_codec != "fp16":
+            self.kq = ChannelScale(self.kq)
+        if s.calibrate and s.value_codec != "fp16":
+            self.vq = ChannelScale(self.vq)
+        # A sliding window forgets old tokens anyway: no sink and no token selection there.
+        self.balance = s.balance if not self.is_sliding else None
+        self.sink_length = s.sink_length if not self.is_sliding else 0
+        if self.balance is not None:
+            self.mr = MergeAndReduce(self.balance, 1.0 / math.sqrt(d), seed + 2)
+            self.code_pos = _Buffer()
+        empty = key_states.new_zeros((self.batch, self.num_heads, 0, d))
+        self.keys, self.values = empty, empty.clone()
+        self.sink_k, self.sink_v = empty.clone(), empty.clone()
+        self.is_initialized = True
+
+    # -- transformers API --------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.num_heads or (
+                key_states.shape[3] != self.head_dim):
+            raise ValueError(f"key_states must have shape ({self.batch}, {self.num_heads}, T, "
+                             f"{self.head_dim}) in layer {self.layer_idx}, got "
+                             f"{tuple(key_states.shape)}")
+        if self.awaiting_attention:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the previous forward never ran the 'tqvec' attention "
+                "on this cache's keys (the model changed the key states between cache.update and "
+                "attention, or bypassed the attention interface); the cache cannot compute "
+                "attention from its codes for this model")
+        self.flush()
+        if self.is_sliding:
+            self._evict(self.cumulative_length - (self.sliding_window - 1))
+        self.cumulative_length += key_states.shape[2]
+        self.keys = torch.cat([self.keys, key_states], dim=2)
+        self.values = torch.cat([self.values, value_states], dim=2)
+        if self._codes_attention():
+            self.awaiting_attention = True
+            handle_k, handle_v = self.keys, self.values
+            # The attention function finds this layer through the returned key tensor.
+            handle_k = handle_k.view_as(handle_k)
+            handle_k.tqvec_layer = self
+            return handle_k, handle_v
+        if self.mr is not None:
+            raise ValueError("balance needs attention='codes' (its 2^level token weights cannot "
+                             "be expressed to SDPA)")
+        return self.decoded()
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if not self.is_sliding:
+            return self.cumulative_length + query_length, 0
+        kv_offset = max(self.cumulative_length - self.sliding_window + 1, 0)
+        if self.cumulative_length >= self.sliding_window:
+            return self.sliding_window - 1 + query_length, kv_offset
+        return self.cumulative_length + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window if self.is_sliding else -1
+
+    def reset(self) -> None:
+        self._reset_state()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (transformers passes a negative count),
+        or keep the first ``tokens_to_remove`` when it is positive (legacy form)."""
+        if not self.is_initialized:
+            return
+        keep = (self.cumulative_length + tokens_to_remove if tokens_to_remove <= 0
+                else tokens_to_remove)
+        if keep >= self.cumulative_length:
+            return
+        if self.mr is not None or self.is_sliding:
+            raise ValueError("crop is not supported with balance or on sliding-window layers "
+                             "once tokens have left the window")
+        self.flush()
+        drop = self.cumulative_length - keep
+        w = self.keys.shape[2]
+        cut = min(drop, w)
+        self.keys, self.values = self.keys[:, :, : w - cut], self.values[:, :, : w - cut]
+        drop -= cut
+        if drop:
+            n = len(self.kbuf)
+            cut = min(drop, n)
+            self.kbuf.keep_front(n - cut)
+            self.vbuf.keep_front(n - cut)
+            drop -= cut
+        if drop:
+            s = self.sink_k.shape[2] - drop
+            self.sink_k, self.sink_v = self.sink_k[:, :, :s], self.sink_v[:, :, :s]
+        self.cumulative_length = keep
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.sink_k, self.sink_v = fn(self.sink_k), fn(self.sink_v)
+        for buf in (self.kbuf, self.vbuf, self.code_pos):
+            if buf is not None and buf.data:
+                buf.map_(fn)
+        if self.mr is not None:
+            self.mr.map_(fn)
+        self.batch = self.keys.shape[0]
+
+    def offload(self):
+        raise NotImplementedError("offloading is not supported by the compressed cache")
+
+    def prefetch(self):
+        return None
+
+    # -- token movement ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Move the window's overflow (all but the last residual_length tokens) onward."""
+        if not self.is_initialized:
+            return
+        w = self.keys.shape[2]
+        over = w - self.settings.residual_length
+        if over <= 0:
+            return
+        k_old, v_old = self.keys[:, :, :over], self.values[:, :, :over]
+        self.keys, self.values = self.keys[:, :, over:], self.values[:, :, over:]
+        first = self.cumulative_length - w  # position of k_old[:, :, 0]
+        n_sink = min(max(self.sink_length - first, 0), over)
+        if n_sink:
+            self.sink_k = torch.cat([self.sink_k, k_old[:, :, :n_sink]], dim=2)
+            self.sink_v = torch.cat([self.sink_v, v_old[:, :, :n_sink]], dim=2)
+            k_old, v_old = k_old[:, :, n_sink:], v_old[:, :, n_sink:]
+            first += n_sink
+        if not k_old.shape[2]:
+            return
+        if self.mr is not None:
+            pos = torch.arange(first, first + k_old.shape[2], device=self.device)
+            out = self.mr.push(k_old.float(), v_old.float(),
+                               pos.expand(self.batch, self.num_heads, -1).contiguous())
+            if out is None:
+                return
+            k_old, v_old, pos = out
+            self.code_pos.append({"pos": pos[..., None].to(torch.int32)})
+        elif not len(self.kbuf):
+            self.code_start = first
+        self._encode(k_old, v_old)
+
+    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        k, v = k.float(), v.float()
+        if isinstance(self.kq, ChannelScale) and self.kq.scale is None:
+            self.kq.calibrate(k, self.q_energy)
+        if isinstance(self.kq, ChannelSplit) and self.kq.channels is None:
+            self.kq.set_channels(k)
+        if isinstance(self.vq, ChannelScale) and self.vq.scale is None:
+            self.vq.calibrate(v, None)
+        if isinstance(self.vq, ChannelSplit) and self.vq.channels is None:
+            self.vq.set_channels(v)
+        kf = self.kq.encode_heads(k.contiguous())
+        vf = self.vq.encode_heads(v.contiguous())
+        self.kbuf.append(kf)
+        self.vbuf.append(vf)
+
+    def _evict(self, first_visible: int) -> None:
+        """Sliding layers: forget tokens before position ``first_visible``."""
+        if first_visible <= 0:
+            return
+        n = len(self.kbuf)
+        if n and first_visible > self.code_start:
+            drop = min(first_visible - self.code_start, n)
+            self.kbuf.drop_front(drop)
+            self.vbuf.drop_front(drop)
+            self.code_start += drop
+        w = self.keys.shape[2]
+        wstart = self.cumulative_length - w
+        if first_visible > wstart:
+            cut = min(first_visible - wstart, w)
+            self.keys, self.values = self.keys[:, :, cut:], self.values[:, :, cut:]
+
+    def observe_queries(self, query: torch.Tensor) -> None:
+        """Record per-KV-head query channel energy (once, at prefill) for key calibration."""
+        if self.q_energy is None:
+            B, Hq, Q, D = query.shape
+            g = query.float().reshape(B, self.num_heads, Hq // self.num_heads, Q, D)
+            self.q_energy = (g ** 2).mean(dim=(0, 2, 3))
+
+    # -- views for attention -----------------------------------------------------------------
+    def segments(self):
+        """Yield (kind, keys, values, positions, log_weight) for every stored segment, oldest
+        first. kind 'exact': keys/values tensors (B, H, n, D); kind 'codes': field dicts.
+        positions: a (start, stop) range or a (B, H, n) tensor of absolute positions."""
+        w = self.keys.shape[2]
+        s = self.sink_k.shape[2]
+        if s:
+            yield "exact", self.sink_k, self.sink_v, (0, s), 0.0
+        if len(self.kbuf):
+            if self.code_pos is not None:
+                pos = self.code_pos.view()["pos"][..., 0].long()
+                yield ("codes", self.kbuf.view(), self.vbuf.view(), pos,
+                       self.balance.rounds * math.log(2.0))
+            else:
+                yield ("codes", self.kbuf.view(), self.vbuf.view(),
+                       (self.code_start, self.code_start + len(self.kbuf)), 0.0)
+        if self.mr is not None:
+            for level, k, v, pos in self.mr.pending():
+                yield "exact", k, v, pos, level * math.log(2.0)
+        start = self.cumulative_length - w
+        yield "exact", self.keys, self.values, (start, self.cumulative_length), 0.0
+
+    def only_window(self) -> bool:
+        return not (self.sink_k.shape[2] or len(self.kbuf)
+                    or (self.mr is not None and self.mr.pending()))
+
+    def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """All stored tokens decoded to full tensors (the decode-then-SDPA reference)."""
+        ks, vs = [], []
+        for kind, k, v, _, _ in self.segments():
+            if kind == "codes":
+                k, v = self.kq.decode(k), self.vq.decode(v)
+            ks.append(k.to(self.dtype))
+            vs.append(v.to(self.dtype))
+        return torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+
+    # -- accounting --------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        t = 0
+        for x in (self.keys, self.values, self.sink_k, self.sink_v):
+            t += x.numel() * x.element_size()
+        t += self.kbuf.nbytes() + self.vbuf.nbytes()
+        if self.code_pos is not None:
+            t += self.code_pos.nbytes()
+        if self.mr is not None:
+            t += self.mr.nbytes()
+        return t
+
+    def represented_tokens(self) -> int:
+        """Tokens this layer stands for: all seen, or the visible window on sliding layers."""
+        if self.is_sliding:
+            return min(self.cumulative_length, self.sliding_window - 1)
+        return self.cumulative_length

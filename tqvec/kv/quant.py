@@ -1,0 +1,333 @@
+"""Per-token quantizers for cached keys and values, batched over (batch, KV head).
+
+A quantizer turns rows x (N, d) into a dict of per-row fields (packed payload + scalars); the
+cache layer keeps those fields in buffers of shape (B, H, T, ...). Attention then needs only:
+
+* keys:   ``scores(q (B, H, M, d), fields) -> (B, H, M, T)``, the asymmetric estimate of <q, k>
+  computed on the codes (queries rotated/projected once, keys never decoded to d-space);
+* values: ``weighted_sum(p (B, H, M, T), fields) -> (B, H, M, d)``, sum_t p_t v_hat_t, for
+  TurboQuant accumulated in the rotated domain and rotated back once per output row.
+
+``decode`` exists for the reference path (decode-then-SDPA) and the tests.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from .. import _validate as V
+from .. import ops
+from ..codecs import QJL, TurboQuant
+from ..codecs.base import Codec, Codes
+
+__all__ = ["KVQuantizer", "CodecQuantizer", "TokenQuantizer", "ChannelSplit", "make_quantizer",
+           "Float16Quantizer"]
+
+Fields = dict[str, torch.Tensor]
+
+
+class KVQuantizer:
+    """Interface; ``bytes_per_token`` is the exact storage of one (token, head) row."""
+
+    dim: int
+    bytes_per_token: int
+
+    def encode(self, x: torch.Tensor) -> Fields:  # (N, d) float32 -> per-row fields
+        raise NotImplementedError
+
+    def encode_heads(self, x: torch.Tensor) -> Fields:
+        """(B, H, T, d) float32 -> fields of shape (B, H, T, *)."""
+        B, H, T, d = x.shape
+        f = self.encode(x.reshape(-1, d))
+        return {k: v.reshape(B, H, T, *v.shape[1:]) for k, v in f.items()}
+
+    def decode(self, f: Fields) -> torch.Tensor:  # fields (..., T, *) -> (..., T, d) float32
+        raise NotImplementedError
+
+    def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
+        """(B, H, M, d) float32 queries x fields (B, H, T, *) -> (B, H, M, T) float32."""
+        return q @ self.decode(f).transpose(-1, -2)
+
+    def weighted_sum(self, p: torch.Tensor, f: Fields) -> torch.Tensor:
+        """(B, H, M, T) float32 weights x fields -> (B, H, M, d) float32."""
+        return p @ self.decode(f)
+
+    def describe(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+def _flat(f: Fields) -> tuple[tuple[int, ...], Fields]:
+    """(B, H, T, *) fields -> leading shape and (B*H*T, *) contiguous fields."""
+    lead = tuple(f["payload"].shape[:-1])
+    return lead, {k: v.reshape(-1, *v.shape[len(lead):]) for k, v in f.items()}
+
+
+class CodecQuantizer(KVQuantizer):
+    """Any tqvec codec with a term-form estimator (TurboQuant mse/prod, QJL)."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.dim = codec.dim
+        self.bytes_per_token = codec.code_size
+        # Values can be summed in the rotated domain only for a single rotated-domain term.
+        self.rotated_values = isinstance(codec, TurboQuant) and codec.variant == "mse"
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.codec.params)
+
+    def encode(self, x: torch.Tensor) -> Fields:
+        c = self.codec.encode(x)
+        return {"payload": c.payload, **c.scalars}
+
+    def _codes(self, flat: Fields) -> Codes:
+        return Codes(flat["payload"], {k: v for k, v in flat.items() if k != "payload"},
+                     self.codec.params)
+
+    def decode(self, f: Fields) -> torch.Tensor:
+        lead, flat = _flat(f)
+        if not len(flat["payload"]):
+            return torch.zeros((*lead, self.dim), dtype=torch.float32,
+                               device=flat["payload"].device)
+        return self.codec.decode(self._codes(flat)).reshape(*lead, self.dim)
+
+    def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
+        lead, flat = _flat(f)
+        B, H, M, d = q.shape
+        qterms = self.codec.query_terms(q.reshape(-1, d))
+        out = None
+        for qt, (ct, scale) in zip(qterms, self.codec.code_terms(self._codes(flat)),
+                                   strict=True):
+            part = (qt.reshape(B, H, M, -1) @ ct.reshape(*lead, -1).transpose(-1, -2))
+            part = part * scale.reshape(*lead)[:, :, None, :]
+            out = part if out is None else out + part
+        return out
+
+    def weighted_sum(self, p: torch.Tensor, f: Fields) -> torch.Tensor:
+        if not self.rotated_values:
+            return p @ self.decode(f)
+        lead, flat = _flat(f)
+        [(c, mult)] = self.codec.code_terms(self._codes(flat))
+        acc = (p * mult.reshape(*lead)[:, :, None, :]) @ c.reshape(*lead, self.dim)
+        # x_hat = Pi^T (m c[idx]) is linear: rotate the weighted sum back once per row.
+        return self.codec.unrotate(acc.reshape(-1, self.dim)).reshape(acc.shape)
+
+
+class TokenQuantizer(KVQuantizer):
+    """Per-token asymmetric min-max quantization in groups of ``group`` channels (the QJL
+    paper's value quantizer; KIVI's value side; the "per-token b-bit g32" baseline).
+    Stores b bits per element plus a float16 scale and minimum per group."""
+
+    def __init__(self, dim: int, bits: int, group: int | None = None):
+        self.dim = V.positive_int(dim, "dim")
+        self.bits = V.positive_int(bits, "bits", 1, 8)
+        self.group = V.positive_int(group, "group")
+        if self.dim % self.group:
+            raise ValueError(f"group must divide the head dimension {self.dim}, got {group}")
+        self.ngroups = self.dim // self.group
+        self.bytes_per_token = ops.row_bytes(self.dim, self.bits) + 4 * self.ngroups
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": "token-minmax", "dim": self.dim, "bits": self.bits,
+                "group": self.group}
+
+    def encode(self, x: torch.Tensor) -> Fields:
+        n = x.shape[0]
+        g = x.reshape(n, self.ngroups, self.group)
+        lo = g.amin(-1).to(torch.float16)
+        hi = g.amax(-1).to(torch.float16)
+        levels = (1 << self.bits) - 1
+        scale = ((hi.float() - lo.float()) / levels).to(torch.float16)
+        s = scale.float().clamp_min(torch.finfo(torch.float16).tiny)
+        idx = torch.round((g - lo.float()[..., None]) / s[..., None]).clamp_(0, levels)
+        payload = ops.pack_bits(idx.reshape(n, self.dim).to(torch.uint8), self.bits)
+        return {"payload": payload, "scale": scale, "minimum": lo}
+
+    def decode(self, f: Fields) -> torch.Tensor:
+        lead, flat = _flat(f)
+        n = flat["payload"].shape[0]
+        idx = ops.unpack_bits(flat["payload"], self.dim, self.bits).float()
+        x = (idx.reshape(n, self.ngroups, self.group) * flat["scale"].float()[..., None]
+             + flat["minimum"].float()[..., None])
+        return x.reshape(*lead, self.dim)
+
+
+class ChannelSplit(KVQuantizer):
+    """Mixed widths over a channel split: per head, ``count`` outlier channels go to one
+    quantizer and the rest to another (QJL paper Section 4.1; TurboQuant's 2.5 / 3.5-bit
+    settings). The channel sets are data (picked from the prefill by ``set_channels``); the
+    quantizers stay fit-free. The index sets cost nothing per token (one small table per head).
+    """
+
+    def __init__(self, dim: int, count: int, outer: KVQuantizer, inner: KVQuantizer):
+        self.dim = dim
+        self.count = count
+        self.outer, self.inner = outer, inner
+        self.bytes_per_token = outer.bytes_per_token + inner.bytes_per_token
+        self.channels: torch.Tensor | None = None  # (H, count) outlier channel ids, sorted
+        self._order: torch.Tensor | None = None    # (H, d): outliers first, then the rest
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": "channel-split", "dim": self.dim, "outlier_channels": self.count,
+                "outliers": self.outer.describe(), "rest": self.inner.describe()}
+
+    def set_channels(self, x: torch.Tensor) -> None:
+        """Pick per head the ``count`` channels of largest mean square. x: (B, H, T, d)."""
+        energy = (x.float() ** 2).mean(dim=(0, 2))  # (H, d)
+        top = torch.topk(energy, self.count, dim=-1).indices.sort(-1).values
+        rest = torch.ones_like(energy, dtype=torch.bool).scatter_(-1, top, False)
+        others = torch.arange(self.dim, device=x.device).expand_as(energy)[rest]
+        self.channels = top
+        self._order = torch.cat([top, others.reshape(energy.shape[0], -1)], dim=-1)
+
+    def _permute(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, H, T, d) -> channels reordered per head (outliers first)."""
+        idx = self._order.to(x.device)[None, :, None, :].expand(x.shape)
+        return torch.gather(x, -1, idx)
+
+    def encode_heads(self, x: torch.Tensor) -> Fields:
+        """x (B, H, T, d) float32 -> fields (B, H, T, *) (this quantizer needs the head axis)."""
+        if self._order is None:
+            raise RuntimeError("ChannelSplit.set_channels must run before encoding")
+        B, H, T, d = x.shape
+        xp = self._permute(x)
+        fo = self.outer.encode(xp[..., : self.count].reshape(-1, self.count))
+        fi = self.inner.encode(xp[..., self.count:].reshape(-1, d - self.count))
+        f = {f"o.{k}": v for k, v in fo.items()} | {f"i.{k}": v for k, v in fi.items()}
+        f["payload"] = torch.empty((B * H * T, 0), dtype=torch.uint8, device=x.device)
+        return {k: v.reshape(B, H, T, *v.shape[1:]) for k, v in f.items()}
+
+    @staticmethod
+    def _sub(f: Fields, tag: str) -> Fields:
+        return {k[2:]: v for k, v in f.items() if k.startswith(tag)}
+
+    def decode(self, f: Fields) -> torch.Tensor:
+        xo = self.outer.decode(self._sub(f, "o."))
+        xi = self.inner.decode(self._sub(f, "i."))
+        xp = torch.cat([xo, xi], dim=-1)
+        out = torch.empty_like(xp)
+        idx = self._order.to(xp.device)[None, :, None, :].expand(xp.shape)
+        return out.scatter_(-1, idx, xp)
+
+    def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
+        qp = self._permute(q)
+        return (self.outer.scores(qp[..., : self.count].contiguous(), self._sub(f, "o."))
+                + self.inner.scores(qp[..., self.count:].contiguous(), self._sub(f, "i.")))
+
+
+class ChannelScale(KVQuantizer):
+    """Per-head channel scaling in front of a key quantizer, calibrated once at prefill.
+
+    Keys are coded as k / s and queries scored as q * s (so <q s, k / s> = <q, k> exactly).
+    A rotation-based quantizer spreads its error evenly over the coded vector, so the score
+    error has variance ~ D ||k / s||^2 ||q s||^2 / d; over per-channel mean squares K_i (keys)
+    and Q_i (queries) that is minimal at s_i^2 = sqrt(K_i / Q_i) (Cauchy-Schwarz), a gain of
+    (sum K)(sum Q) / (sum sqrt(K Q))^2 over s = 1 (1.2-2.2x on SmolLM2's layers). Without
+    query statistics (the decode-then-SDPA path) queries are taken as isotropic. The scale is a
+    d-vector per head (counted in memory), the codec itself stays fit-free.
+    """
+
+    def __init__(self, inner: KVQuantizer, max_ratio: float = 16.0):
+        self.inner = inner
+        self.dim = inner.dim
+        self.bytes_per_token = inner.bytes_per_token
+        self.max_ratio = max_ratio
+        self.scale: torch.Tensor | None = None  # (H, d)
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": "channel-scale", "inner": self.inner.describe()}
+
+    def calibrate(self, k: torch.Tensor, q_energy: torch.Tensor | None) -> None:
+        """k: (B, H, T, d) keys; q_energy: (H, d) mean squared query per channel, or None."""
+        self.mean = k.float().mean(dim=(0, 2))  # (H, d)
+        kk = ((k.float() - self.mean[None, :, None, :]) ** 2).mean(dim=(0, 2)).clamp_min(1e-12)
+        qq = q_energy.float().clamp_min(1e-12) if q_energy is not None else torch.ones_like(kk)
+        s = (kk / qq) ** 0.25
+        s = s / torch.exp(torch.log(s).mean(-1, keepdim=True))  # geometric mean 1
+        lim = math.sqrt(self.max_ratio)
+        self.scale = s.clamp(1.0 / lim, lim)
+
+    def _stats(self, device):
+        return (self.mean.to(device)[None, :, None, :], self.scale.to(device)[None, :, None, :])
+
+    def encode_heads(self, x: torch.Tensor) -> Fields:
+        mu, s = self._stats(x.device)
+        return self.inner.encode_heads((x - mu) / s)
+
+    def decode(self, f: Fields) -> torch.Tensor:
+        mu, s = self._stats(f["payload"].device)
+        return self.inner.decode(f) * s + mu
+
+    def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
+        mu, s = self._stats(q.device)
+        # <q, k> = <q, mu> + <q s, (k - mu) / s>: the first term is exact.
+        return self.inner.scores(q * s, f) + (q * mu).sum(-1, keepdim=True)
+
+    def weighted_sum(self, p: torch.Tensor, f: Fields) -> torch.Tensor:
+        mu, s = self._stats(p.device)
+        # sum_t p_t (s (x) y_t + mu) = s (x) sum_t p_t y_t + mu sum_t p_t
+        return self.inner.weighted_sum(p, f) * s + p.sum(-1, keepdim=True) * mu
+
+
+class Float16Quantizer(KVQuantizer):
+    """No quantization: rows stored as float16 (token selection alone, e.g. BalanceKV)."""
+
+    def __init__(self, dim: int):
+        self.dim = dim
+        self.bytes_per_token = 2 * dim
+
+    def describe(self) -> dict[str, Any]:
+        return {"codec": "float16", "dim": self.dim}
+
+    def encode(self, x: torch.Tensor) -> Fields:
+        if bool((x.abs() > 65504.0).any()):
+            raise ValueError("keys/values must fit in float16 (|x| <= 65504) for codec 'fp16'")
+        return {"payload": torch.empty((x.shape[0], 0), dtype=torch.uint8, device=x.device),
+                "x": x.to(torch.float16)}
+
+    def decode(self, f: Fields) -> torch.Tensor:
+        return f["x"].float()
+
+
+def make_quantizer(kind: str, dim: int, bits: float, *, seed: int, role: str,
+                   outlier_channels: int = 0, outlier_bits: int | None = None,
+                   group: int | None = None) -> KVQuantizer:
+    """Build the quantizer for ``role`` ('keys' or 'values') from a short spec.
+
+    kind: ``"turbo"`` (TurboQuant mse), ``"turbo-prod"`` (TurboQuant prod, keys only),
+    ``"qjl"`` (keys only; ``bits`` sign bits per coordinate, m = bits * d), ``"token"``
+    (per-token min-max, groups of ``group``), ``"fp16"`` (no quantization: for token selection
+    alone; ``bits`` is ignored). ``outlier_channels`` > 0 splits off that many
+    channels per head, coded with ``outlier_bits`` (default bits + 1) by the same kind.
+    """
+    if group is None:  # default: groups of 32 channels, or the largest divisor of d below
+        group = math.gcd(32, dim)
+    kind = V.choice(kind, f"{role[:-1]}_codec", ("turbo", "turbo-prod", "qjl", "token", "fp16"))
+    if kind == "fp16":
+        return Float16Quantizer(dim)
+    if role == "values" and kind in ("turbo-prod", "qjl"):
+        raise ValueError(f"value_codec must be 'turbo' or 'token' (values need a reconstruction, "
+                         f"not an inner-product estimator), got {kind!r}")
+    if outlier_channels:
+        oc = V.positive_int(outlier_channels, "outlier_channels", 1, dim - 2)
+        ob = outlier_bits if outlier_bits is not None else int(bits) + 1
+        outer = make_quantizer(kind, oc, ob, seed=seed + 7919, role=role, group=oc)
+        inner = make_quantizer(kind, dim - oc, bits, seed=seed, role=role,
+                               group=math.gcd(group, dim - oc))
+        return ChannelSplit(dim, oc, outer, inner)
+    if not float(bits).is_integer():
+        raise ValueError(f"{role[:-1]}_bits must be an integer without a channel split, got {bits} "
+                         f"(fractional widths come from outlier_channels + outlier_bits)")
+    bits = int(bits)
+    if kind == "turbo":
+        return CodecQuantizer(TurboQuant(dim, bits, "mse", seed, norm_dtype="float16"))
+    if kind == "turbo-prod":
+        if bits < 2:
+            raise ValueError(f"key_bits must be >= 2 for 'turbo-prod' (b-1 mse bits + 1 QJL "
+                             f"bit; 1 bit would be pure QJL: use 'qjl'), got {bits}")
+        return CodecQuantizer(TurboQuant(dim, bits, "prod", seed, norm_dtype="float16"))
+    if kind == "qjl":
+        return CodecQuantizer(QJL(dim, bits * dim, seed, norm_dtype="float16"))
+    return TokenQuantizer(dim, bits, group)

@@ -199,7 +199,8 @@ def run_attn(args) -> None:
         t0 = time.time()
         layers = capture_qkv(model, ids)
         head_dim = layers[0][1].shape[-1]
-        meths = methods(head_dim)
+        meths = {k: v for k, v in methods(head_dim).items()
+                 if not args.methods or k in args.methods}
         res: dict[str, dict] = {}
         for name, st in meths.items():
             errs, bits = [], []
@@ -336,6 +337,7 @@ def main(argv=None) -> None:
     a.add_argument("--text", default="gpl3")
     a.add_argument("--context", type=int, default=2048)
     a.add_argument("--queries", type=int, default=64)
+    a.add_argument("--methods", nargs="*", help="subset of the methods (default: all)")
     a.add_argument("--out")
     p = sub.add_parser("ppl")
     p.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])

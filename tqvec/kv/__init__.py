@@ -20,8 +20,6 @@ from .cache import TurboQuantCache
 from .layer import CompressedLayer, KVSettings
 from .quant import ChannelSplit, CodecQuantizer, TokenQuantizer, make_quantizer
 
-register()
-
 __all__ = ["TurboQuantCache", "BalanceConfig", "MergeAndReduce", "balance_signs", "halve",
            "CompressedLayer", "KVSettings", "ChannelSplit", "CodecQuantizer", "TokenQuantizer",
            "make_quantizer", "attend", "register", "ATTENTION_NAME"]

@@ -10,6 +10,7 @@ from .. import _validate as V
 from . import attention as _attention
 from .balance import BalanceConfig
 from .layer import CompressedLayer, KVSettings
+from .quant import make_quantizer
 
 __all__ = ["TurboQuantCache"]
 
@@ -85,7 +86,6 @@ class TurboQuantCache(Cache):
             text.hidden_size // text.num_attention_heads)
         # Build the quantizers once now so that a bad codec/bits/group fails here, not
         # in the middle of a forward.
-        from .quant import make_quantizer
         make_quantizer(key_codec, head_dim, key_bits, seed=0, role="keys",
                        outlier_channels=outlier_channels, outlier_bits=outlier_bits, group=group)
         make_quantizer(value_codec, head_dim, value_bits, seed=0, role="values",

@@ -14,7 +14,6 @@ cache layer keeps those fields in buffers of shape (B, H, T, ...). Attention the
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
@@ -55,9 +54,6 @@ class KVQuantizer:
         """(B, H, M, T) float32 weights x fields -> (B, H, M, d) float32."""
         return p @ self.decode(f)
 
-    def describe(self) -> dict[str, Any]:
-        raise NotImplementedError
-
 
 def _flat(f: Fields) -> tuple[tuple[int, ...], Fields]:
     """(B, H, T, *) fields -> leading shape and (B*H*T, *) contiguous fields."""
@@ -74,9 +70,6 @@ class CodecQuantizer(KVQuantizer):
         self.bytes_per_token = codec.code_size
         # Values can be summed in the rotated domain only for a single rotated-domain term.
         self.rotated_values = isinstance(codec, TurboQuant) and codec.variant == "mse"
-
-    def describe(self) -> dict[str, Any]:
-        return dict(self.codec.params)
 
     def encode(self, x: torch.Tensor) -> Fields:
         c = self.codec.encode(x)
@@ -129,10 +122,6 @@ class TokenQuantizer(KVQuantizer):
         self.ngroups = self.dim // self.group
         self.bytes_per_token = ops.row_bytes(self.dim, self.bits) + 4 * self.ngroups
 
-    def describe(self) -> dict[str, Any]:
-        return {"codec": "token-minmax", "dim": self.dim, "bits": self.bits,
-                "group": self.group}
-
     def encode(self, x: torch.Tensor) -> Fields:
         n = x.shape[0]
         g = x.reshape(n, self.ngroups, self.group)
@@ -168,10 +157,6 @@ class ChannelSplit(KVQuantizer):
         self.bytes_per_token = outer.bytes_per_token + inner.bytes_per_token
         self.channels: torch.Tensor | None = None  # (H, count) outlier channel ids, sorted
         self._order: torch.Tensor | None = None    # (H, d): outliers first, then the rest
-
-    def describe(self) -> dict[str, Any]:
-        return {"codec": "channel-split", "dim": self.dim, "outlier_channels": self.count,
-                "outliers": self.outer.describe(), "rest": self.inner.describe()}
 
     def set_channels(self, x: torch.Tensor) -> None:
         """Pick per head the ``count`` channels of largest mean square. x: (B, H, T, d)."""
@@ -236,9 +221,6 @@ class ChannelScale(KVQuantizer):
         self.max_ratio = max_ratio
         self.scale: torch.Tensor | None = None  # (H, d)
 
-    def describe(self) -> dict[str, Any]:
-        return {"codec": "channel-scale", "inner": self.inner.describe()}
-
     def calibrate(self, k: torch.Tensor, q_energy: torch.Tensor | None) -> None:
         """k: (B, H, T, d) keys; q_energy: (H, d) mean squared query per channel, or None."""
         self.mean = k.float().mean(dim=(0, 2))  # (H, d)
@@ -277,9 +259,6 @@ class Float16Quantizer(KVQuantizer):
     def __init__(self, dim: int):
         self.dim = dim
         self.bytes_per_token = 2 * dim
-
-    def describe(self) -> dict[str, Any]:
-        return {"codec": "float16", "dim": self.dim}
 
     def encode(self, x: torch.Tensor) -> Fields:
         if bool((x.abs() > 65504.0).any()):

@@ -111,6 +111,17 @@ def test_accounting_is_exact():
     assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
 
 
+def test_accounting_counts_calibration_tables():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    plain = kv.TurboQuantCache(model.config, residual_length=8, calibrate=False)
+    cal = kv.TurboQuantCache(model.config, residual_length=8, calibrate=True)
+    run(model, ids, plain, 20)
+    run(model, ids, cal, 20)
+    # per layer and head: a mean and a scale (16 float32 each) for keys and for values
+    assert cal.memory_bytes() - plain.memory_bytes() == 2 * 2 * (4 * 16 * 4)
+
+
 def test_crop_drops_exactly_the_last_tokens():
     model = llama()
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(6))

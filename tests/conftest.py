@@ -35,9 +35,15 @@ def backend(request):
     """Each reference-vs-kernel test is written once and runs on every available backend."""
     if request.param == "cpu" and "cpu" not in tqvec.available_backends():
         pytest.skip("tqvec._C not built")
-    if request.param == "cuda":
-        pytest.skip("no CUDA kernels in this build")
+    if request.param == "cuda" and "cuda" not in tqvec.available_backends():
+        pytest.skip(f"CUDA kernels unavailable: {tqvec.ops.cuda.unavailable_reason()}")
     return request.param
+
+
+def on(backend, *tensors):
+    """The tensors on the backend's device (CUDA kernels take CUDA tensors)."""
+    out = tuple(t.cuda() if backend == "cuda" else t for t in tensors)
+    return out if len(out) > 1 else out[0]
 
 
 @pytest.fixture

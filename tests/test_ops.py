@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 from tqvec import ops
 from tqvec.random import make_rotation
 
+from tests.conftest import on
+
 AWKWARD_D = [1, 2, 3, 7, 64, 96, 100, 128, 384, 769]
 
 
@@ -43,7 +45,7 @@ def test_quantize_pack_matches_reference(backend, b, d, rng):
     # Put some values exactly on thresholds (after scaling): ties must go up, like searchsorted.
     y[0, : min(d, len(thr))] = thr[: min(d, len(thr))] / scale[0]
     ref = ops.quantize_pack(y, scale, thr, b, backend="ref")
-    got = ops.quantize_pack(y, scale, thr, b, backend=backend)
+    got = ops.quantize_pack(*on(backend, y, scale, thr), b, backend=backend).cpu()
     assert torch.equal(got, ref)
     idx = ops.unpack_bits(ref, d, b, backend="ref").long()
     v = y * scale[:, None]
@@ -54,10 +56,12 @@ def test_quantize_pack_matches_reference(backend, b, d, rng):
 def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
     rot = make_rotation("hadamard", d, 7)
     x = torch.from_numpy(rng.standard_normal((33, d)).astype(np.float32))
+    perms, signs = on(backend, rot.perms, rot.signs)
     ref = ops.hadamard_rotate(x, rot.perms, rot.signs, rot.p, backend="ref")
-    got = ops.hadamard_rotate(x, rot.perms, rot.signs, rot.p, backend=backend)
-    assert torch.equal(got, ref)
-    back = ops.hadamard_rotate(got, rot.perms, rot.signs, rot.p, inverse=True, backend=backend)
+    got = ops.hadamard_rotate(on(backend, x), perms, signs, rot.p, backend=backend)
+    assert torch.equal(got.cpu(), ref)
+    back = ops.hadamard_rotate(got, perms, signs, rot.p, inverse=True, backend=backend).cpu()
+    got = got.cpu()
     assert torch.equal(back, ops.hadamard_rotate(got, rot.perms, rot.signs, rot.p, inverse=True,
                                                  backend="ref"))
     torch.testing.assert_close(back, x, atol=2e-5, rtol=0)
@@ -69,9 +73,10 @@ def test_ops_accept_empty_and_strided_inputs(backend, rng):
     y = torch.from_numpy(rng.standard_normal((10, 40)).astype(np.float32))[:, ::2]  # strided
     scale = torch.ones(10)
     thr = torch.tensor([-0.5, 0.0, 0.5])
-    got = ops.quantize_pack(y, scale, thr, 2, backend=backend)
+    got = ops.quantize_pack(*on(backend, y, scale, thr), 2, backend=backend).cpu()
     assert torch.equal(got, ops.quantize_pack(y.contiguous(), scale, thr, 2, backend="ref"))
-    empty = ops.quantize_pack(torch.zeros((0, 5)), torch.zeros(0), thr, 2, backend=backend)
+    empty = ops.quantize_pack(*on(backend, torch.zeros((0, 5)), torch.zeros(0), thr), 2,
+                              backend=backend)
     assert empty.shape == (0, 2)
 
 
@@ -81,7 +86,7 @@ def test_unknown_and_unavailable_backends():
     idx = torch.zeros((2, 3), dtype=torch.uint8)
     with pytest.raises(ValueError, match="backend must be one of"):
         ops.pack_bits(idx, 2, backend="gpu")
-    with pytest.raises(BackendUnavailable):
+    with pytest.raises(BackendUnavailable, match="cannot run on a cpu tensor"):
         ops.pack_bits(idx, 2, backend="cuda")
 
 
@@ -98,7 +103,8 @@ def test_lut_scan_matches_reference(backend, b, d, n, nq, rng):
     add[::5] = -float("inf")  # excluded rows (filters)
     k = 12 if n > 12 else n + 3  # also k > number of finite rows: -inf / -1 padding
     vr, pr = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
-    vc, pc = ops.lut_scan(qr, packed, c, mult, add, b, k, backend=backend)
+    vc, pc = ops.lut_scan(*on(backend, qr, packed, c, mult, add), b, k, backend=backend)
+    vc, pc = vc.cpu(), pc.cpu()
     torch.testing.assert_close(vc, vr, rtol=1e-4, atol=1e-4)
     differ = pc != pr
     assert torch.equal(vc[differ].isfinite(), vr[differ].isfinite())

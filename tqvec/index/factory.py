@@ -53,8 +53,9 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
 
 
 def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
-                  k_factor: int = 4) -> FlatIndex:
-    """Build an index from a factory string (see the module docstring)."""
+                  k_factor: int = 4, device: Any = None) -> FlatIndex:
+    """Build an index from a factory string (see the module docstring); ``device="cuda"``
+    keeps the codes on the GPU and searches them with the CUDA kernels."""
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     if spec.strip().startswith("IVF"):
@@ -67,4 +68,4 @@ def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
         raise ValueError("spec must start with a codec (Flat is only a refinement), got "
                          f"{spec!r}")
     ref = parse_codec(d, m["ref"], seed + 1) if m["ref"] else None
-    return FlatIndex(base, metric, refine=ref, k_factor=k_factor)
+    return FlatIndex(base, metric, refine=ref, k_factor=k_factor, device=device)

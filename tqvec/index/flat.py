@@ -55,6 +55,21 @@ def _append_rows(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
     return concat_codes([old, new]) if isinstance(new, Codes) else torch.cat([old, new])
 
 
+def _device(device: Any) -> torch.device:
+    if device is None:
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device must be a device torch can use, got {device!r} but torch "
+                         f"{torch.__version__} sees no CUDA device")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    return dev
+
+
 def metric_code(metric: Any) -> int:
     """'ip' | 'l2' | 'cosine' (or faiss's integer metric) -> the integer code."""
     if isinstance(metric, (int, np.integer)) and not isinstance(metric, bool):
@@ -80,10 +95,14 @@ class FlatIndex:
     refine: ``None``, another codec (finer codes) or ``"flat"`` (exact float32 vectors); search
         then takes ``k_factor * k`` candidates from the codes and re-ranks them with the refinement.
     k_factor: candidates per result for refinement (default 4, faiss's default is 1).
+    device: where the codes live and are scanned (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
+        On a GPU, adds encode with the CUDA kernels and searches run the CUDA LUT scan
+        (TurboQuant-mse) or the codec's blocked GEMM; results come back as numpy, as in faiss.
+        Ids, and exact vectors for ``Refine(Flat)``, stay in host memory.
     """
 
     def __init__(self, codec: Codec, metric: Any = "ip", *, refine: Codec | str | None = None,
-                 k_factor: int = 4):
+                 k_factor: int = 4, device: str | torch.device | None = None):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
         self.codec = codec
@@ -95,6 +114,7 @@ class FlatIndex:
             raise ValueError(f"refine codec must have dim {self.d}, got {refine.dim}")
         self.refine = refine
         self.k_factor = V.positive_int(k_factor, "k_factor")
+        self.device = _device(device)
         self.is_trained = True  # data-oblivious: nothing to train
         self._lock = threading.Lock()
         self.reset()
@@ -123,7 +143,8 @@ class FlatIndex:
         self._next_id = 0
         self._codes: Codes | None = None
         self._ref: Codes | torch.Tensor | None = None
-        self._sqnorms = torch.empty(0, dtype=torch.float32)  # ||x_hat||^2 (l2 / cosine)
+        # N(x) (l2 / cosine), on self.device like the codes
+        self._sqnorms = torch.empty(0, dtype=torch.float32, device=self.device)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._pos: dict[int, int] | None = None
 
@@ -145,12 +166,13 @@ class FlatIndex:
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if t.shape[0] == 0:
             return
-        codes = self.codec.encode(t)
+        td = t.to(self.device)
+        codes = self.codec.encode(td)
         ref = None
         if self.refine == "flat":
             ref = t.to(torch.float32).cpu().clone()
         elif isinstance(self.refine, Codec):
-            ref = self.refine.encode(t)
+            ref = self.refine.encode(td)
         sq = self._sqnorms_of(self.codec, codes)
         with self._lock:
             self._codes = _append_rows(self._codes, codes)
@@ -167,8 +189,8 @@ class FlatIndex:
         if self.metric_type == METRIC_INNER_PRODUCT:
             return torch.empty(0, dtype=torch.float32)
         if codec.unbiased_ip:
-            return codec.true_sqnorms(codes).cpu()
-        return codec.reconstruction_sqnorms(codes).cpu()
+            return codec.true_sqnorms(codes).to(self.device)
+        return codec.reconstruction_sqnorms(codes).to(self.device)
 
     def remove_ids(self, ids: Any) -> int:
         """Remove the given ids; returns how many were removed (faiss semantics)."""
@@ -179,11 +201,12 @@ class FlatIndex:
             keep = ~torch.isin(self._ids, sel)
             removed = int((~keep).sum())
             if removed:
-                self._codes = self._codes[keep]
+                keep_d = keep.to(self.device)
+                self._codes = self._codes[keep_d]
                 if self._ref is not None:  # Codes or an exact-vector tensor: both index by rows
-                    self._ref = self._ref[keep]
+                    self._ref = self._ref[keep_d if isinstance(self._ref, Codes) else keep]
                 if self._sqnorms.numel():
-                    self._sqnorms = self._sqnorms[keep]
+                    self._sqnorms = self._sqnorms[keep_d]
                 self._ids = self._ids[keep]
                 self._n -= removed
                 self._pos = None
@@ -220,7 +243,7 @@ class FlatIndex:
 
     def _prepare(self, x: Any) -> tuple[torch.Tensor, bool]:
         q, was_numpy = V.float_matrix(x, "x", self.d)
-        q = q.to(torch.float32)
+        q = q.to(device=self.device, dtype=torch.float32)
         if self.metric_type == METRIC_COSINE:
             q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
         return q, was_numpy
@@ -229,7 +252,7 @@ class FlatIndex:
         if allowed_ids is None:
             return None
         sel = torch.as_tensor(np.asarray(allowed_ids, dtype=np.int64).reshape(-1))
-        return torch.isin(self._ids, sel)
+        return torch.isin(self._ids, sel).to(self.device)
 
     def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
                params: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -255,8 +278,9 @@ class FlatIndex:
             return D, I
         mask = self._allowed_mask(allowed_ids)
         kk = min(n, k * self.k_factor if ref is not None else k)
-        lut = (nq <= _LUT_MAX_QUERIES and isinstance(self.codec, TurboQuant)
-               and self.codec.variant == "mse")
+        # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
+        lut = ((nq <= _LUT_MAX_QUERIES or self.device.type == "cuda")
+               and isinstance(self.codec, TurboQuant) and self.codec.variant == "mse")
         for qs in range(0, nq, _QUERY_BLOCK):
             qe = min(nq, qs + _QUERY_BLOCK)
             qb = q[qs:qe]
@@ -266,6 +290,7 @@ class FlatIndex:
                 best_s, best_p = self._gemm_search(qb, codes, sqn, mask, kk)
             if ref is not None:
                 best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
+            best_s, best_p = best_s.cpu(), best_p.cpu()
             valid = torch.isfinite(best_s)
             m = best_s.shape[1]
             vals = best_s.numpy()
@@ -279,15 +304,17 @@ class FlatIndex:
                      mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Running top-kk over blocks of codes scored with the codec (decode block + GEMM)."""
         n = len(codes)
-        best_s = torch.empty((q.shape[0], 0))
-        best_p = torch.empty((q.shape[0], 0), dtype=torch.int64)
+        dev = q.device
+        best_s = torch.empty((q.shape[0], 0), device=dev)
+        best_p = torch.empty((q.shape[0], 0), dtype=torch.int64, device=dev)
         for cs in range(0, n, _CODE_BLOCK):
             ce = min(n, cs + _CODE_BLOCK)
             s = self._scores(q, codes[cs:ce], sqn[cs:ce])
             if mask is not None:
                 s = s.masked_fill(~mask[cs:ce][None, :], -float("inf"))
             s = torch.cat([best_s, s], dim=1)
-            p = torch.cat([best_p, torch.arange(cs, ce).expand(q.shape[0], -1)], dim=1)
+            p = torch.cat([best_p, torch.arange(cs, ce, device=dev).expand(q.shape[0], -1)],
+                          dim=1)
             top = torch.topk(s, min(kk, s.shape[1]), dim=1)
             best_s, best_p = top.values, torch.gather(p, 1, top.indices)
         return best_s, best_p
@@ -296,14 +323,15 @@ class FlatIndex:
                     mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The same similarities as ``_scores`` via the codec's LUT scan (fused top-k)."""
         n = len(codes)
-        add = torch.zeros(n, dtype=torch.float32)
+        dev = q.device
+        add = torch.zeros(n, dtype=torch.float32, device=dev)
         if self.metric_type == METRIC_L2:
-            weight = torch.full((n,), 2.0)
+            weight = torch.full((n,), 2.0, device=dev)
             add = -sqn
         elif self.metric_type == METRIC_COSINE:
             weight = 1.0 / torch.sqrt(sqn.clamp_min(1e-30))
         else:
-            weight = torch.ones(n)
+            weight = torch.ones(n, device=dev)
         if mask is not None:
             add = add.masked_fill(~mask, -float("inf"))
         vals, pos = self.codec.scan_topk(q, codes, weight, add, kk)
@@ -315,11 +343,11 @@ class FlatIndex:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-score the candidates p (nq, kk) with the refinement and keep the best k."""
         nq, kk = p.shape
-        flat = p.reshape(-1)
+        flat = p.reshape(-1).clamp_min(0)  # -1 (no candidate) rows are masked out below
         if isinstance(ref, Codes):
             cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)
         else:
-            cand = ref[flat].reshape(nq, kk, self.d)
+            cand = ref[flat.cpu()].reshape(nq, kk, self.d).to(q.device)
         ip = torch.einsum("qd,qkd->qk", q, cand)
         if self.metric_type == METRIC_L2:
             new = 2 * ip - (cand * cand).sum(-1) - (q * q).sum(1, keepdim=True)
@@ -354,7 +382,8 @@ class FlatIndex:
             for i in range(q.shape[0]):
                 sel = hit[i].nonzero()[:, 0]
                 if sel.numel():
-                    per_query[i].append((s[i, sel].numpy(), ids[cs:ce][sel].numpy()))
+                    sel = sel.cpu()
+                    per_query[i].append((s[i].cpu()[sel].numpy(), ids[cs:ce][sel].numpy()))
         for i, parts in enumerate(per_query):
             for dd, ii in parts:
                 Ds.append(dd.astype(np.float32))
@@ -366,5 +395,6 @@ class FlatIndex:
 
     def __repr__(self) -> str:
         ref = f", refine={self.refine!r}" if self.refine is not None else ""
-        return (f"FlatIndex({self.codec!r}, metric={metric_name(self.metric_type)!r}{ref}, "
-                f"ntotal={self._n})")
+        dev = f", device='{self.device}'" if self.device.type != "cpu" else ""
+        return (f"FlatIndex({self.codec!r}, metric={metric_name(self.metric_type)!r}{ref}"
+                f"{dev}, ntotal={self._n})")

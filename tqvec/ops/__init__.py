@@ -1,9 +1,10 @@
 """Ops: one meaning (``ref.py``), several implementations, dispatched per call.
 
-CPU tensors go to the compiled kernels when ``tqvec._C`` imported, else to the reference
-(``backend="auto"`` falls back silently, with one logged warning). CUDA tensors use the
-reference in torch until CUDA kernels are loaded. Asking explicitly for a backend that is
-missing raises ``BackendUnavailable``. Inputs are made contiguous here; kernels validate nothing.
+CPU tensors go to the compiled kernels when ``tqvec._C`` imported, CUDA tensors to the NVRTC-
+compiled kernels of ``csrc/cuda`` (``cuda.py``); either falls back to the reference when its
+kernels are missing (``backend="auto"``, with one logged warning). Asking explicitly for a
+backend that is missing raises ``BackendUnavailable``. Inputs are made contiguous here; kernels
+validate nothing.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 
 from ..errors import BackendUnavailable
 from . import cpu as _cpu
+from . import cuda as _cuda
 from . import ref as _ref
 from .ref import row_bytes
 
@@ -32,6 +34,8 @@ def available_backends() -> tuple[str, ...]:
     out = ["ref"]
     if _cpu.available():
         out.append("cpu")
+    if _cuda.available():
+        out.append("cuda")
     return tuple(out)
 
 
@@ -49,9 +53,21 @@ def _pick(name: str, device: torch.device, backend: str) -> Callable:
     ref = getattr(_ref, f"{name}_ref")
     if backend == "ref":
         return ref
+    if device.type == "cuda":
+        if backend == "cpu":
+            raise BackendUnavailable("backend 'cpu' cannot run on a cuda tensor")
+        why = _cuda.unavailable_reason()
+        if why is None:
+            return getattr(_cuda, f"{name}_cuda")
+        if backend == "cuda":
+            raise BackendUnavailable(f"backend 'cuda' is not available for {name}: {why}")
+        _warn_once("cuda", f"tqvec CUDA kernels are not available ({why}); using the torch "
+                           "reference ops on the GPU (slower)")
+        return ref
     if backend == "cuda":
-        raise BackendUnavailable(f"backend 'cuda' is not available for {name}: no CUDA kernels "
-                                 "are loaded in this build")
+        raise BackendUnavailable(f"backend 'cuda' cannot run on a {device.type} tensor"
+                                 + ("" if _cuda.available() else
+                                    f" (and it is not available: {_cuda.unavailable_reason()})"))
     if device.type == "cpu":
         if _cpu.available():
             return getattr(_cpu, f"{name}_cpu")
@@ -86,9 +102,14 @@ def quantize_pack(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor
 
 def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
                     inverse: bool = False, backend: str = "auto") -> torch.Tensor:
-    """Multi-round randomized Hadamard rotation of the rows of x (n, d) float32."""
-    return _pick("hadamard_rotate", x.device, backend)(
-        x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
+    """Multi-round randomized Hadamard rotation of the rows of x (n, d) -> float32.
+
+    x is float32; the CUDA kernel also reads float16/bfloat16 rows directly (the meaning is
+    the rotation of ``x.float()``, which the other backends compute after a cast)."""
+    f = _pick("hadamard_rotate", x.device, backend)
+    if x.dtype != torch.float32 and f is not _cuda.hadamard_rotate_cuda:
+        x = x.float()
+    return f(x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
 
 
 def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,

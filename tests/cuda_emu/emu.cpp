@@ -1,0 +1,148 @@
+// A CPU emulation of the CUDA execution model, just enough to run tqvec's header-free kernels
+// (csrc/cuda/*.cu) on a machine with no GPU: every thread of a block is a std::thread, blocks
+// run one after another, __syncthreads is a std::barrier, __syncthreads_or and the warp
+// shuffles are block-wide exchanges (the kernels call them block-uniformly), shared memory is
+// one static buffer per extern __shared__ array. It checks the kernels' logic (indexing, bit
+// layout, the selection protocol, barriers), not GPU specifics (memory model, warp timing).
+// Built by tests/test_cuda.py with g++ -std=c++20.
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <bit>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <thread>
+#include <vector>
+
+struct tq_dim3 { unsigned x = 1, y = 1, z = 1; };
+struct uint4 { unsigned x, y, z, w; };
+static tq_dim3 blockIdx, blockDim, gridDim;
+static thread_local tq_dim3 threadIdx;
+static std::barrier<>* tq_bar = nullptr;
+
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(n)
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+
+static inline void __syncthreads() { tq_bar->arrive_and_wait(); }
+
+static std::atomic<int> tq_or_acc[2];
+static thread_local int tq_or_phase = 0;
+static inline int __syncthreads_or(int p) {
+  const int ph = tq_or_phase;
+  tq_or_phase ^= 1;
+  if (p) tq_or_acc[ph].fetch_or(1);
+  tq_bar->arrive_and_wait();
+  const int r = tq_or_acc[ph].load();
+  tq_bar->arrive_and_wait();
+  if (threadIdx.x == 0) tq_or_acc[ph].store(0);
+  return r;
+}
+
+static float tq_xchg[1024];
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+  tq_xchg[threadIdx.x] = v;
+  tq_bar->arrive_and_wait();
+  const float r = tq_xchg[threadIdx.x ^ off];
+  tq_bar->arrive_and_wait();
+  return r;
+}
+
+static inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
+static inline uint4 __ldg(const uint4* p) { return *p; }
+static inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
+static inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+using std::fmaf;
+using std::min;
+using std::max;
+
+// extern __shared__ arrays: one static buffer each (blocks run one at a time).
+alignas(16) unsigned char tq_smem[1 << 18];
+alignas(16) float tq_row[1 << 16];
+alignas(16) float thr_s[1 << 10];
+
+#include "../../csrc/cuda/pack.cu"
+#include "../../csrc/cuda/hadamard.cu"
+#include "../../csrc/cuda/scan.cu"
+
+static void run_grid(int gx, int gy, int bx, const std::function<void()>& body) {
+  gridDim = {static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};
+  blockDim = {static_cast<unsigned>(bx), 1, 1};
+  for (int y = 0; y < gy; ++y) {
+    for (int x = 0; x < gx; ++x) {
+      blockIdx = {static_cast<unsigned>(x), static_cast<unsigned>(y), 0};
+      std::barrier<> bar(bx);
+      tq_bar = &bar;
+      std::vector<std::thread> ts;
+      ts.reserve(bx);
+      for (int t = 0; t < bx; ++t)
+        ts.emplace_back([t, &body] {
+          threadIdx = {static_cast<unsigned>(t), 0, 0};
+          tq_or_phase = 0;
+          body();
+        });
+      for (auto& t : ts) t.join();
+    }
+  }
+}
+
+template <typename T> static T A(void** a, int i) { return *static_cast<T*>(a[i]); }
+
+// cuLaunchKernel-like entry: args[i] points at the i-th argument's value. Returns 0 on success,
+// 1 for an unknown kernel, 2 when the dynamic shared memory does not fit the static buffer.
+extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long smem, void** a) {
+  using u8 = unsigned char;
+  using i64 = long long;
+  const std::string n(name);
+  if (n == "tq_lut_scan") {
+    if (smem > static_cast<long long>(sizeof(tq_smem))) return 2;
+    run_grid(gx, gy, bx, [&] {
+      tq_lut_scan(A<const float*>(a, 0), A<const u8*>(a, 1), A<const float*>(a, 2),
+                  A<const float*>(a, 3), A<const float*>(a, 4), A<int>(a, 5), A<int>(a, 6),
+                  A<int>(a, 7), A<int>(a, 8), A<int>(a, 9), A<int>(a, 10), A<int>(a, 11),
+                  A<int>(a, 12), A<int>(a, 13), A<float*>(a, 14), A<i64*>(a, 15));
+    });
+  } else if (n == "tq_pack_bits") {
+    run_grid(gx, gy, bx, [&] {
+      tq_pack_bits(A<const u8*>(a, 0), A<u8*>(a, 1), A<int>(a, 2), A<int>(a, 3), A<int>(a, 4));
+    });
+  } else if (n == "tq_unpack_bits") {
+    run_grid(gx, gy, bx, [&] {
+      tq_unpack_bits(A<const u8*>(a, 0), A<u8*>(a, 1), A<int>(a, 2), A<int>(a, 3),
+                     A<int>(a, 4));
+    });
+  } else if (n == "tq_quantize_pack") {
+    if (smem > static_cast<long long>(sizeof(thr_s))) return 2;
+    run_grid(gx, gy, bx, [&] {
+      tq_quantize_pack(A<const float*>(a, 0), A<const float*>(a, 1), A<const float*>(a, 2),
+                       A<int>(a, 3), A<u8*>(a, 4), A<int>(a, 5), A<int>(a, 6), A<int>(a, 7));
+    });
+  } else if (n == "tq_hadamard_f32" || n == "tq_hadamard_h16") {
+    if (smem > static_cast<long long>(sizeof(tq_row))) return 2;
+    const bool h16 = n == "tq_hadamard_h16";
+    run_grid(gx, gy, bx, [&] {
+      if (h16)
+        tq_hadamard_h16(A<const unsigned short*>(a, 0), A<const i64*>(a, 1),
+                        A<const float*>(a, 2), A<float*>(a, 3), A<int>(a, 4), A<int>(a, 5),
+                        A<int>(a, 6), A<int>(a, 7), A<int>(a, 8), A<double>(a, 9),
+                        A<int>(a, 10));
+      else
+        tq_hadamard_f32(A<const float*>(a, 0), A<const i64*>(a, 1), A<const float*>(a, 2),
+                        A<float*>(a, 3), A<int>(a, 4), A<int>(a, 5), A<int>(a, 6),
+                        A<int>(a, 7), A<int>(a, 8), A<double>(a, 9));
+    });
+  } else {
+    return 1;
+  }
+  return 0;
+}

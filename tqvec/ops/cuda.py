@@ -1,0 +1,322 @@
+"""CUDA implementations of the ops; same arguments and results as ``ref.py``.
+
+The kernels are the header-free sources in ``csrc/cuda/*.cu`` (shipped inside the package as
+``tqvec/_cuda/*.cu`` by the build), compiled at run time by NVRTC: through
+``torch.cuda._compile_kernel`` (torch >= 2.8; the only place tqvec touches that private API) or,
+failing that, CuPy's ``RawModule``. Each kernel is compiled once per (file, kernel, compute
+capability, source sha256) and process. Kernels run on torch's current stream and change no
+device-wide setting.
+
+Nothing here validates user input (``tqvec.ops`` and the codecs do); sizes must fit in int32
+(the launcher passes Python ints as C ints), which the functions check.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import math
+import threading
+from pathlib import Path
+
+import torch
+
+from .ref import row_bytes
+
+__all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
+           "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda", "SOURCES",
+           "source_path"]
+
+#: kernel file -> kernels it defines (what the nvcc compile check and the loader know about).
+SOURCES = {
+    "pack.cu": ("tq_pack_bits", "tq_unpack_bits", "tq_quantize_pack"),
+    "hadamard.cu": ("tq_hadamard_f32", "tq_hadamard_h16"),
+    "scan.cu": ("tq_lut_scan",),
+}
+# Bit-exact kernels must not contract a*b+c into an FMA (the reference rounds twice).
+_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": []}
+_INT32_MAX = 2**31 - 1
+_lock = threading.Lock()
+_compiled: dict[tuple[str, str, str, str], object] = {}
+
+
+def source_path(name: str) -> Path:
+    """The .cu file: inside the installed package, else the source tree's csrc/cuda."""
+    here = Path(__file__).resolve().parent.parent
+    for p in (here / "_cuda" / name, here.parent / "csrc" / "cuda" / name):
+        if p.is_file():
+            return p
+    raise FileNotFoundError(f"CUDA source {name} is neither in {here / '_cuda'} nor in "
+                            f"{here.parent / 'csrc' / 'cuda'}")
+
+
+def _torch_compiler():
+    """torch.cuda._compile_kernel when this torch has a usable one (>= 2.8), else None."""
+    major, minor = (int(v) for v in torch.__version__.split("+")[0].split(".")[:2])
+    if (major, minor) < (2, 8):
+        return None
+    return getattr(torch.cuda, "_compile_kernel", None)
+
+
+@functools.lru_cache(maxsize=1)
+def unavailable_reason() -> str | None:
+    """None when CUDA kernels can be compiled and launched here, else why not."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA device"
+    if _torch_compiler() is None:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return (f"torch {torch.__version__} has no torch.cuda._compile_kernel (needs >= 2.8) "
+                    "and CuPy is not installed")
+    try:
+        for name in SOURCES:
+            source_path(name)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+class _Launcher:
+    """A compiled kernel: ``launcher(grid, block, args, smem)`` on torch's current stream."""
+
+    def __init__(self, src: str, name: str, arch: str, options: list[str]):
+        self.name = name
+        self._smem_configured = 0
+        compile_kernel = _torch_compiler()
+        if compile_kernel is not None:
+            self._k = compile_kernel(src, name, compute_capability=arch,
+                                     nvcc_options=list(options))
+            self._cupy = None
+        else:
+            import cupy
+            mod = cupy.RawModule(code=src, options=("-std=c++17", f"-arch=sm_{arch}",
+                                                    *options))
+            self._k = mod.get_function(name)
+            self._cupy = cupy
+
+    def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
+                 smem: int = 0) -> None:
+        if smem >= 48 * 1024 and smem > self._smem_configured:
+            if self._cupy is None:
+                if hasattr(self._k, "set_shared_memory_config"):
+                    self._k.set_shared_memory_config(smem)
+            else:
+                self._k.max_dynamic_shared_size_bytes = smem
+            self._smem_configured = smem
+        if self._cupy is None:
+            self._k(grid=grid, block=block, args=args, shared_mem=smem)
+            return
+        import numpy as np
+        cp = self._cupy
+        conv = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                conv.append(cp.from_dlpack(a))
+            elif isinstance(a, float):
+                conv.append(np.float64(a))
+            else:
+                conv.append(np.int32(a))
+        with cp.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
+            self._k(grid, block, tuple(conv), shared_mem=smem)
+
+
+def _props(device: torch.device) -> tuple[int, int]:
+    """(multiprocessors, opt-in shared memory per block in bytes) of the device."""
+    p = torch.cuda.get_device_properties(device)
+    return p.multi_processor_count, getattr(p, "shared_memory_per_block_optin", 48 * 1024)
+
+
+def _on(device: torch.device):
+    """Make ``device`` current while launching (a no-op for the CPU emulation in the tests)."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def _kernel(file: str, name: str, device: torch.device) -> _Launcher:
+    props = torch.cuda.get_device_properties(device)
+    arch = f"{props.major}{props.minor}"
+    src = source_path(file).read_text()
+    key = (file, name, arch, hashlib.sha256(src.encode()).hexdigest())
+    with _lock:
+        k = _compiled.get(key)
+        if k is None:
+            with torch.cuda.device(device):
+                k = _Launcher(src, name, arch, _OPTIONS[file])
+            _compiled[key] = k
+    return k
+
+
+def _check_int32(**sizes: int) -> None:
+    for name, v in sizes.items():
+        if v > _INT32_MAX:
+            raise ValueError(f"{name} must be < 2**31 for the CUDA kernels, got {v}")
+
+
+def _grid_1d(total: int, device: torch.device, threads: int = 256) -> tuple[int, int, int]:
+    sms = _props(device)[0]
+    return (max(1, min(-(-total // threads), sms * 32)), 1, 1)
+
+
+def pack_bits_cuda(idx: torch.Tensor, b: int) -> torch.Tensor:
+    n, d = idx.shape
+    out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8, device=idx.device)
+    if n:
+        _check_int32(n=n, d=d)
+        with _on(idx.device):
+            _kernel("pack.cu", "tq_pack_bits", idx.device)(
+                _grid_1d(out.numel(), idx.device), (256, 1, 1), [idx, out, n, d, b])
+    return out
+
+
+def unpack_bits_cuda(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
+    n = packed.shape[0]
+    out = torch.empty((n, d), dtype=torch.uint8, device=packed.device)
+    if n:
+        _check_int32(n=n, d=d)
+        with _on(packed.device):
+            _kernel("pack.cu", "tq_unpack_bits", packed.device)(
+                _grid_1d(out.numel(), packed.device), (256, 1, 1), [packed, out, n, d, b])
+    return out
+
+
+def quantize_pack_cuda(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor, b: int
+                       ) -> torch.Tensor:
+    n, d = y.shape
+    out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8, device=y.device)
+    nthr = thresholds.numel()
+    if n:
+        _check_int32(n=n, d=d)
+        with _on(y.device):
+            _kernel("pack.cu", "tq_quantize_pack", y.device)(
+                _grid_1d(out.numel(), y.device), (256, 1, 1),
+                [y, scale, thresholds, nthr, out, n, d, b], smem=4 * max(1, nthr))
+    return out
+
+
+def hadamard_rotate_cuda(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
+                         inverse: bool = False) -> torch.Tensor:
+    """float32, float16 or bfloat16 rows in, float32 rows out (the rotation of x.float())."""
+    n, d = x.shape
+    out = torch.empty((n, d), dtype=torch.float32, device=x.device)
+    if n == 0:
+        return out
+    _check_int32(n=n, d=d)
+    # The reference's scale: float32(1 / sqrt(p)) from the same double.
+    s = float(torch.tensor(1.0 / (p ** 0.5), dtype=torch.float32))
+    rounds = perms.shape[0]
+    threads = min(256, max(32, 1 << max(0, (p // 2 - 1).bit_length())))
+    grid = (min(n, _props(x.device)[0] * 16), 1, 1)
+    smem = 8 * d
+    with _on(x.device):
+        if x.dtype == torch.float32:
+            _kernel("hadamard.cu", "tq_hadamard_f32", x.device)(
+                grid, (threads, 1, 1), [x, perms, signs, out, n, d, p, rounds, int(inverse), s],
+                smem=smem)
+        elif x.dtype in (torch.float16, torch.bfloat16):
+            _kernel("hadamard.cu", "tq_hadamard_h16", x.device)(
+                grid, (threads, 1, 1),
+                [x, perms, signs, out, n, d, p, rounds, int(inverse), s,
+                 int(x.dtype == torch.bfloat16)], smem=smem)
+        else:
+            raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
+    return out
+
+
+# -- LUT scan -----------------------------------------------------------------------------------
+_SCAN_THREADS = 256
+_SCAN_QB = (8, 4, 2, 1)
+_SCAN_KMAX = 256  # kernel's per-block selection limit; larger k use the blocked GEMM path
+_SCAN_SMEM_TARGET = 100 * 1024  # <= 2 blocks per SM on H100 (228 KB)
+
+
+def _scan_shape(d: int, b: int) -> tuple[int, int, int]:
+    """(g_log2, rows per tile, coordinates per lane): lanes per row so that a lane's slice of
+    the row is about 8 bytes (nearly conflict-free shared-memory reads), at most 32."""
+    rb = row_bytes(d, b)
+    g_log2 = 0
+    while -(-rb // (1 << g_log2)) > 8 and g_log2 < 5:
+        g_log2 += 1
+    g = 1 << g_log2
+    cpt = ((-(-d // g)) + 7) & ~7
+    return g_log2, _SCAN_THREADS >> g_log2, cpt
+
+
+def _scan_smem(d: int, b: int, qb: int, kp: int) -> int:
+    """Dynamic shared memory of tq_lut_scan, in the kernel's order (see scan.cu)."""
+    g_log2, tr, cpt = _scan_shape(d, b)
+    return (4 * qb * (cpt + 1) * (1 << g_log2) + 4 * 256 + 4 * qb * tr + 8 * qb * 2 * kp
+            + 8 * qb + tr * row_bytes(d, b) + 64)
+
+
+def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                  mult: torch.Tensor, add: torch.Tensor, b: int, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq, d = qr.shape
+    n = packed.shape[0]
+    dev = qr.device
+    vals = torch.full((nq, k), -math.inf, dtype=torch.float32, device=dev)
+    pos = torch.full((nq, k), -1, dtype=torch.int64, device=dev)
+    if n == 0 or nq == 0:
+        return vals, pos
+    _check_int32(n=n, d=d, nq=nq)
+    kk = min(k, n)
+    kp = 1 << max(0, (kk - 1).bit_length())
+    if kp > _SCAN_KMAX:
+        return _blocked_gemm_scan(qr, packed, centroids, mult, add, b, k)
+    qb = next((q for q in _SCAN_QB if q <= max(1, nq) and _scan_smem(d, b, q, kp)
+               <= _SCAN_SMEM_TARGET), 1)
+    smem = _scan_smem(d, b, qb, kp)
+    sms, limit = _props(dev)
+    if smem > limit:
+        return _blocked_gemm_scan(qr, packed, centroids, mult, add, b, k)
+    g_log2, tr, _ = _scan_shape(d, b)
+    groups = -(-nq // qb)
+    target = 8 * sms
+    chunks = max(1, min(-(-n // tr), -(-target // groups)))
+    rows_per_chunk = -(-(-(-n // chunks)) // tr) * tr
+    chunks = -(-n // rows_per_chunk)
+    cand_v = torch.empty((nq, chunks, kk), dtype=torch.float32, device=dev)
+    cand_i = torch.empty((nq, chunks, kk), dtype=torch.int64, device=dev)
+    with _on(dev):
+        _kernel("scan.cu", "tq_lut_scan", dev)(
+            (chunks, groups, 1), (_SCAN_THREADS, 1, 1),
+            [qr, packed, centroids, mult, add, nq, n, d, b, kk, kp, qb, g_log2,
+             rows_per_chunk, cand_v, cand_i], smem=smem)
+    top = torch.topk(cand_v.reshape(nq, chunks * kk), kk, dim=1)
+    p = torch.gather(cand_i.reshape(nq, chunks * kk), 1, top.indices)
+    ok = torch.isfinite(top.values)
+    vals[:, :kk] = torch.where(ok, top.values, vals[:, :kk])
+    pos[:, :kk] = torch.where(ok, p, pos[:, :kk])
+    return vals, pos
+
+
+def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                       mult: torch.Tensor, add: torch.Tensor, b: int, k: int,
+                       block: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
+    """Large k (or a row too wide for shared memory): unpack a block of codes, score it with a
+    float32 GEMM, keep a running top-k. Decodes one block at a time (block x d floats)."""
+    nq, d = qr.shape
+    n = packed.shape[0]
+    dev = qr.device
+    best_v = torch.empty((nq, 0), dtype=torch.float32, device=dev)
+    best_p = torch.empty((nq, 0), dtype=torch.int64, device=dev)
+    for s in range(0, n, block):
+        e = min(n, s + block)
+        yhat = centroids[unpack_bits_cuda(packed[s:e], d, b).long()]
+        sc = (qr @ yhat.T) * mult[None, s:e] + add[None, s:e]
+        v = torch.cat([best_v, sc], 1)
+        p = torch.cat([best_p, torch.arange(s, e, device=dev).expand(nq, -1)], 1)
+        top = torch.topk(v, min(k, v.shape[1]), dim=1)
+        best_v, best_p = top.values, torch.gather(p, 1, top.indices)
+    vals = torch.full((nq, k), -math.inf, dtype=torch.float32, device=dev)
+    pos = torch.full((nq, k), -1, dtype=torch.int64, device=dev)
+    m = best_v.shape[1]
+    ok = torch.isfinite(best_v)
+    vals[:, :m] = torch.where(ok, best_v, vals[:, :m])
+    pos[:, :m] = torch.where(ok, best_p, pos[:, :m])
+    return vals, pos

@@ -7,10 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.conftest import on
 from tqvec import ops
 from tqvec.random import make_rotation
-
-from tests.conftest import on
 
 AWKWARD_D = [1, 2, 3, 7, 64, 96, 100, 128, 384, 769]
 

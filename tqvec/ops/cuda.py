@@ -234,6 +234,10 @@ _SCAN_KMAX = 256  # kernel's per-block selection limit; larger k use the blocked
 _SCAN_SMEM_TARGET = 100 * 1024  # <= 2 blocks per SM on H100 (228 KB)
 
 
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _scan_shape(d: int, b: int) -> tuple[int, int, int]:
     """(g_log2, rows per tile, coordinates per lane): lanes per row so that a lane's slice of
     the row is about 8 bytes (nearly conflict-free shared-memory reads), at most 32."""
@@ -277,9 +281,9 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
     g_log2, tr, _ = _scan_shape(d, b)
     groups = -(-nq // qb)
     target = 8 * sms
-    chunks = max(1, min(-(-n // tr), -(-target // groups)))
-    rows_per_chunk = -(-(-(-n // chunks)) // tr) * tr
-    chunks = -(-n // rows_per_chunk)
+    chunks = max(1, min(_cdiv(n, tr), _cdiv(target, groups)))
+    rows_per_chunk = _cdiv(_cdiv(n, chunks), tr) * tr  # whole tiles per block
+    chunks = _cdiv(n, rows_per_chunk)
     cand_v = torch.empty((nq, chunks, kk), dtype=torch.float32, device=dev)
     cand_i = torch.empty((nq, chunks, kk), dtype=torch.int64, device=dev)
     with _on(dev):

@@ -204,6 +204,62 @@ def test_emulated_lut_scan_large_k_takes_the_gemm_path(emulated, rng):
     _assert_same_topk(got, ops.lut_scan(*case, 4, 300, backend="ref"))
 
 
+def _attn_case(rng, bh, g, d, t, kb, vb):
+    qr = torch.from_numpy(rng.standard_normal((bh, g, d)).astype(np.float32))
+    qbias = torch.from_numpy(rng.standard_normal((bh, g)).astype(np.float32))
+    kp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << kb, (bh * t, d)).astype(np.uint8)),
+                       kb, backend="ref").reshape(bh, t, -1)
+    vp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << vb, (bh * t, d)).astype(np.uint8)),
+                       vb, backend="ref").reshape(bh, t, -1)
+    kn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
+    vn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
+    kc = torch.from_numpy(np.sort(rng.standard_normal(1 << kb)).astype(np.float32))
+    vc = torch.from_numpy(np.sort(rng.standard_normal(1 << vb)).astype(np.float32))
+    lo = torch.from_numpy(rng.integers(0, max(1, t // 3), bh).astype(np.int32))
+    hi = torch.from_numpy(rng.integers(t // 2, t + 1, bh).astype(np.int32))
+    hi[0] = t                       # one full row
+    if bh > 2:
+        lo[1], hi[1] = 5, 5         # an empty range: m = -inf, l = 0, acc = 0
+    return qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, 1.0 / np.sqrt(d)
+
+
+@pytest.mark.parametrize("bh,g,d,t,kb,vb,splits", [
+    (3, 4, 128, 700, 3, 3, None),   # GQA 4, several splits, d = 128
+    (2, 1, 64, 300, 4, 2, 1),       # MQA-like single query, one split
+    (4, 8, 96, 257, 2, 4, 3),       # G = 8, d = 96, T not a multiple of the tile
+    (1, 2, 256, 90, 4, 4, None),    # head_dim 256
+    (2, 3, 100, 40, 3, 2, 7),       # more splits than tiles: empty splits
+])
+def test_emulated_decode_attention_matches_reference(emulated, bh, g, d, t, kb, vb, splits, rng):
+    case = _attn_case(rng, bh, g, d, t, kb, vb)
+    m0, l0, a0 = ops.decode_attention(*case, backend="ref")
+    m1, l1, a1 = emulated.decode_attention_cuda(*case, splits=splits)
+    assert torch.equal(torch.isfinite(m1), torch.isfinite(m0))
+    fin = torch.isfinite(m0)
+    torch.testing.assert_close(m1[fin], m0[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-4)
+    out0 = a0 / l0.clamp_min(1e-30)[..., None]  # the normalized attention output agrees too
+    out1 = a1 / l1.clamp_min(1e-30)[..., None]
+    torch.testing.assert_close(out1, out0, rtol=1e-4, atol=1e-5)
+
+
+def test_decode_attention_reference_is_softmax_attention(rng):
+    """The reference against a direct decode-then-softmax computation."""
+    qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale = _attn_case(rng, 3, 2, 32, 50, 3, 2)
+    m, l, acc = ops.decode_attention(qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale)
+    for b in range(3):
+        if lo[b] >= hi[b]:
+            assert torch.isinf(m[b]).all() and (l[b] == 0).all() and (acc[b] == 0).all()
+            continue
+        sl = slice(int(lo[b]), int(hi[b]))
+        kh = kc[ops.unpack_bits(kp[b, sl].contiguous(), 32, kb).long()] * kn[b, sl, None]
+        vh = vc[ops.unpack_bits(vp[b, sl].contiguous(), 32, vb).long()] * vn[b, sl, None]
+        s = scale * qr[b] @ kh.T + qbias[b][:, None]
+        torch.testing.assert_close(acc[b] / l[b][:, None], torch.softmax(s, -1) @ vh,
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_scan_shared_memory_fits_for_supported_shapes():
     """Every (d, b, k <= 256) the kernel accepts fits the 100 KB budget with at least one
     query per block (else lut_scan_cuda falls back to the GEMM path, also correct)."""
@@ -262,6 +318,21 @@ def test_gpu_index_matches_cpu_index(metric, d, n, nq, rng):
     assert Dg.dtype == np.float32 and Ig.dtype == np.int64
     np.testing.assert_allclose(Dg, Dc, rtol=1e-3, atol=1e-3)
     assert (Ig == Ic).mean() > 0.98  # equal up to ties / threshold-adjacent codes
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bh,g,d,t,kb,vb", [(8, 4, 128, 5000, 3, 3), (2, 8, 64, 777, 4, 2),
+                                            (4, 1, 256, 3000, 2, 2), (1, 4, 128, 1, 3, 3)])
+def test_gpu_decode_attention_matches_reference(bh, g, d, t, kb, vb, rng):
+    case = [c.cuda() if isinstance(c, torch.Tensor) else c
+            for c in _attn_case(rng, bh, g, d, t, kb, vb)]
+    m0, l0, a0 = ops.decode_attention(*case, backend="ref")
+    m1, l1, a1 = ops.decode_attention(*case, backend="cuda")
+    fin = torch.isfinite(m0)
+    assert torch.equal(torch.isfinite(m1), fin)
+    torch.testing.assert_close(m1[fin], m0[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a1 / l1.clamp_min(1e-30)[..., None],
+                               a0 / l0.clamp_min(1e-30)[..., None], rtol=1e-4, atol=1e-5)
 
 
 if __name__ == "__main__":  # pragma: no cover

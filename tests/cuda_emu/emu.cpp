@@ -70,10 +70,12 @@ using std::max;
 alignas(16) unsigned char tq_smem[1 << 18];
 alignas(16) float tq_row[1 << 16];
 alignas(16) float thr_s[1 << 10];
+alignas(16) unsigned char tqa_smem[1 << 18];
 
 #include "../../csrc/cuda/pack.cu"
 #include "../../csrc/cuda/hadamard.cu"
 #include "../../csrc/cuda/scan.cu"
+#include "../../csrc/cuda/attention.cu"
 
 static void run_grid(int gx, int gy, int bx, const std::function<void()>& body) {
   gridDim = {static_cast<unsigned>(gx), static_cast<unsigned>(gy), 1};
@@ -140,6 +142,17 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
         tq_hadamard_f32(A<const float*>(a, 0), A<const i64*>(a, 1), A<const float*>(a, 2),
                         A<float*>(a, 3), A<int>(a, 4), A<int>(a, 5), A<int>(a, 6),
                         A<int>(a, 7), A<int>(a, 8), A<double>(a, 9));
+    });
+  } else if (n == "tq_decode_attention") {
+    if (smem > static_cast<long long>(sizeof(tqa_smem))) return 2;
+    run_grid(gx, gy, bx, [&] {
+      tq_decode_attention(A<const float*>(a, 0), A<const float*>(a, 1), A<const u8*>(a, 2),
+                          A<const float*>(a, 3), A<const float*>(a, 4), A<const u8*>(a, 5),
+                          A<const float*>(a, 6), A<const float*>(a, 7), A<const int*>(a, 8),
+                          A<const int*>(a, 9), A<int>(a, 10), A<int>(a, 11), A<int>(a, 12),
+                          A<int>(a, 13), A<int>(a, 14), A<int>(a, 15), A<int>(a, 16),
+                          A<double>(a, 17), A<float*>(a, 18), A<float*>(a, 19),
+                          A<float*>(a, 20));
     });
   } else {
     return 1;

@@ -22,7 +22,7 @@ from . import ref as _ref
 from .ref import row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "row_bytes"]
+           "hadamard_rotate", "lut_scan", "decode_attention", "row_bytes"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -119,3 +119,20 @@ def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mu
     return _pick("lut_scan", qr.device, backend)(
         qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), b, k)
+
+
+def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
+                     knorm: torch.Tensor, kcent: torch.Tensor, kb: int, vpacked: torch.Tensor,
+                     vnorm: torch.Tensor, vcent: torch.Tensor, vb: int, lo: torch.Tensor,
+                     hi: torch.Tensor, scale: float, backend: str = "auto"
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(m, l, acc) softmax state of decode attention over key/value codes; see
+    ``ref.decode_attention_ref``. CPU tensors use the reference (the CPU cache computes the
+    same thing per segment in tqvec.kv.attention)."""
+    if qr.device.type == "cpu" and backend == "auto":
+        backend = "ref"
+    f = _pick("decode_attention", qr.device, backend)
+    return f(qr.contiguous(), qbias.contiguous(), kpacked.contiguous(), knorm.contiguous(),
+             kcent.contiguous(), kb, vpacked.contiguous(), vnorm.contiguous(),
+             vcent.contiguous(), vb, lo.to(torch.int32).contiguous(),
+             hi.to(torch.int32).contiguous(), scale)

@@ -25,7 +25,8 @@ import torch
 from .ref import row_bytes
 
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
-           "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda", "SOURCES",
+           "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
+           "decode_attention_cuda", "SOURCES",
            "source_path"]
 
 #: kernel file -> kernels it defines (what the nvcc compile check and the loader know about).
@@ -33,9 +34,11 @@ SOURCES = {
     "pack.cu": ("tq_pack_bits", "tq_unpack_bits", "tq_quantize_pack"),
     "hadamard.cu": ("tq_hadamard_f32", "tq_hadamard_h16"),
     "scan.cu": ("tq_lut_scan",),
+    "attention.cu": ("tq_decode_attention",),
 }
 # Bit-exact kernels must not contract a*b+c into an FMA (the reference rounds twice).
-_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": []}
+_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": [],
+            "attention.cu": []}
 _INT32_MAX = 2**31 - 1
 _lock = threading.Lock()
 _compiled: dict[tuple[str, str, str, str], object] = {}
@@ -324,3 +327,60 @@ def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.
     vals[:, :m] = torch.where(ok, best_v, vals[:, :m])
     pos[:, :m] = torch.where(ok, best_p, pos[:, :m])
     return vals, pos
+
+
+# -- decode attention ---------------------------------------------------------------------------
+_ATTN_G_MAX = 8
+_ATTN_D_MAX = 512
+
+
+def _attn_smem(d: int, g: int, kb: int, vb: int) -> int:
+    """Dynamic shared memory of tq_decode_attention, in the kernel's order (see attention.cu)."""
+    g_log2, tr, cpt = _scan_shape(d, kb)
+    return (4 * g * (cpt + 1) * (1 << g_log2) + 4 * 256 * 2 + 4 * g * tr + 4 * tr + 12 * g
+            + 16 + tr * row_bytes(d, kb) + 64 + 16 + tr * row_bytes(d, vb) + 64)
+
+
+def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
+                          knorm: torch.Tensor, kcent: torch.Tensor, kb: int,
+                          vpacked: torch.Tensor, vnorm: torch.Tensor, vcent: torch.Tensor,
+                          vb: int, lo: torch.Tensor, hi: torch.Tensor, scale: float,
+                          splits: int | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flash-decoding over the codes: one block per (split of the tokens, batch x KV head), each
+    writing a partial (m, l, acc); the splits are merged here by log-sum-exp."""
+    bh, g, d = qr.shape
+    t = kpacked.shape[1]
+    dev = qr.device
+    if g > _ATTN_G_MAX or d > _ATTN_D_MAX:
+        return _ref_decode_attention(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
+                                     vb, lo, hi, scale)
+    _check_int32(tokens=bh * t)
+    g_log2, tr, _ = _scan_shape(d, kb)
+    sms, limit = _props(dev)
+    smem = _attn_smem(d, g, kb, vb)
+    if smem > limit:
+        return _ref_decode_attention(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
+                                     vb, lo, hi, scale)
+    if splits is None:  # enough blocks to fill the device twice, whole tiles per split
+        splits = max(1, min(_cdiv(max(t, 1), tr), _cdiv(2 * sms, max(bh, 1))))
+    per_split = _cdiv(_cdiv(max(t, 1), splits), tr) * tr
+    splits = _cdiv(max(t, 1), per_split)
+    pm = torch.empty((bh, splits, g), dtype=torch.float32, device=dev)
+    pl = torch.empty_like(pm)
+    pacc = torch.empty((bh, splits, g, d), dtype=torch.float32, device=dev)
+    if bh:
+        with _on(dev):
+            _kernel("attention.cu", "tq_decode_attention", dev)(
+                (splits, bh, 1), (256, 1, 1),
+                [qr, qbias, kpacked, knorm, kcent, vpacked, vnorm, vcent, lo, hi, g, d, t, kb,
+                 vb, g_log2, per_split, float(scale), pm, pl, pacc], smem=smem)
+    m = pm.amax(1)                                             # (bh, g)
+    w = torch.exp(pm - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None])
+    w = torch.where(torch.isfinite(pm), w, torch.zeros_like(w))  # empty splits weigh 0
+    return m, (w * pl).sum(1), (w[..., None] * pacc).sum(1)
+
+
+def _ref_decode_attention(*args):
+    from .ref import decode_attention_ref
+    return decode_attention_ref(*args)

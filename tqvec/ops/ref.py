@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
-           "lut_scan_ref", "row_bytes"]
+           "lut_scan_ref", "decode_attention_ref", "row_bytes"]
 
 
 def row_bytes(d: int, b: int) -> int:
@@ -113,3 +113,31 @@ def lut_scan_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     vals[:, :m] = torch.where(ok, top.values, vals[:, :m])
     pos[:, :m] = torch.where(ok, top.indices, pos[:, :m])
     return vals, pos
+
+
+def decode_attention_ref(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
+                         knorm: torch.Tensor, kcent: torch.Tensor, kb: int,
+                         vpacked: torch.Tensor, vnorm: torch.Tensor, vcent: torch.Tensor,
+                         vb: int, lo: torch.Tensor, hi: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Softmax state of decode attention over TurboQuant-mse key and value codes.
+
+    qr (BH, G, d) float32 rotated queries (G query heads per KV head); qbias (BH, G) float32
+    added to every score; kpacked (BH, T, ceil(d*kb/8)) / vpacked (BH, T, ceil(d*vb/8)) uint8;
+    knorm, vnorm (BH, T) float32; kcent (2^kb,), vcent (2^vb,) float32; lo, hi (BH,) int32: the
+    tokens [lo, hi) that count. With s_t = scale * knorm_t <qr, kcent[kidx_t]> + qbias:
+    returns m = max_t s_t, l = sum_t exp(s_t - m) (BH, G) and acc = sum_t exp(s_t - m) vnorm_t
+    vcent[vidx_t] (BH, G, d), rotated domain, unnormalized (m = -inf, l = 0, acc = 0 when no token
+    counts), so that a caller merges them with other tokens in one softmax.
+    """
+    bh, g, d = qr.shape
+    t = kpacked.shape[1]
+    khat = kcent[unpack_bits_ref(kpacked.reshape(bh * t, -1), d, kb).long()].reshape(bh, t, d)
+    vhat = vcent[unpack_bits_ref(vpacked.reshape(bh * t, -1), d, vb).long()].reshape(bh, t, d)
+    s = scale * (qr @ (khat * knorm[..., None]).transpose(1, 2)) + qbias[..., None]
+    pos = torch.arange(t, device=qr.device)
+    live = (pos[None, :] >= lo[:, None].long()) & (pos[None, :] < hi[:, None].long())
+    s = s.masked_fill(~live[:, None, :], -float("inf"))
+    m = s.amax(-1) if t else torch.full((bh, g), -float("inf"), device=qr.device)
+    p = torch.exp(s - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[..., None])
+    return m, p.sum(-1), p @ (vhat * vnorm[..., None])

@@ -109,6 +109,14 @@ class _Launcher:
             if self._cupy is None:
                 if hasattr(self._k, "set_shared_memory_config"):
                     self._k.set_shared_memory_config(smem)
+                else:  # older torch: raise the kernel's dynamic shared-memory limit ourselves
+                    from torch.cuda._utils import _get_gpu_runtime_library
+                    max_dynamic_shared_size = 8  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+                    rc = _get_gpu_runtime_library().cuFuncSetAttribute(
+                        self._k.func, max_dynamic_shared_size, smem)
+                    if rc != 0:
+                        raise RuntimeError(f"cuFuncSetAttribute({self.name}, {smem} B of shared "
+                                           f"memory) failed with CUDA error {rc}")
             else:
                 self._k.max_dynamic_shared_size_bytes = smem
             self._smem_configured = smem

@@ -1,0 +1,74 @@
+"""tqvec as an ann-benchmarks algorithm (copy this folder to ann_benchmarks/algorithms/tqvec/).
+
+Build arguments: ``metric`` (ann-benchmarks passes 'euclidean' or 'angular'), ``spec`` (a
+``tqvec.index_factory`` string, e.g. "TQ4" or "TQ2,Refine(TQ8)"). Query arguments:
+``k_factor`` (candidates per result re-ranked by a ``Refine(...)`` stage; ignored without one).
+Data-oblivious: ``fit`` only encodes (nothing is trained).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # inside ann-benchmarks
+    from ..base.module import BaseANN
+except ImportError:  # our own runner (bench/ann_benchmarks/run.py): the same interface
+    class BaseANN:  # minimal stand-in for ann_benchmarks.algorithms.base.module.BaseANN
+        def done(self) -> None:
+            pass
+
+        def get_memory_usage(self) -> float:
+            import psutil
+            return psutil.Process().memory_info().rss / 1024
+
+        def get_additional(self) -> dict:
+            return {}
+
+        def __str__(self) -> str:
+            return self.name
+
+import tqvec
+
+_METRICS = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
+
+
+class TQVec(BaseANN):
+    def __init__(self, metric: str, spec: str):
+        if metric not in _METRICS:
+            raise ValueError(f"metric must be one of {sorted(_METRICS)}, got {metric!r}")
+        self._metric = _METRICS[metric]
+        self._spec = spec
+        self._k_factor = 4
+        self.index = None
+        self.name = f"tqvec({spec})"
+
+    def fit(self, X: np.ndarray) -> None:
+        X = np.ascontiguousarray(X, dtype=np.float32)
+        self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
+        self.index.add(X)
+
+    def set_query_arguments(self, k_factor: int = 4) -> None:
+        self._k_factor = int(k_factor)
+        self.index.k_factor = self._k_factor
+        self.name = (f"tqvec({self._spec},k_factor={k_factor})" if "Refine" in self._spec
+                     else f"tqvec({self._spec})")
+
+    def query(self, v: np.ndarray, n: int) -> np.ndarray:
+        _, I = self.index.search(np.asarray(v, dtype=np.float32)[None, :], n)
+        return I[0][I[0] >= 0]
+
+    def batch_query(self, X: np.ndarray, n: int) -> None:
+        _, I = self.index.search(np.ascontiguousarray(X, dtype=np.float32), n)
+        self.res = I
+
+    def get_batch_results(self) -> np.ndarray:
+        return self.res
+
+    def get_memory_usage(self) -> float:
+        """Kilobytes held by the index (codes + side information), not the process RSS."""
+        if self.index is None:
+            return 0.0
+        return self.index.ntotal * self.index.code_size / 1024
+
+    def __str__(self) -> str:
+        return self.name

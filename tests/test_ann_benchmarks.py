@@ -1,0 +1,50 @@
+"""bench/ann_benchmarks: the algorithm wrapper keeps ann-benchmarks' interface, and every run
+group of config.yml builds."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import tqvec
+
+HERE = Path(__file__).resolve().parents[1] / "bench" / "ann_benchmarks"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("tqvec_ann_module", HERE / "module.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("metric", ["euclidean", "angular"])
+def test_wrapper_follows_base_ann(metric, rng):
+    mod = _module()
+    x = rng.standard_normal((500, 24)).astype(np.float32)
+    algo = mod.TQVec(metric, "TQ4,Refine(Flat)")
+    algo.fit(x)
+    algo.set_query_arguments(8)
+    assert "k_factor=8" in str(algo)
+    ids = algo.query(x[3], 5)
+    assert ids.dtype == np.int64 and len(ids) == 5 and ids[0] == 3  # exact re-rank finds itself
+    algo.batch_query(x[:7], 5)
+    res = np.asarray(algo.get_batch_results())
+    assert res.shape == (7, 5) and (res[:, 0] == np.arange(7)).all()
+    assert algo.get_memory_usage() == pytest.approx(500 * algo.index.code_size / 1024)
+    algo.done()
+    with pytest.raises(ValueError, match="metric must be one of"):
+        mod.TQVec("hamming", "TQ4")
+
+
+def test_config_run_groups_build():
+    yaml = pytest.importorskip("yaml")
+    cfg = yaml.safe_load((HERE / "config.yml").read_text())
+    (entry,) = cfg["float"]["any"]
+    assert entry["constructor"] == "TQVec" and entry["base_args"] == ["@metric"]
+    for group in entry["run_groups"].values():
+        for (spec,) in [tuple(a) for a in zip(*group["args"], strict=True)]:
+            tqvec.index_factory(16, spec, "l2")
+    assert (HERE / "Dockerfile").read_text().startswith("# ") and \
+        "FROM ann-benchmarks" in (HERE / "Dockerfile").read_text()

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import numpy as np
@@ -36,37 +35,21 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from _gpu import copy_bandwidth, cuda_time  # noqa: E402
+
 import tqvec  # noqa: E402
 from tqvec import ops  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
 
-def _time(fn, repeat: int) -> float:
-    """Median seconds of fn() over `repeat` runs (CUDA events), after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
-
-
 def roofline(repeat: int) -> dict:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    t = _time(lambda: y.copy_(x), repeat)
-    res = {"copy_GBps": 2 * (2 << 30) / t / 1e9}
+    res = {"copy_GBps": copy_bandwidth(repeat)}
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (torch's default too)
     for dt, name in ((torch.float16, "fp16"), (torch.float32, "fp32")):
         a = torch.randn(8192, 8192, device="cuda", dtype=dt)
         b = torch.randn(8192, 8192, device="cuda", dtype=dt)
-        t = _time(lambda: a @ b, repeat)  # noqa: B023
+        t = cuda_time(lambda: a @ b, repeat)  # noqa: B023
         res[f"matmul_{name}_TFLOPs"] = 2 * 8192**3 / t / 1e12
     return res
 
@@ -84,7 +67,7 @@ def bench_encode(d: int, b: int, n: int, roof: dict, repeat: int) -> list[dict]:
     rows = []
     for kind in ("TQ", "TQprod", "QJL"):
         cd = _codec(kind, d, b)
-        t = _time(lambda: cd.encode(x), repeat)  # noqa: B023
+        t = cuda_time(lambda: cd.encode(x), repeat)  # noqa: B023
         moved = n * (4 * d + cd.code_size)
         flops = 0 if kind == "TQ" else 2 * n * d * (cd.sketch_dim)
         floor = max(moved / (roof["copy_GBps"] * 1e9),
@@ -95,11 +78,11 @@ def bench_encode(d: int, b: int, n: int, roof: dict, repeat: int) -> list[dict]:
     return rows
 
 
-def _exact_topk(xq: torch.Tensor, xb: torch.Tensor, k: int, block: int = 1 << 20):
+def _blocked_topk(score_block, n: int, k: int, block: int = 1 << 20):
+    """Top-k over n rows scored block by block: score_block(s, e) -> (values, positions)."""
     best_v = best_i = None
-    for s in range(0, xb.shape[0], block):
-        sc = xq @ xb[s:s + block].T
-        v, i = torch.topk(sc.float(), min(k, sc.shape[1]), dim=1)
+    for s in range(0, n, block):
+        v, i = score_block(s, min(n, s + block))
         i = i + s
         if best_v is not None:
             v, j = torch.topk(torch.cat([best_v, v], 1), k, dim=1)
@@ -108,17 +91,16 @@ def _exact_topk(xq: torch.Tensor, xb: torch.Tensor, k: int, block: int = 1 << 20
     return best_v, best_i
 
 
-def _ref_topk(qr, packed, cent, mult, add, b, k, block: int = 1 << 20):
-    best_v = best_i = None
-    for s in range(0, packed.shape[0], block):
-        v, i = ops.lut_scan(qr, packed[s:s + block], cent, mult[s:s + block], add[s:s + block],
-                            b, k, backend="ref")
-        i = i + s
-        if best_v is not None:
-            v, j = torch.topk(torch.cat([best_v, v], 1), k, dim=1)
-            i = torch.gather(torch.cat([best_i, i], 1), 1, j)
-        best_v, best_i = v, i
-    return best_v, best_i
+def _exact_topk(xq: torch.Tensor, xb: torch.Tensor, k: int):
+    def block(s, e):
+        sc = (xq @ xb[s:e].T).float()
+        return torch.topk(sc, min(k, e - s), dim=1)
+    return _blocked_topk(block, xb.shape[0], k)
+
+
+def _ref_topk(qr, packed, cent, mult, add, b, k):
+    return _blocked_topk(lambda s, e: ops.lut_scan(qr, packed[s:e], cent, mult[s:e], add[s:e],
+                                                   b, k, backend="ref"), packed.shape[0], k)
 
 
 def bench_scan(d: int, b: int, n: int, nqs: list[int], roof: dict, repeat: int, k: int = 10,
@@ -136,11 +118,11 @@ def bench_scan(d: int, b: int, n: int, nqs: list[int], roof: dict, repeat: int, 
     for nq in nqs:
         xq = torch.randn(nq, d, device="cuda", generator=gen)
         qr = cd.rotate(xq)
-        t_scan = _time(lambda: ops.lut_scan(qr, codes.payload, cent, mult, add, b, k,  # noqa: B023
+        t_scan = cuda_time(lambda: ops.lut_scan(qr, codes.payload, cent, mult, add, b, k,  # noqa: B023
                                             backend="cuda"), repeat)
         xq16 = xq.half()
-        t_fp16 = _time(lambda: _exact_topk(xq16, xb16, k), repeat)  # noqa: B023
-        t_ref = (_time(lambda: _ref_topk(qr, codes.payload, cent, mult, add, b, k),  # noqa: B023
+        t_fp16 = cuda_time(lambda: _exact_topk(xq16, xb16, k), repeat)  # noqa: B023
+        t_ref = (cuda_time(lambda: _ref_topk(qr, codes.payload, cent, mult, add, b, k),  # noqa: B023
                        max(1, repeat // 3)) if n <= ref_max_n else None)
         _, ig = ops.lut_scan(qr, codes.payload, cent, mult, add, b, k, backend="cuda")
         _, ie = _exact_topk(xq, xb, k)

@@ -27,7 +27,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 
 import torch
@@ -36,30 +35,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+from _gpu import copy_bandwidth, cuda_time  # noqa: E402
+
 import tqvec  # noqa: E402
 from tqvec import ops  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
-
-
-def _time(fn, repeat: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(repeat):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        out.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(out)
-
-
-def copy_bandwidth(repeat: int) -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / _time(lambda: y.copy_(x), repeat) / 1e9
 
 
 def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repeat: int,
@@ -96,8 +77,8 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
     def bf16():
         return torch.nn.functional.scaled_dot_product_attention(q, K, V, enable_gqa=True)
 
-    t_ours = _time(ours, repeat)
-    t_bf16 = _time(bf16, repeat)
+    t_ours = cuda_time(ours, repeat)
+    t_bf16 = cuda_time(bf16, repeat)
     bytes_ours = bh * ctx * (rbk + rbv + 8)
     bytes_bf16 = bh * ctx * 2 * d * 2
     return {"batch": batch, "ctx": ctx, "kbits": kb, "vbits": vb, "d": d, "hq": hq, "hkv": hkv,

@@ -69,8 +69,13 @@ def _pick(name: str, device: torch.device, backend: str) -> Callable:
                                  + ("" if _cuda.available() else
                                     f" (and it is not available: {_cuda.unavailable_reason()})"))
     if device.type == "cpu":
+        impl = getattr(_cpu, f"{name}_cpu", None)
+        if impl is None:  # no CPU kernel for this op: the reference is its CPU implementation
+            if backend == "cpu":
+                raise BackendUnavailable(f"backend 'cpu' has no compiled kernel for {name}")
+            return ref
         if _cpu.available():
-            return getattr(_cpu, f"{name}_cpu")
+            return impl
         if backend == "cpu":
             raise BackendUnavailable(
                 f"backend 'cpu' needs the compiled module tqvec._C, which failed to import: "
@@ -129,8 +134,6 @@ def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tenso
     """(m, l, acc) softmax state of decode attention over key/value codes; see
     ``ref.decode_attention_ref``. CPU tensors use the reference (the CPU cache computes the
     same thing per segment in tqvec.kv.attention)."""
-    if qr.device.type == "cpu" and backend == "auto":
-        backend = "ref"
     f = _pick("decode_attention", qr.device, backend)
     return f(qr.contiguous(), qbias.contiguous(), kpacked.contiguous(), knorm.contiguous(),
              kcent.contiguous(), kb, vpacked.contiguous(), vnorm.contiguous(),

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from .ref import row_bytes
+from .ref import decode_attention_ref, row_bytes
 
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
            "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
@@ -148,11 +148,18 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+@functools.cache
+def _source(file: str) -> tuple[str, str]:
+    """(text, sha256) of a kernel file, read once per process (not on every launch)."""
+    src = source_path(file).read_text()
+    return src, hashlib.sha256(src.encode()).hexdigest()
+
+
 def _kernel(file: str, name: str, device: torch.device) -> _Launcher:
     props = torch.cuda.get_device_properties(device)
     arch = f"{props.major}{props.minor}"
-    src = source_path(file).read_text()
-    key = (file, name, arch, hashlib.sha256(src.encode()).hexdigest())
+    src, sha = _source(file)
+    key = (file, name, arch, sha)
     with _lock:
         k = _compiled.get(key)
         if k is None:
@@ -160,6 +167,10 @@ def _kernel(file: str, name: str, device: torch.device) -> _Launcher:
                 k = _Launcher(src, name, arch, _OPTIONS[file])
             _compiled[key] = k
     return k
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _check_int32(**sizes: int) -> None:
@@ -170,7 +181,7 @@ def _check_int32(**sizes: int) -> None:
 
 def _grid_1d(total: int, device: torch.device, threads: int = 256) -> tuple[int, int, int]:
     sms = _props(device)[0]
-    return (max(1, min(-(-total // threads), sms * 32)), 1, 1)
+    return (max(1, min(_cdiv(total, threads), sms * 32)), 1, 1)
 
 
 def pack_bits_cuda(idx: torch.Tensor, b: int) -> torch.Tensor:
@@ -245,19 +256,14 @@ _SCAN_KMAX = 256  # kernel's per-block selection limit; larger k use the blocked
 _SCAN_SMEM_TARGET = 100 * 1024  # <= 2 blocks per SM on H100 (228 KB)
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def _scan_shape(d: int, b: int) -> tuple[int, int, int]:
     """(g_log2, rows per tile, coordinates per lane): lanes per row so that a lane's slice of
     the row is about 8 bytes (nearly conflict-free shared-memory reads), at most 32."""
     rb = row_bytes(d, b)
     g_log2 = 0
-    while -(-rb // (1 << g_log2)) > 8 and g_log2 < 5:
+    while _cdiv(rb, 1 << g_log2) > 8 and g_log2 < 5:
         g_log2 += 1
-    g = 1 << g_log2
-    cpt = ((-(-d // g)) + 7) & ~7
+    cpt = (_cdiv(d, 1 << g_log2) + 7) & ~7
     return g_log2, _SCAN_THREADS >> g_log2, cpt
 
 
@@ -268,16 +274,27 @@ def _scan_smem(d: int, b: int, qb: int, kp: int) -> int:
             + 8 * qb + tr * row_bytes(d, b) + 64)
 
 
+def _padded_topk(v: torch.Tensor, p: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(nq, m <= k) best-first candidates -> (nq, k) with the reference's -inf / -1 padding
+    (also where a candidate's score is not finite)."""
+    nq, m = v.shape
+    vals = torch.full((nq, k), -math.inf, dtype=torch.float32, device=v.device)
+    pos = torch.full((nq, k), -1, dtype=torch.int64, device=v.device)
+    ok = torch.isfinite(v)
+    vals[:, :m] = torch.where(ok, v, vals[:, :m])
+    pos[:, :m] = torch.where(ok, p, pos[:, :m])
+    return vals, pos
+
+
 def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
                   mult: torch.Tensor, add: torch.Tensor, b: int, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     nq, d = qr.shape
     n = packed.shape[0]
     dev = qr.device
-    vals = torch.full((nq, k), -math.inf, dtype=torch.float32, device=dev)
-    pos = torch.full((nq, k), -1, dtype=torch.int64, device=dev)
     if n == 0 or nq == 0:
-        return vals, pos
+        return _padded_topk(torch.empty((nq, 0), device=dev),
+                            torch.empty((nq, 0), dtype=torch.int64, device=dev), k)
     _check_int32(n=n, d=d, nq=nq)
     kk = min(k, n)
     kp = 1 << max(0, (kk - 1).bit_length())
@@ -290,7 +307,7 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
     if smem > limit:
         return _blocked_gemm_scan(qr, packed, centroids, mult, add, b, k)
     g_log2, tr, _ = _scan_shape(d, b)
-    groups = -(-nq // qb)
+    groups = _cdiv(nq, qb)
     target = 8 * sms
     chunks = max(1, min(_cdiv(n, tr), _cdiv(target, groups)))
     rows_per_chunk = _cdiv(_cdiv(n, chunks), tr) * tr  # whole tiles per block
@@ -303,11 +320,8 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
             [qr, packed, centroids, mult, add, nq, n, d, b, kk, kp, qb, g_log2,
              rows_per_chunk, cand_v, cand_i], smem=smem)
     top = torch.topk(cand_v.reshape(nq, chunks * kk), kk, dim=1)
-    p = torch.gather(cand_i.reshape(nq, chunks * kk), 1, top.indices)
-    ok = torch.isfinite(top.values)
-    vals[:, :kk] = torch.where(ok, top.values, vals[:, :kk])
-    pos[:, :kk] = torch.where(ok, p, pos[:, :kk])
-    return vals, pos
+    return _padded_topk(top.values, torch.gather(cand_i.reshape(nq, chunks * kk), 1,
+                                                 top.indices), k)
 
 
 def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
@@ -328,13 +342,7 @@ def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.
         p = torch.cat([best_p, torch.arange(s, e, device=dev).expand(nq, -1)], 1)
         top = torch.topk(v, min(k, v.shape[1]), dim=1)
         best_v, best_p = top.values, torch.gather(p, 1, top.indices)
-    vals = torch.full((nq, k), -math.inf, dtype=torch.float32, device=dev)
-    pos = torch.full((nq, k), -1, dtype=torch.int64, device=dev)
-    m = best_v.shape[1]
-    ok = torch.isfinite(best_v)
-    vals[:, :m] = torch.where(ok, best_v, vals[:, :m])
-    pos[:, :m] = torch.where(ok, best_p, pos[:, :m])
-    return vals, pos
+    return _padded_topk(best_v, best_p, k)
 
 
 # -- decode attention ---------------------------------------------------------------------------
@@ -361,14 +369,14 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
     t = kpacked.shape[1]
     dev = qr.device
     if g > _ATTN_G_MAX or d > _ATTN_D_MAX:
-        return _ref_decode_attention(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
+        return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
     _check_int32(tokens=bh * t)
     g_log2, tr, _ = _scan_shape(d, kb)
     sms, limit = _props(dev)
     smem = _attn_smem(d, g, kb, vb)
     if smem > limit:
-        return _ref_decode_attention(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
+        return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
     if splits is None:  # enough blocks to fill the device twice, whole tiles per split
         splits = max(1, min(_cdiv(max(t, 1), tr), _cdiv(2 * sms, max(bh, 1))))
@@ -387,8 +395,3 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
     w = torch.exp(pm - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None])
     w = torch.where(torch.isfinite(pm), w, torch.zeros_like(w))  # empty splits weigh 0
     return m, (w * pl).sum(1), (w[..., None] * pacc).sum(1)
-
-
-def _ref_decode_attention(*args):
-    from .ref import decode_attention_ref
-    return decode_attention_ref(*args)

@@ -25,4 +25,11 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
               const float* centroids, const float* mult, const float* add, int64_t k,
               float* out_vals, int64_t* out_idx, int nthreads);
 
+// Fast-scan (fastscan.cpp): packed rows -> blocks of 32 rows, byte-major (nb, rb, 32).
+void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked, int nthreads);
+// lut_scan's meaning over the blocked layout, b in {1, 2, 4}.
+void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
+               const float* centroids, const float* mult, const float* add, int64_t k,
+               float* out_vals, int64_t* out_idx, int nthreads);
+
 }  // namespace tqvec

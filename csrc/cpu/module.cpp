@@ -86,6 +86,40 @@ NB_MODULE(_C, m) {
                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
   });
 
+  m.def("block_codes", [](CArr<const uint8_t> packed, CArr<uint8_t> blocked, int nthreads) {
+    require(packed.ndim() == 2 && blocked.ndim() == 3, "block_codes: bad ranks");
+    const int64_t n = packed.shape(0), r = packed.shape(1);
+    require(blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
+                blocked.shape(1) == static_cast<size_t>(r) && blocked.shape(2) == 32,
+            "block_codes: blocked must be (ceil(n/32), rb, 32)");
+    nb::gil_scoped_release rel;
+    tqvec::block_codes(packed.data(), n, r, blocked.data(), nthreads);
+  });
+
+  m.def("fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked, int64_t n,
+                        CArr<const float> centroids, CArr<const float> mult,
+                        CArr<const float> add, int b, int64_t k, CArr<float> out_vals,
+                        CArr<int64_t> out_idx, int nthreads) {
+    require(b == 1 || b == 2 || b == 4, "fast_scan: bits must be 1, 2 or 4");
+    require(qr.ndim() == 2 && blocked.ndim() == 3 && out_vals.ndim() == 2 &&
+                out_idx.ndim() == 2, "fast_scan: bad ranks");
+    const int64_t nq = qr.shape(0), d = qr.shape(1);
+    require(n >= 0 && blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
+                blocked.shape(1) == static_cast<size_t>(rb(d, b)) && blocked.shape(2) == 32,
+            "fast_scan: blocked must be (ceil(n/32), rb, 32)");
+    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
+            "fast_scan: centroids");
+    require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+                add.shape(0) == static_cast<size_t>(n), "fast_scan: mult/add length");
+    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
+                out_vals.shape(1) == static_cast<size_t>(k) &&
+                out_idx.shape(0) == static_cast<size_t>(nq) &&
+                out_idx.shape(1) == static_cast<size_t>(k), "fast_scan: outputs");
+    nb::gil_scoped_release rel;
+    tqvec::fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
+                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
+  });
+
   m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
                               CArr<const float> signs, int64_t p, bool inverse,
                               CArr<float> out, int nthreads) {

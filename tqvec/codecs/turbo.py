@@ -243,12 +243,27 @@ class TurboQuant(Codec):
         return terms
 
     def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor, add: torch.Tensor,
-                  k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  k: int, blocked: torch.Tensor | None = None, *,
+                  mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k rows by weight_i * <q, x_hat_i> + add_i straight from the packed codes (LUT
-        scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32."""
+        scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32.
+        ``blocked``: the codes' payload in the fast-scan layout (``ops.block_codes``), for
+        bits 1, 2, 4 — the SIMD kernel then scans it instead of the rows. ``mult``: the
+        precomputed ``weight * scan_multiplier(codes)`` (an index caches it; weight is then
+        ignored)."""
         if self.variant != "mse":
             raise ValueError("scan_topk needs variant='mse'")
         qr = self._rot.apply(q)
-        mult = (weight * self._multiplier(codes)).to(torch.float32)
-        return ops.lut_scan(qr, codes.payload, self._arr.get("centroids", q.device), mult,
-                            add.to(torch.float32), self.bits, k, self.backend)
+        if mult is None:
+            mult = (weight * self.scan_multiplier(codes)).to(torch.float32)
+        cent = self._arr.get("centroids", q.device)
+        if blocked is not None:
+            return ops.fast_scan(qr, blocked, len(codes), cent, mult, add.to(torch.float32),
+                                 self.bits, k, self.backend)
+        return ops.lut_scan(qr, codes.payload, cent, mult, add.to(torch.float32),
+                            self.bits, k, self.backend)
+
+    def scan_multiplier(self, codes: Codes) -> torch.Tensor:
+        """(n,) float32 m_i with <q, x_hat_i> = m_i <Pi q, c[idx_i]> (the stored norm, times the
+        unbiased scale for ``scale="unbiased"``)."""
+        return self._multiplier(codes).to(torch.float32)

@@ -13,7 +13,10 @@ Distances by metric (the estimator matters more than the code, see issue #6 less
 * ``cosine``: est<q, x> / (||q|| sqrt(N(x))), the same pairing.
 
 Search scores blocks of codes against blocks of queries (the codec's ``score``) and keeps a
-running top-k, so memory stays bounded for any n and nq. Searches do not mutate the index, so
+running top-k, so memory stays bounded for any n and nq. TurboQuant-mse codes are scanned with
+per-query lookup tables instead (no decoding); at 1, 2 and 4 bits on CPU by the SIMD fast-scan
+kernel over a blocked copy of the codes (``ops.block_codes``; it doubles the code bytes held in
+memory, not those stored in files). Searches only refresh that cache, under the index's lock, so
 concurrent ``search`` calls are safe; ``add``/``remove_ids`` must not run concurrently with them.
 """
 
@@ -27,8 +30,10 @@ import numpy as np
 import torch
 
 from .. import _validate as V
+from .. import ops
 from ..codecs.base import Codec, Codes, concat_codes
 from ..codecs.turbo import TurboQuant
+from ..ops.cpu import available as ops_cpu_available
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code"]
 
@@ -45,6 +50,8 @@ _QUERY_BLOCK = 1024
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
+# At 1, 2 and 4 bits the CPU fast-scan kernel (8-bit tables in SIMD registers) beats the GEMM at
+# any number of queries, so it is used for all of them.
 _LUT_MAX_QUERIES = 32
 
 
@@ -147,6 +154,48 @@ class FlatIndex:
         self._sqnorms = torch.empty(0, dtype=torch.float32, device=self.device)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._pos: dict[int, int] | None = None
+        # What a LUT scan needs beyond the codes, built at the first search after a change:
+        # per-row multipliers and offsets of the metric, and on CPU at 1/2/4 bits the codes in
+        # the fast-scan layout (a search-time copy, extended incrementally on add).
+        self._scan: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
+        self._blocked: torch.Tensor | None = None
+        self._blocked_n = 0
+
+    def _lut_ok(self) -> bool:
+        return isinstance(self.codec, TurboQuant) and self.codec.variant == "mse"
+
+    def _fast_scan_ok(self) -> bool:
+        return (self.device.type == "cpu" and self._lut_ok()
+                and self.codec.bits in ops.FAST_SCAN_BITS
+                and self.codec.backend in ("auto", "cpu") and ops_cpu_available())
+
+    def _scan_state(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
+        """(blocked layout or None, mult, add) for the LUT scan, brought up to date (call with
+        the lock held): score_i = mult_i <Pi q, c[idx_i]> + add_i is the metric's similarity
+        (without the query's own ||q||^2 for L2)."""
+        if not self._lut_ok() or self._codes is None:
+            return None
+        if self._scan is None:
+            n, dev = self._n, self.device
+            add = torch.zeros(n, dtype=torch.float32, device=dev)
+            if self.metric_type == METRIC_L2:
+                weight = torch.full((n,), 2.0, device=dev)
+                add = -self._sqnorms
+            elif self.metric_type == METRIC_COSINE:
+                weight = 1.0 / torch.sqrt(self._sqnorms.clamp_min(1e-30))
+            else:
+                weight = torch.ones(n, device=dev)
+            mult = (weight * self.codec.scan_multiplier(self._codes)).contiguous()
+            blocked = None
+            if self._fast_scan_ok():
+                start = (self._blocked_n // 32) * 32 if self._blocked is not None else 0
+                new = ops.block_codes(self._codes.payload[start:])
+                old = self._blocked[: start // 32] if self._blocked is not None else None
+                self._blocked = new if old is None else torch.cat([old, new])
+                self._blocked_n = n
+                blocked = self._blocked
+            self._scan = (blocked, mult, add.to(torch.float32).contiguous())
+        return self._scan
 
     def add(self, x: Any) -> None:
         """Add vectors with ids ntotal, ntotal+1, ... (faiss's flat-index convention)."""
@@ -183,6 +232,7 @@ class FlatIndex:
             self._n += t.shape[0]
             self._next_id = max(self._next_id, int(ids.max()) + 1)
             self._pos = None
+            self._scan = None
 
     def _sqnorms_of(self, codec: Codec, codes: Codes) -> torch.Tensor:
         """N(x) of the module docstring, cached at add time (not needed for inner product)."""
@@ -210,6 +260,7 @@ class FlatIndex:
                 self._ids = self._ids[keep]
                 self._n -= removed
                 self._pos = None
+                self._scan, self._blocked, self._blocked_n = None, None, 0
             return removed
 
     def _position(self, key: int) -> int:
@@ -274,18 +325,19 @@ class FlatIndex:
         I = np.full((nq, k), -1, dtype=np.int64)
         with self._lock:  # a consistent snapshot; searching itself needs no lock
             codes, ids, sqn, ref, n = self._codes, self._ids, self._sqnorms, self._ref, self._n
+            scan = self._scan_state()
         if n == 0 or nq == 0:
             return D, I
         mask = self._allowed_mask(allowed_ids)
         kk = min(n, k * self.k_factor if ref is not None else k)
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
-        lut = ((nq <= _LUT_MAX_QUERIES or self.device.type == "cuda")
-               and isinstance(self.codec, TurboQuant) and self.codec.variant == "mse")
+        lut = scan is not None and (nq <= _LUT_MAX_QUERIES or self.device.type == "cuda"
+                                    or scan[0] is not None)
         for qs in range(0, nq, _QUERY_BLOCK):
             qe = min(nq, qs + _QUERY_BLOCK)
             qb = q[qs:qe]
             if lut:
-                best_s, best_p = self._lut_search(qb, codes, sqn, mask, kk)
+                best_s, best_p = self._lut_search(qb, codes, scan, mask, kk)
             else:
                 best_s, best_p = self._gemm_search(qb, codes, sqn, mask, kk)
             if ref is not None:
@@ -319,22 +371,13 @@ class FlatIndex:
             best_s, best_p = top.values, torch.gather(p, 1, top.indices)
         return best_s, best_p
 
-    def _lut_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
-                    mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _lut_search(self, q: torch.Tensor, codes: Codes, scan: tuple, mask: torch.Tensor | None,
+                    kk: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The same similarities as ``_scores`` via the codec's LUT scan (fused top-k)."""
-        n = len(codes)
-        dev = q.device
-        add = torch.zeros(n, dtype=torch.float32, device=dev)
-        if self.metric_type == METRIC_L2:
-            weight = torch.full((n,), 2.0, device=dev)
-            add = -sqn
-        elif self.metric_type == METRIC_COSINE:
-            weight = 1.0 / torch.sqrt(sqn.clamp_min(1e-30))
-        else:
-            weight = torch.ones(n, device=dev)
+        blocked, mult, add = scan
         if mask is not None:
             add = add.masked_fill(~mask, -float("inf"))
-        vals, pos = self.codec.scan_topk(q, codes, weight, add, kk)
+        vals, pos = self.codec.scan_topk(q, codes, mult, add, kk, blocked, mult=mult)
         if self.metric_type == METRIC_L2:
             vals = vals - (q * q).sum(1, keepdim=True)
         return vals, pos

@@ -19,10 +19,11 @@ from ..errors import BackendUnavailable
 from . import cpu as _cpu
 from . import cuda as _cuda
 from . import ref as _ref
-from .ref import row_bytes
+from .ref import FAST_SCAN_BITS, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "decode_attention", "row_bytes"]
+           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "decode_attention",
+           "row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -57,6 +58,10 @@ def _pick(name: str, device: torch.device, backend: str) -> Callable:
         if backend == "cpu":
             raise BackendUnavailable("backend 'cpu' cannot run on a cuda tensor")
         why = _cuda.unavailable_reason()
+        if why is None and not hasattr(_cuda, f"{name}_cuda"):
+            why = f"no CUDA kernel for {name}"
+            if backend == "auto":  # the reference is its CUDA implementation
+                return ref
         if why is None:
             return getattr(_cuda, f"{name}_cuda")
         if backend == "cuda":
@@ -124,6 +129,24 @@ def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mu
     return _pick("lut_scan", qr.device, backend)(
         qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), b, k)
+
+
+def block_codes(packed: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """(n, rb) packed rows -> (ceil(n/32), rb, 32) fast-scan layout; see ``ref.block_codes_ref``."""
+    return _pick("block_codes", packed.device, backend)(packed.contiguous())
+
+
+def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
+              mult: torch.Tensor, add: torch.Tensor, b: int, k: int, backend: str = "auto"
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lut_scan`` over the fast-scan layout (b in 1, 2, 4): the CPU kernel sums 8-bit tables
+    with SIMD shuffles and re-scores a provably sufficient shortlist exactly, so results agree
+    with ``lut_scan`` within float rounding."""
+    if b not in FAST_SCAN_BITS:
+        raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for fast_scan, got {b}")
+    return _pick("fast_scan", qr.device, backend)(
+        qr.contiguous(), blocked.contiguous(), int(n), centroids.contiguous(),
+        mult.contiguous(), add.contiguous(), b, k)
 
 
 def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

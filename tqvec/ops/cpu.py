@@ -15,7 +15,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
-           "hadamard_rotate_cpu", "lut_scan_cpu"]
+           "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu"]
 
 
 def available() -> bool:
@@ -66,4 +66,23 @@ def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     pos = torch.empty((nq, k), dtype=torch.int64)
     if nq:
         _C.lut_scan(qr, packed, centroids, mult, add, b, k, vals, pos, _threads())
+    return vals, pos
+
+
+def block_codes_cpu(packed: torch.Tensor) -> torch.Tensor:
+    n, rb = packed.shape
+    out = torch.empty((-(-n // 32), rb, 32), dtype=torch.uint8)
+    if n:
+        _C.block_codes(packed, out, _threads())
+    return out
+
+
+def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
+                  mult: torch.Tensor, add: torch.Tensor, b: int, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq = qr.shape[0]
+    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
+    pos = torch.full((nq, k), -1, dtype=torch.int64)
+    if nq and n:
+        _C.fast_scan(qr, blocked, n, centroids, mult, add, b, k, vals, pos, _threads())
     return vals, pos

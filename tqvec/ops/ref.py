@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
-           "lut_scan_ref", "decode_attention_ref", "row_bytes"]
+           "lut_scan_ref", "block_codes_ref", "fast_scan_ref", "decode_attention_ref", "row_bytes"]
+
+FAST_SCAN_BITS = (1, 2, 4)  # widths whose 4-bit nibbles hold whole indices (fast-scan layout)
+BLOCK_ROWS = 32
 
 
 def row_bytes(d: int, b: int) -> int:
@@ -113,6 +116,30 @@ def lut_scan_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     vals[:, :m] = torch.where(ok, top.values, vals[:, :m])
     pos[:, :m] = torch.where(ok, top.indices, pos[:, :m])
     return vals, pos
+
+
+def block_codes_ref(packed: torch.Tensor) -> torch.Tensor:
+    """Fast-scan layout: (n, rb) packed rows -> (ceil(n/32), rb, 32) uint8 with
+    ``blocked[j, p, t] = packed[32 j + t, p]`` and zero rows past n (one 32-byte load then
+    holds byte p of 32 rows)."""
+    n, rb = packed.shape
+    nb = -(-n // BLOCK_ROWS)
+    out = torch.zeros((nb * BLOCK_ROWS, rb), dtype=torch.uint8, device=packed.device)
+    out[:n] = packed
+    return out.reshape(nb, BLOCK_ROWS, rb).transpose(1, 2).contiguous()
+
+
+def unblock_codes(blocked: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of ``block_codes_ref``: (nb, rb, 32) -> (n, rb)."""
+    nb, rb, _ = blocked.shape
+    return blocked.transpose(1, 2).reshape(nb * BLOCK_ROWS, rb)[:n]
+
+
+def fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
+                  mult: torch.Tensor, add: torch.Tensor, b: int, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``); b in 1, 2, 4."""
+    return lut_scan_ref(qr, unblock_codes(blocked, n), centroids, mult, add, b, k)
 
 
 def decode_attention_ref(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

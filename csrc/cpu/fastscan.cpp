@@ -1,0 +1,425 @@
+// Fast-scan of packed 1/2/4-bit codes: 8-bit lookup tables in SIMD registers (the FAISS PQ
+// fast-scan idea applied to our scalar codebooks), then an exact float re-score of a shortlist,
+// so the result has the meaning of lut_scan_ref (tqvec/ops/ref.py) within float rounding.
+// Layouts:
+//   packed    (n, rb)        uint8   rows as in kernels.h, rb = ceil(d*b/8), b in {1, 2, 4}
+//   blocked   (nb, rb, 32)   uint8   nb = ceil(n/32); blocked[j][p][t] = packed[32j+t][p], rows
+//                                    past n are zero. One 32-byte load = byte p of 32 rows.
+//   qr        (nq, d)        float32 queries in the codes' (rotated) domain
+//   centroids (2^b)          float32
+//   mult, add (n)            float32 score_i = mult_i * <qr, c[idx_i]> + add_i (add may be -inf)
+//   out_vals  (nq, k)        float32 best first, -inf where fewer than k finite scores
+//   out_idx   (nq, k)        int64   row positions, -1 where missing
+// For b in {1, 2, 4} every nibble of a row (bits [4m, 4m+4) of its stream) holds 4/b whole
+// indices, so <qr, c[idx]> = sum_m T[m][nibble_m] with a 16-entry table per nibble position.
+// T is quantized to 7 bits with one step `delta` for all positions (per-position offsets), summed
+// with 16-bit lanes (pshufb lookups, flushed to 32 bits every 256 bytes so nothing overflows) and
+// the approximation error is bounded (see build_lut: the worst case delta * M / 2 for small M,
+// else a Hoeffding bound that fails with probability < 1e-9 per row). A row can only be in the
+// top k if its upper bound reaches the k-th best lower bound seen so far; those rows (typically
+// a few k) are re-scored exactly with the float table.
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+
+namespace tqvec {
+namespace {
+
+constexpr int64_t kRows = 32;         // rows per block
+constexpr int64_t kFlushBytes = 256;  // <= 254 per byte and row: 256 * 254 < 65536
+constexpr float kLevels = 127.0f;     // table entries are 7-bit: two of them add in 8 bits
+
+struct Lut {
+  int64_t M = 0;                 // nibble positions (2 * rb)
+  std::vector<float> f;          // (M, 16) exact table
+  std::vector<uint8_t> q8;       // (M, 16) quantized: f ~ delta * q8 + offset[m]
+  float delta = 1.0f, bias = 0.0f, err = 0.0f;  // S ~ delta * sum q8 + bias, |error| <= err
+};
+
+Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb) {
+  Lut L;
+  L.M = 2 * rb;
+  const int per = 4 / b;
+  const int mask = (1 << b) - 1;
+  L.f.assign(static_cast<size_t>(L.M * 16), 0.0f);
+  L.q8.assign(static_cast<size_t>(L.M * 16), 0);
+  std::vector<float> lo(static_cast<size_t>(L.M));
+  float span = 0.0f;
+  double bias = 0.0, absmax = 0.0;
+  for (int64_t m = 0; m < L.M; ++m) {
+    float* row = &L.f[static_cast<size_t>(m * 16)];
+    for (int v = 0; v < 16; ++v) {
+      float s = 0.0f;
+      for (int t = 0; t < per; ++t) {
+        const int64_t j = m * per + t;
+        if (j < d) s += q[j] * c[(v >> (t * b)) & mask];
+      }
+      row[v] = s;
+    }
+    const float mn = *std::min_element(row, row + 16), mx = *std::max_element(row, row + 16);
+    lo[static_cast<size_t>(m)] = mn;
+    span = std::max(span, mx - mn);
+    bias += mn;
+    absmax += std::max(std::fabs(mn), std::fabs(mx));
+  }
+  L.delta = span > 0.0f ? span / kLevels : 1.0f;
+  const float inv = 1.0f / L.delta;
+  for (int64_t m = 0; m < L.M; ++m)
+    for (int v = 0; v < 16; ++v) {
+      const size_t i = static_cast<size_t>(m * 16 + v);
+      const float r = std::nearbyint((L.f[i] - lo[static_cast<size_t>(m)]) * inv);
+      L.q8[i] = static_cast<uint8_t>(std::min(kLevels, std::max(0.0f, r)));
+    }
+  L.bias = static_cast<float>(bias);
+  // Rounding moves each entry by at most delta/2, so a row's error is a sum of M bounded terms
+  // that depend on its codes. The worst case (M * delta / 2) is far too loose to prune with at
+  // large M; Hoeffding's inequality, P(|err| >= t) <= 2 exp(-2 t^2 / (M delta^2)), gives
+  // t = delta * sqrt(M * ln(2 / 1e-9) / 2) for a miss probability below 1e-9 per row (codes
+  // behave as random draws here: the rotation makes coordinates exchangeable). The min() keeps
+  // the exact bound where it is tighter (small M). The rest covers float rounding of the exact
+  // and approximate sums (relative 1e-5 of the largest possible |S|).
+  const double M = static_cast<double>(L.M);
+  const double hoeffding = L.delta * std::sqrt(M * std::log(2.0 / 1e-9) / 2.0);
+  L.err = static_cast<float>(std::min(0.5 * L.delta * M, hoeffding) * 1.001 + 1e-5 * absmax);
+  return L;
+}
+
+// Per query: a min-heap of the k best lower bounds (its top is the admission threshold) and the
+// rows admitted so far with their upper bounds.
+struct Shortlist {
+  int64_t k;
+  std::vector<float> lbs;
+  std::vector<std::pair<float, int64_t>> cand;  // (upper bound, row)
+  explicit Shortlist(int64_t kk) : k(kk) { lbs.reserve(static_cast<size_t>(kk)); }
+  float threshold() const {
+    return static_cast<int64_t>(lbs.size()) < k ? -std::numeric_limits<float>::infinity()
+                                                : lbs.front();
+  }
+  void admit(float lb, float ub, int64_t i) {
+    cand.emplace_back(ub, i);
+    if (static_cast<int64_t>(lbs.size()) < k) {
+      lbs.push_back(lb);
+      std::push_heap(lbs.begin(), lbs.end(), std::greater<float>());
+    } else if (lb > lbs.front()) {
+      std::pop_heap(lbs.begin(), lbs.end(), std::greater<float>());
+      lbs.back() = lb;
+      std::push_heap(lbs.begin(), lbs.end(), std::greater<float>());
+    }
+  }
+};
+
+// Approximate score and bound of row i from its table sum; admits it if it can reach the top k.
+inline void consider(const Lut& L, uint32_t tot, int64_t i, const float* mult, const float* add,
+                     Shortlist& sl) {
+  const float a = add[i];
+  if (!(a > -std::numeric_limits<float>::infinity())) return;
+  const float s = mult[i] * (L.delta * static_cast<float>(tot) + L.bias) + a;
+  const float e = std::fabs(mult[i]) * L.err;
+  if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i);
+}
+
+void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
+                        int64_t j1, const float* mult, const float* add, Shortlist& sl) {
+  uint32_t tot[kRows];
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint8_t* blk = blocked + j * rb * kRows;
+    for (int t = 0; t < kRows; ++t) tot[t] = 0;
+    for (int64_t p = 0; p < rb; ++p) {
+      const uint8_t* c = blk + p * kRows;
+      const uint8_t* t0 = L.q8.data() + (2 * p) * 16;
+      const uint8_t* t1 = t0 + 16;
+      for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
+    }
+    const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+    for (int64_t t = 0; t < rows; ++t) consider(L, tot[t], base + t, mult, add, sl);
+  }
+}
+
+// Table sums of NB consecutive blocks for NQ queries (NB * NQ <= 4 accumulator pairs fit in the
+// 16 vector registers); rows of block j for query q land at tot[(q * NB + j) * 32 ...]. Several
+// blocks per pass load each pair of tables once for 32 * NB rows; several queries per pass
+// load and split each code byte once for NQ tables (batch search).
+template <int NB, int NQ>
+__attribute__((target("avx2"), always_inline)) inline void block_sums_avx2(
+    const uint8_t* blk, int64_t rb, const uint8_t* const* q8, uint32_t* tot) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  __m256i tt[NQ][NB][4];  // u32 totals: even rows 0-15 / 16-31, odd rows 0-15 / 16-31
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j)
+      for (int u = 0; u < 4; ++u) tt[q][j][u] = _mm256_setzero_si256();
+  for (int64_t p0 = 0; p0 < rb; p0 += kFlushBytes) {
+    const int64_t p1 = std::min(rb, p0 + kFlushBytes);
+    // Both nibbles of a byte belong to the same row and table entries are <= 127, so their
+    // two lookups add in 8 bits. 16-bit lanes then collect `all` = even row + 256 * odd row
+    // (mod 2^16) and `odd` = odd row; even = all - 256 * odd.
+    __m256i all[NQ][NB], odd[NQ][NB];
+    for (int q = 0; q < NQ; ++q)
+      for (int j = 0; j < NB; ++j) all[q][j] = odd[q][j] = _mm256_setzero_si256();
+    for (int64_t p = p0; p < p1; ++p) {
+      __m256i lo[NB], hi[NB];
+      for (int j = 0; j < NB; ++j) {
+        const __m256i c = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(blk + (j * rb + p) * kRows));
+        lo[j] = _mm256_and_si256(c, low4);
+        hi[j] = _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+      }
+      for (int q = 0; q < NQ; ++q) {
+        const __m256i t0 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q8[q] + 2 * p * 16)));
+        const __m256i t1 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q8[q] + (2 * p + 1) * 16)));
+        for (int j = 0; j < NB; ++j) {
+          const __m256i r =
+              _mm256_add_epi8(_mm256_shuffle_epi8(t0, lo[j]), _mm256_shuffle_epi8(t1, hi[j]));
+          all[q][j] = _mm256_add_epi16(all[q][j], r);
+          odd[q][j] = _mm256_add_epi16(odd[q][j], _mm256_srli_epi16(r, 8));
+        }
+      }
+    }
+    for (int q = 0; q < NQ; ++q)
+      for (int j = 0; j < NB; ++j) {
+        const __m256i o = odd[q][j];
+        const __m256i even = _mm256_sub_epi16(all[q][j], _mm256_slli_epi16(o, 8));
+        __m256i* t = tt[q][j];
+        t[0] = _mm256_add_epi32(t[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(even)));
+        t[1] = _mm256_add_epi32(t[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(even, 1)));
+        t[2] = _mm256_add_epi32(t[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(o)));
+        t[3] = _mm256_add_epi32(t[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(o, 1)));
+      }
+  }
+  // 16-bit lane i held rows 2i and 2i+1: interleave back to row order.
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i e = tt[q][j][h], o = tt[q][j][2 + h];
+        const __m256i a = _mm256_unpacklo_epi32(e, o), b = _mm256_unpackhi_epi32(e, o);
+        uint32_t* dst = tot + (q * NB + j) * kRows + h * 16;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
+                           _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 8),
+                           _mm256_permute2x128_si256(a, b, 0x31));
+      }
+}
+
+// Bounds of the 32 rows of block j (sums bt) against the query's threshold, 8 rows at a time;
+// only rows that pass (a few per query in all, once the heap is full) leave the vector path.
+__attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
+    const Lut& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
+    Shortlist& sl) {
+  const int64_t base = j * kRows;
+  if (n - base < kRows) {  // last, partial block
+    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, sl);
+    return;
+  }
+  const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
+  const __m256 verr = _mm256_set1_ps(L.err), ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int g = 0; g < kRows; g += 8) {
+    const __m256 m = _mm256_loadu_ps(mult + base + g), a = _mm256_loadu_ps(add + base + g);
+    const __m256 sum =
+        _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bt + g)));
+    const __m256 s =
+        _mm256_add_ps(_mm256_mul_ps(m, _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)), a);
+    const __m256 ub = _mm256_add_ps(s, _mm256_mul_ps(_mm256_and_ps(m, absmask), verr));
+    const __m256 th = _mm256_set1_ps(sl.threshold());
+    int bits = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(ub, th, _CMP_GE_OQ),
+                                                _mm256_cmp_ps(a, ninf, _CMP_GT_OQ)));
+    while (bits) {
+      const int t = __builtin_ctz(bits);
+      bits &= bits - 1;
+      consider(L, bt[g + t], base + g + t, mult, add, sl);
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_t* blocked,
+                                                      int64_t rb, int64_t n, int64_t j0,
+                                                      int64_t j1, const float* mult,
+                                                      const float* add, Shortlist& sl) {
+  alignas(32) uint32_t tot[4 * kRows];
+  const uint8_t* q8[1] = {L.q8.data()};
+  for (int64_t j = j0; j < j1;) {
+    const int nb = j + 3 < j1 ? 4 : 1;
+    if (nb == 4)
+      block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    else
+      block_sums_avx2<1, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    for (int u = 0; u < nb; ++u, ++j) admit_block_avx2(L, tot + u * kRows, j, n, mult, add, sl);
+  }
+}
+
+// Four queries over the same blocks: each code byte is loaded and split once for four tables.
+__attribute__((target("avx2"))) void scan_blocks4_avx2(const Lut* const* L, const uint8_t* blocked,
+                                                       int64_t rb, int64_t n, int64_t j0,
+                                                       int64_t j1, const float* mult,
+                                                       const float* add, Shortlist* const* sl) {
+  alignas(32) uint32_t tot[4 * kRows];
+  const uint8_t* q8[4] = {L[0]->q8.data(), L[1]->q8.data(), L[2]->q8.data(), L[3]->q8.data()};
+  for (int64_t j = j0; j < j1; ++j) {
+    block_sums_avx2<1, 4>(blocked + j * rb * kRows, rb, q8, tot);
+    for (int q = 0; q < 4; ++q) admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, *sl[q]);
+  }
+}
+
+bool forced_scalar() {
+  const char* v = std::getenv("TQVEC_SIMD");
+  return v != nullptr && std::string(v) == "scalar";
+}
+
+// TQVEC_SIMD=scalar forces the portable loops (the tests compare both paths).
+bool simd_avx2() {
+  static const bool avx2 = __builtin_cpu_supports("avx2") && !forced_scalar();
+  return avx2;
+}
+
+void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
+                 int64_t j1, const float* mult, const float* add, Shortlist& sl) {
+  if (simd_avx2())
+    scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, sl);
+  else
+    scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, sl);
+}
+
+float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
+  const uint8_t* blk = blocked + (i / kRows) * rb * kRows + (i % kRows);
+  const float* f = L.f.data();
+  float s0 = 0.f, s1 = 0.f;
+  for (int64_t p = 0; p < rb; ++p) {
+    const uint8_t c = blk[p * kRows];
+    s0 += f[(2 * p) * 16 + (c & 15)];
+    s1 += f[(2 * p + 1) * 16 + (c >> 4)];
+  }
+  return s0 + s1;
+}
+
+// Re-scores the admitted rows whose upper bound reaches the final threshold; writes the top k.
+void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult, const float* add,
+            std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
+  std::vector<float> lbs;
+  for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
+  float th = -std::numeric_limits<float>::infinity();
+  if (static_cast<int64_t>(lbs.size()) >= k) {
+    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
+    th = lbs[static_cast<size_t>(k - 1)];
+  }
+  std::vector<std::pair<float, int64_t>> hits;
+  for (auto* s : parts)
+    for (const auto& [ub, i] : s->cand)
+      if (ub >= th) hits.emplace_back(mult[i] * exact_score(L, blocked, rb, i) + add[i], i);
+  auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  const int64_t m = std::min<int64_t>(k, static_cast<int64_t>(hits.size()));
+  std::partial_sort(hits.begin(), hits.begin() + m, hits.end(), better);
+  for (int64_t r = 0; r < k; ++r) {
+    if (r < m) {
+      vals[r] = hits[static_cast<size_t>(r)].first;
+      idx[r] = hits[static_cast<size_t>(r)].second;
+    } else {
+      vals[r] = -std::numeric_limits<float>::infinity();
+      idx[r] = -1;
+    }
+  }
+}
+
+}  // namespace
+
+void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked, int nthreads) {
+  const int64_t nb = (n + kRows - 1) / kRows;
+  auto work = [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      uint8_t* out = blocked + j * rb * kRows;
+      const int64_t rows = std::min(kRows, n - j * kRows);
+      if (rows < kRows) std::memset(out, 0, static_cast<size_t>(rb * kRows));
+      for (int64_t t = 0; t < rows; ++t) {
+        const uint8_t* row = packed + (j * kRows + t) * rb;
+        for (int64_t p = 0; p < rb; ++p) out[p * kRows + t] = row[p];
+      }
+    }
+  };
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nb / 64));
+  std::vector<std::thread> pool;
+  const int64_t chunk = (nb + t - 1) / t;
+  for (int64_t w = 1; w < t; ++w)
+    pool.emplace_back(work, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk));
+  work(0, std::min(nb, chunk));
+  for (auto& th : pool) th.join();
+}
+
+void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
+               const float* centroids, const float* mult, const float* add, int64_t k,
+               float* out_vals, int64_t* out_idx, int nthreads) {
+  const int64_t rb = (d * b + 7) / 8;
+  const int64_t nb = (n + kRows - 1) / kRows;
+  const int64_t t = std::max(1, nthreads);
+  if (nq >= t || nb < 64) {
+    // Threads over queries. A chunk of blocks that fits in L2 is scanned for a group of queries
+    // before moving on, so codes come from memory once per group, not once per query.
+    const int64_t group = 8;
+    const int64_t chunk_blocks = std::max<int64_t>(1, (192 * 1024) / (rb * kRows));
+    const int64_t tq = std::min<int64_t>(t, nq);
+    auto work = [&](int64_t w) {
+      for (int64_t g0 = w * group; g0 < nq; g0 += tq * group) {
+        const int64_t g1 = std::min(nq, g0 + group);
+        std::vector<Lut> luts;
+        std::vector<Shortlist> sls;
+        for (int64_t qi = g0; qi < g1; ++qi) {
+          luts.push_back(build_lut(qr + qi * d, d, b, centroids, rb));
+          sls.emplace_back(k);
+        }
+        const size_t ng = luts.size();
+        for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks) {
+          const int64_t c1 = std::min(nb, c0 + chunk_blocks);
+          size_t g = 0;
+          if (simd_avx2())
+            for (; g + 4 <= ng; g += 4) {
+              const Lut* lp[4] = {&luts[g], &luts[g + 1], &luts[g + 2], &luts[g + 3]};
+              Shortlist* sp[4] = {&sls[g], &sls[g + 1], &sls[g + 2], &sls[g + 3]};
+              scan_blocks4_avx2(lp, blocked, rb, n, c0, c1, mult, add, sp);
+            }
+          for (; g < ng; ++g) scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, sls[g]);
+        }
+        for (size_t g = 0; g < luts.size(); ++g) {
+          const int64_t qi = g0 + static_cast<int64_t>(g);
+          finish(luts[g], blocked, rb, mult, add, {&sls[g]}, k, out_vals + qi * k,
+                 out_idx + qi * k);
+        }
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < tq; ++w) pool.emplace_back(work, w);
+    work(0);
+    for (auto& th : pool) th.join();
+    return;
+  }
+  // Few queries: split the blocks between threads, merge their shortlists.
+  for (int64_t qi = 0; qi < nq; ++qi) {
+    const Lut L = build_lut(qr + qi * d, d, b, centroids, rb);
+    std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
+    const int64_t chunk = (nb + t - 1) / t;
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < t; ++w)
+      pool.emplace_back([&, w] {
+        scan_blocks(L, blocked, rb, n, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk),
+                    mult, add, sls[static_cast<size_t>(w)]);
+      });
+    scan_blocks(L, blocked, rb, n, 0, std::min(nb, chunk), mult, add, sls[0]);
+    for (auto& th : pool) th.join();
+    std::vector<Shortlist*> parts;
+    for (auto& s : sls) parts.push_back(&s);
+    finish(L, blocked, rb, mult, add, parts, k, out_vals + qi * k, out_idx + qi * k);
+  }
+}
+
+}  // namespace tqvec

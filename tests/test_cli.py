@@ -47,3 +47,28 @@ def test_demo_runs_on_the_embedded_dataset(tmp_path, capsys):
     rows = json.loads((tmp_path / "d.json").read_text())["rows"]
     tq = next(r for r in rows if r["method"] == "TurboQuant mse b=2")
     assert 0.08 < tq["rel_mse"] < 0.15 and tq["bytes_per_vector"] == 20
+
+
+def test_bench_runs_on_the_embedded_dataset_and_writes_results(tmp_path, capsys):
+    """`tqvec bench` (the README's first command) on digits: every method row, recall sane,
+    results written; slow faiss types left out with --skip."""
+    pytest.importorskip("sklearn")
+    pytest.importorskip("faiss")
+    assert main(["bench", "--bits", "2", "--single", "2", "--out", str(tmp_path),
+                 "--skip", "PQ16x8", "RR,EDEN2", "RR,SQtqmse2", "RaBitQ2", "RR,RaBitQ2"]) == 0
+    out = capsys.readouterr().out
+    assert "| 2 | tqvec TQ2 | 20 |" in out and "faiss PQ32x4fs" in out and "faiss PQ16x8" not in out
+    res = json.loads((tmp_path / "search_digits.json").read_text())
+    assert res["complete"] and res["n"] == 1597 and res["machine"]["cpus"] >= 1
+    rows = {r["method"]: r for r in res["rows"]}
+    assert rows["faiss Flat"]["recall@10"] == 1.0
+    assert 0.6 < rows["tqvec TQ2"]["recall@10"] < 0.8  # 0.705 at 20 bytes/vector
+    assert rows["tqvec TQ2,Refine(TQ8)"]["recall@10"] > 0.97
+    assert all(r["qps_single_1t"] > 0 and r["qps_batch_2t"] > 0 for r in res["rows"])
+    assert (tmp_path / "search_digits.md").exists()
+
+
+def test_bench_help_lists_its_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    assert "--dataset" in capsys.readouterr().out

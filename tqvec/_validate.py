@@ -61,9 +61,16 @@ def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = 
         raise ValueError(f"{name} must have at least one column, got shape {tuple(t.shape)}")
     if t.shape[0] == 0 and not allow_empty:
         raise ValueError(f"{name} must have at least one row, got shape {tuple(t.shape)}")
-    if check_finite and t.numel() and not bool(torch.isfinite(t).all()):
+    if check_finite and t.numel() and not _all_finite(t):
         raise_nonfinite(t, name)
     return t, was_numpy
+
+
+def _all_finite(t: torch.Tensor) -> bool:
+    # numpy's check costs ~4 us against torch's ~17 us: it matters for one-query searches
+    if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float16):
+        return bool(np.isfinite(t.numpy()).all())
+    return bool(torch.isfinite(t).all())
 
 
 def raise_nonfinite(t: torch.Tensor, name: str, row_offset: int = 0) -> None:

@@ -1,4 +1,4 @@
-"""The ``tqvec`` command: encode, decode, info, demo."""
+"""The ``tqvec`` command: bench, demo, encode, decode, info."""
 
 from __future__ import annotations
 
@@ -77,6 +77,12 @@ def _demo(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(a: argparse.Namespace) -> int:
+    from .benchmark import main as bench_main
+
+    return bench_main(a.args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tqvec", description="Data-oblivious vector quantization.")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -103,6 +109,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("input")
     i.set_defaults(fn=_info)
 
+    b = sub.add_parser("bench", add_help=False,
+                       help="search benchmark: tqvec indexes vs faiss at equal bytes "
+                            "(recall, QPS, build time); tqvec bench --help for options")
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=_bench)
+
     m = sub.add_parser("demo", help="compare every codec at 1-4 bits (and faiss) on real data")
     m.add_argument("--dataset", choices=["digits", "random"], default="digits",
                    help="digits: scikit-learn's bundled 1,797 x 64 (no download); random: "
@@ -118,7 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own parser (tqvec.benchmark), options passed through
+        args = argparse.Namespace(cmd="bench", args=argv[1:], fn=_bench)
+    else:
+        args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
     except (ValueError, TypeError, OSError) as e:

@@ -329,6 +329,7 @@ class FlatIndex:
         if n == 0 or nq == 0:
             return D, I
         mask = self._allowed_mask(allowed_ids)
+        ids_np = ids.numpy()
         kk = min(n, k * self.k_factor if ref is not None else k)
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
         lut = scan is not None and (nq <= _LUT_MAX_QUERIES or self.device.type == "cuda"
@@ -342,14 +343,13 @@ class FlatIndex:
                 best_s, best_p = self._gemm_search(qb, codes, sqn, mask, kk)
             if ref is not None:
                 best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
-            best_s, best_p = best_s.cpu(), best_p.cpu()
-            valid = torch.isfinite(best_s)
-            m = best_s.shape[1]
-            vals = best_s.numpy()
+            vals, pos = best_s.cpu().numpy(), best_p.cpu().numpy()
+            valid = np.isfinite(vals)
+            m = vals.shape[1]
             if self.metric_type == METRIC_L2:
                 vals = -vals
-            D[qs:qe, :m] = np.where(valid.numpy(), vals, D[qs:qe, :m])
-            I[qs:qe, :m] = np.where(valid.numpy(), ids[best_p].numpy(), -1)
+            D[qs:qe, :m] = np.where(valid, vals, D[qs:qe, :m])
+            I[qs:qe, :m] = np.where(valid, ids_np[np.where(valid, pos, 0)], -1)
         return D, I
 
     def _gemm_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,

@@ -22,6 +22,12 @@ def available() -> bool:
     return _C is not None
 
 
+def _np(*ts: torch.Tensor):
+    """numpy views of CPU tensors: nanobind takes them ~2x faster than torch tensors (whose
+    __dlpack__ runs Python code), which matters for one-query searches."""
+    return tuple(t.numpy() for t in ts)
+
+
 def _threads() -> int:
     return max(1, torch.get_num_threads())
 
@@ -54,7 +60,8 @@ def hadamard_rotate_cpu(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tenso
                         inverse: bool = False) -> torch.Tensor:
     out = torch.empty_like(x)
     if x.shape[0]:
-        _C.hadamard_rotate(x, perms, signs, p, inverse, out, _threads())
+        x_, perms_, signs_, out_ = _np(x, perms, signs, out)
+        _C.hadamard_rotate(x_, perms_, signs_, p, inverse, out_, _threads())
     return out
 
 
@@ -65,7 +72,9 @@ def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     vals = torch.empty((nq, k), dtype=torch.float32)
     pos = torch.empty((nq, k), dtype=torch.int64)
     if nq:
-        _C.lut_scan(qr, packed, centroids, mult, add, b, k, vals, pos, _threads())
+        qr_, packed_, c_, mult_, add_, vals_, pos_ = _np(qr, packed, centroids, mult, add, vals,
+                                                         pos)
+        _C.lut_scan(qr_, packed_, c_, mult_, add_, b, k, vals_, pos_, _threads())
     return vals, pos
 
 
@@ -84,5 +93,6 @@ def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: to
     vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
     pos = torch.full((nq, k), -1, dtype=torch.int64)
     if nq and n:
-        _C.fast_scan(qr, blocked, n, centroids, mult, add, b, k, vals, pos, _threads())
+        qr_, bl_, c_, mult_, add_, vals_, pos_ = _np(qr, blocked, centroids, mult, add, vals, pos)
+        _C.fast_scan(qr_, bl_, n, c_, mult_, add_, b, k, vals_, pos_, _threads())
     return vals, pos

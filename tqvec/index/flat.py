@@ -53,6 +53,9 @@ _CODE_BLOCK = 16384
 # At 1, 2 and 4 bits the CPU fast-scan kernel (8-bit tables in SIMD registers) beats the GEMM at
 # any number of queries, so it is used for all of them.
 _LUT_MAX_QUERIES = 32
+# The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few
+# rows per result (digits, n = 1,597, k = 100) that is most rows and the float paths are faster.
+_FAST_SCAN_ROWS_PER_RESULT = 64
 
 
 def _append_rows(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
@@ -331,6 +334,8 @@ class FlatIndex:
         mask = self._allowed_mask(allowed_ids)
         ids_np = ids.numpy()
         kk = min(n, k * self.k_factor if ref is not None else k)
+        if scan is not None and scan[0] is not None and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
+            scan = (None, scan[1], scan[2])  # too few rows per result for the shortlist to pay
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
         lut = scan is not None and (nq <= _LUT_MAX_QUERIES or self.device.type == "cuda"
                                     or scan[0] is not None)

@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "topk.h"
 
 namespace tqvec {
 namespace {
@@ -313,24 +314,11 @@ void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult,
     std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
     th = lbs[static_cast<size_t>(k - 1)];
   }
-  std::vector<std::pair<float, int64_t>> hits;
+  std::vector<Hit> hits;
   for (auto* s : parts)
     for (const auto& [ub, i] : s->cand)
       if (ub >= th) hits.emplace_back(mult[i] * exact_score(L, blocked, rb, i) + add[i], i);
-  auto better = [](const std::pair<float, int64_t>& a, const std::pair<float, int64_t>& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  };
-  const int64_t m = std::min<int64_t>(k, static_cast<int64_t>(hits.size()));
-  std::partial_sort(hits.begin(), hits.begin() + m, hits.end(), better);
-  for (int64_t r = 0; r < k; ++r) {
-    if (r < m) {
-      vals[r] = hits[static_cast<size_t>(r)].first;
-      idx[r] = hits[static_cast<size_t>(r)].second;
-    } else {
-      vals[r] = -std::numeric_limits<float>::infinity();
-      idx[r] = -1;
-    }
-  }
+  write_topk(hits, k, vals, idx);
 }
 
 }  // namespace

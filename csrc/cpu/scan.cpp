@@ -20,11 +20,10 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "topk.h"
 
 namespace tqvec {
 namespace {
-
-using Hit = std::pair<float, int64_t>;  // (score, position)
 
 // Min-heap of the k best hits (std::greater: the smallest kept score sits on top).
 struct TopK {
@@ -110,21 +109,6 @@ void scan_range(const Table& tab, const uint8_t* packed, int64_t lo, int64_t hi,
   }
 }
 
-void write_out(std::vector<Hit>& hits, int64_t k, float* vals, int64_t* idx) {
-  std::sort(hits.begin(), hits.end(), [](const Hit& a, const Hit& b) {
-    return a.first > b.first || (a.first == b.first && a.second < b.second);
-  });
-  for (int64_t r = 0; r < k; ++r) {
-    if (r < static_cast<int64_t>(hits.size())) {
-      vals[r] = hits[static_cast<size_t>(r)].first;
-      idx[r] = hits[static_cast<size_t>(r)].second;
-    } else {
-      vals[r] = -std::numeric_limits<float>::infinity();
-      idx[r] = -1;
-    }
-  }
-}
-
 }  // namespace
 
 void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
@@ -138,7 +122,7 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
         Table tab = build_table(qr + qi * d, d, b, centroids);
         TopK top(k);
         scan_range(tab, packed, 0, n, d, b, mult, add, top);
-        write_out(top.heap, k, out_vals + qi * k, out_idx + qi * k);
+        write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);
       }
     };
     std::vector<std::thread> pool;
@@ -163,7 +147,7 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
     for (auto& th : pool) th.join();
     std::vector<Hit> all;
     for (auto& tp : tops) all.insert(all.end(), tp.heap.begin(), tp.heap.end());
-    write_out(all, k, out_vals + qi * k, out_idx + qi * k);
+    write_topk(all, k, out_vals + qi * k, out_idx + qi * k);
   }
 }
 

@@ -50,7 +50,7 @@ _QUERY_BLOCK = 1024
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
-# At 1, 2 and 4 bits the CPU fast-scan kernel (8-bit tables in SIMD registers) beats the GEMM at
+# At 1, 2 and 4 bits the CPU fast-scan kernel (7-bit tables in SIMD registers) beats the GEMM at
 # any number of queries, so it is used for all of them.
 _LUT_MAX_QUERIES = 32
 # The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few

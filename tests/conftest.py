@@ -46,6 +46,21 @@ def on(backend, *tensors):
     return out if len(out) > 1 else out[0]
 
 
+def scan_case(rng, nq, n, d, b, excluded_every):
+    """(qr, packed, centroids, mult, add) for the LUT-scan ops: random b-bit rows, sorted
+    centroids, positive multipliers, every ``excluded_every``-th row filtered (add = -inf)."""
+    from tqvec import ops
+
+    qr = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
+    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))
+    packed = ops.pack_bits(idx, b, backend="ref")
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    mult = torch.from_numpy(rng.uniform(0.5, 2, n).astype(np.float32))
+    add = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
+    add[::excluded_every] = -float("inf")
+    return qr, packed, c, mult, add
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(12345)

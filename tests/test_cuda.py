@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import tqvec
+from tests.conftest import scan_case
 from tqvec import ops
 from tqvec.ops import cuda as C
 from tqvec.random import make_rotation
@@ -158,14 +159,7 @@ def test_emulated_hadamard_is_bit_exact(emulated, d, rng):
 
 
 def _scan_case(rng, nq, n, d, b):
-    qr = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
-    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))
-    packed = ops.pack_bits(idx, b, backend="ref")
-    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
-    mult = torch.from_numpy(rng.uniform(0.5, 2, n).astype(np.float32))
-    add = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
-    add[::7] = -float("inf")  # filtered rows
-    return qr, packed, c, mult, add
+    return scan_case(rng, nq, n, d, b, excluded_every=7)
 
 
 def _assert_same_topk(got, ref, n_excluded_every=7):

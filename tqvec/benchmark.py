@@ -166,13 +166,12 @@ def main(argv: list[str] | None = None, *, prog: str = "tqvec bench",
                           f"  batch {r['qps_batch_2t']:>9,.0f} q/s"
                           f"  single {r['qps_single_1t']:>8,.0f}"
                           f" q/s  build {r['build_s']:.2f}s", flush=True)
-        path = save(name, xb, xq, metric, rows, a, final=True)
-        print(f"\n{open(path).read()}")
+        print("\n" + save(name, xb, xq, metric, rows, a, final=True))
     return 0
 
 
 def save(name, xb, xq, metric, rows, a, final=False) -> str:
-    """Writes <out>/search_<name>.json and .md (and the plot when final); returns the .md."""
+    """Writes <out>/search_<name>.json and .md (and the plot when final); returns the markdown."""
     from ._machine import machine_info
 
     res = {"dataset": name, "n": int(xb.shape[0]), "d": int(xb.shape[1]), "nq": int(len(xq)),
@@ -180,13 +179,13 @@ def save(name, xb, xq, metric, rows, a, final=False) -> str:
     stem = os.path.join(a.out, f"search_{os.path.basename(name).split('-')[0].split('.')[0]}")
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
-    write_md(res, stem + ".md", a)
+    md = write_md(res, stem + ".md", a)
     if final:
         plot(res, stem + ".png")
-    return stem + ".md"
+    return md
 
 
-def write_md(res: dict, path: str, a) -> None:
+def write_md(res: dict, path: str, a) -> str:
     lines = [f"# Search: {res['dataset']} ({res['n']:,} x {res['d']}, {res['nq']} queries, "
              f"{res['metric']})", "",
              f"Command: `tqvec bench --dataset {res['dataset']} --nq {a.nq} --single {a.single}"
@@ -199,8 +198,10 @@ def write_md(res: dict, path: str, a) -> None:
                      f"{r['recall@10']:.3f} | {r['recall@1@10']:.3f} | {r['recall@100']:.3f} | "
                      f"{r['qps_batch_2t']:,.0f} | {r['qps_batch_1t']:,.0f} | "
                      f"{r['qps_single_1t']:,.0f} |")
+    text = "\n".join(lines) + "\n"
     with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+        f.write(text)
+    return text
 
 
 def plot(res: dict, path: str) -> None:

@@ -1,4 +1,4 @@
-// Fast-scan of packed 1/2/4-bit codes: 8-bit lookup tables in SIMD registers (the FAISS PQ
+// Fast-scan of packed 1/2/4-bit codes: 7-bit lookup tables in SIMD registers (the FAISS PQ
 // fast-scan idea applied to our scalar codebooks), then an exact float re-score of a shortlist,
 // so the result has the meaning of lut_scan_ref (tqvec/ops/ref.py) within float rounding.
 // Layouts:

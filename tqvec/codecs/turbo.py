@@ -242,19 +242,20 @@ class TurboQuant(Codec):
             terms.append((signs, nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)))
         return terms
 
-    def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor, add: torch.Tensor,
-                  k: int, blocked: torch.Tensor | None = None, *,
+    def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor | None,
+                  add: torch.Tensor, k: int, blocked: torch.Tensor | None = None, *,
                   mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k rows by weight_i * <q, x_hat_i> + add_i straight from the packed codes (LUT
         scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32.
         ``blocked``: the codes' payload in the fast-scan layout (``ops.block_codes``), for
         bits 1, 2, 4 — the SIMD kernel then scans it instead of the rows. ``mult``: the
-        precomputed ``weight * scan_multiplier(codes)`` (an index caches it; weight is then
-        ignored)."""
+        precomputed ``weight * scan_multiplier(codes)`` (an index caches it; pass weight=None)."""
         if self.variant != "mse":
             raise ValueError("scan_topk needs variant='mse'")
         qr = self._rot.apply(q)
         if mult is None:
+            if weight is None:
+                raise ValueError("weight must be an (n,) tensor when mult is not given, got None")
             mult = (weight * self.scan_multiplier(codes)).to(torch.float32)
         cent = self._arr.get("centroids", q.device)
         if blocked is not None:

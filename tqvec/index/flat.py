@@ -382,7 +382,7 @@ class FlatIndex:
         blocked, mult, add = scan
         if mask is not None:
             add = add.masked_fill(~mask, -float("inf"))
-        vals, pos = self.codec.scan_topk(q, codes, mult, add, kk, blocked, mult=mult)
+        vals, pos = self.codec.scan_topk(q, codes, None, add, kk, blocked, mult=mult)
         if self.metric_type == METRIC_L2:
             vals = vals - (q * q).sum(1, keepdim=True)
         return vals, pos

@@ -207,7 +207,7 @@ def test_torch_inputs_and_single_query(rng):
 
 
 @pytest.mark.parametrize("spec,msg", [("PQ8", "index spec component must be one of"),
-                                      ("IVF64,TQ4", "IVF indexes are not implemented"),
+                                      ("IVF,TQ4", "for an IVF index"),
                                       ("Flat", "Flat is only a refinement"),
                                       ("TQ4,Refine(TQ8", "spec must look like")])
 def test_bad_factory_strings(spec, msg):

@@ -122,6 +122,8 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
     """The 7-bit-table scan re-scores a shortlist exactly: the same top k as the float scan,
     scores within float-summation tolerance (d = 1536, b = 4 exercises the Hoeffding bound;
     positions may differ only where scores tie within rounding)."""
+    if backend == "cuda":
+        pytest.skip("fast_scan is a CPU kernel (GPUs run the CUDA lut_scan)")
     qr, packed, c, mult, add = scan_case(rng, nq, n, d, b, excluded_every=5)
     vr, pr = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
     blocked = ops.block_codes(packed, backend="ref")
@@ -149,7 +151,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
-    """The portable loop (TQVEC_SIMD=scalar, chosen once per process) gives the same results."""
+    """The portable loop (TQVEC_SIMD=scalar, chosen once per process) gives the same results,
+    flat and IVF scans."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -167,6 +170,12 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))\n"
         "    v, p = ops.fast_scan(qr, bl, n, c, torch.ones(n), torch.zeros(n), b, 10)\n"
         "    out += [v.numpy(), p.numpy()]\n"
+        "    lb = torch.tensor([0, 3, 3, bl.shape[0]])\n"
+        "    probes = torch.tensor([[0, 2], [2, -1], [1, 0]])\n"
+        "    off = torch.from_numpy(rng.standard_normal((3, 2)).astype(np.float32))\n"
+        "    v, p = ops.ivf_fast_scan(qr, bl, c, torch.ones(32 * bl.shape[0]),\n"
+        "                             torch.zeros(32 * bl.shape[0]), lb, probes, off, b, 10)\n"
+        "    out += [v.numpy(), p.numpy()]\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}
@@ -177,3 +186,31 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         res[mode] = np.load(path)
     for key in res["auto"].files:
         np.testing.assert_array_equal(res["auto"][key], res["scalar"][key])
+
+
+@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("nq,d,nlist,nprobe,k", [(1, 64, 8, 3, 10), (7, 100, 5, 5, 7),
+                                                 (37, 784, 16, 4, 20), (300, 33, 40, 6, 5)])
+def test_ivf_fast_scan_matches_reference(backend, b, nq, d, nlist, nprobe, k):
+    """Lists of random sizes (some empty) padded to 32-row blocks with add = -inf, filtered
+    rows, a missing probe (-1), random offsets: same top-k as the reference."""
+    if backend == "cuda":
+        pytest.skip("ivf_fast_scan is a CPU kernel (the GPU IVF scan is not built)")
+    rng = np.random.default_rng(nq * 1000 + d + b)
+    sizes = torch.from_numpy(rng.integers(0, 90, nlist))
+    list_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), ((sizes + 31) // 32).cumsum(0)])
+    nb = int(list_blocks[-1])
+    qr, packed, c, mult, add = scan_case(rng, nq, 32 * nb, d, b, excluded_every=13)
+    for li in range(nlist):
+        add[int(list_blocks[li]) * 32 + int(sizes[li]):int(list_blocks[li + 1]) * 32] = \
+            -float("inf")
+    probes = torch.from_numpy(np.stack([rng.permutation(nlist)[:nprobe] for _ in range(nq)]))
+    probes[0, -1] = -1
+    offsets = torch.from_numpy(3 * rng.standard_normal((nq, nprobe)).astype(np.float32))
+    blocked = ops.block_codes(packed, backend="ref")
+    args = (blocked, c, mult, add, list_blocks, probes, offsets)
+    v0, p0 = ops.ref.ivf_fast_scan_ref(qr, *args, b, k)
+    v1, p1 = ops.ivf_fast_scan(*on(backend, qr, *args), b, k, backend=backend)
+    torch.testing.assert_close(v1.cpu(), v0, rtol=1e-5, atol=1e-4)
+    assert torch.equal(p1.cpu(), p0)
+    assert (p0 >= 0).any()

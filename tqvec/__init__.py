@@ -20,7 +20,7 @@ from .codecs import (
 )
 from .codecs.storage import load_codes, save_codes
 from .errors import BackendUnavailable, FormatError
-from .index import FlatIndex, index_factory, read_index, write_index
+from .index import FlatIndex, IVFIndex, index_factory, read_index, write_index
 from .ops import available_backends
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
     "BackendUnavailable",
     "available_backends",
     "FlatIndex",
+    "IVFIndex",
     "index_factory",
     "read_index",
     "write_index",

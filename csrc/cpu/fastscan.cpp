@@ -21,6 +21,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -101,14 +102,19 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb) {
 struct Shortlist {
   int64_t k;
   std::vector<float> lbs;
-  std::vector<std::pair<float, int64_t>> cand;  // (upper bound, row)
+  struct Cand {
+    float ub;
+    int64_t row;
+    float off;  // the row's range offset (ivf_fast_scan), added again at the exact re-score
+  };
+  std::vector<Cand> cand;
   explicit Shortlist(int64_t kk) : k(kk) { lbs.reserve(static_cast<size_t>(kk)); }
   float threshold() const {
     return static_cast<int64_t>(lbs.size()) < k ? -std::numeric_limits<float>::infinity()
                                                 : lbs.front();
   }
-  void admit(float lb, float ub, int64_t i) {
-    cand.emplace_back(ub, i);
+  void admit(float lb, float ub, int64_t i, float off) {
+    cand.push_back({ub, i, off});
     if (static_cast<int64_t>(lbs.size()) < k) {
       lbs.push_back(lb);
       std::push_heap(lbs.begin(), lbs.end(), std::greater<float>());
@@ -121,17 +127,20 @@ struct Shortlist {
 };
 
 // Approximate score and bound of row i from its table sum; admits it if it can reach the top k.
+// `off` is added to every score of the rows being scanned (0 for a flat scan; the query's
+// offset of the inverted list in ivf_fast_scan).
 inline void consider(const Lut& L, uint32_t tot, int64_t i, const float* mult, const float* add,
-                     Shortlist& sl) {
+                     float off, Shortlist& sl) {
   const float a = add[i];
   if (!(a > -std::numeric_limits<float>::infinity())) return;
-  const float s = mult[i] * (L.delta * static_cast<float>(tot) + L.bias) + a;
+  const float s = mult[i] * (L.delta * static_cast<float>(tot) + L.bias) + a + off;
   const float e = std::fabs(mult[i]) * L.err;
-  if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i);
+  if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i, off);
 }
 
 void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
-                        int64_t j1, const float* mult, const float* add, Shortlist& sl) {
+                        int64_t j1, const float* mult, const float* add, float off,
+                        Shortlist& sl) {
   uint32_t tot[kRows];
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* blk = blocked + j * rb * kRows;
@@ -143,7 +152,7 @@ void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
       for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
     }
     const int64_t base = j * kRows, rows = std::min(kRows, n - base);
-    for (int64_t t = 0; t < rows; ++t) consider(L, tot[t], base + t, mult, add, sl);
+    for (int64_t t = 0; t < rows; ++t) consider(L, tot[t], base + t, mult, add, off, sl);
   }
 }
 
@@ -217,21 +226,23 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums_avx2(
 // only rows that pass (a few per query in all, once the heap is full) leave the vector path.
 __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
     const Lut& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
-    Shortlist& sl) {
+    float off, Shortlist& sl) {
   const int64_t base = j * kRows;
   if (n - base < kRows) {  // last, partial block
-    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, sl);
+    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
     return;
   }
   const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
+  const __m256 voff = _mm256_set1_ps(off);
   const __m256 verr = _mm256_set1_ps(L.err), ninf = _mm256_set1_ps(-INFINITY);
   const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   for (int g = 0; g < kRows; g += 8) {
     const __m256 m = _mm256_loadu_ps(mult + base + g), a = _mm256_loadu_ps(add + base + g);
     const __m256 sum =
         _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bt + g)));
-    const __m256 s =
-        _mm256_add_ps(_mm256_mul_ps(m, _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)), a);
+    const __m256 s = _mm256_add_ps(
+        _mm256_add_ps(_mm256_mul_ps(m, _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)), a),
+        voff);
     const __m256 ub = _mm256_add_ps(s, _mm256_mul_ps(_mm256_and_ps(m, absmask), verr));
     const __m256 th = _mm256_set1_ps(sl.threshold());
     int bits = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(ub, th, _CMP_GE_OQ),
@@ -239,7 +250,7 @@ __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
     while (bits) {
       const int t = __builtin_ctz(bits);
       bits &= bits - 1;
-      consider(L, bt[g + t], base + g + t, mult, add, sl);
+      consider(L, bt[g + t], base + g + t, mult, add, off, sl);
     }
   }
 }
@@ -247,7 +258,8 @@ __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
 __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_t* blocked,
                                                       int64_t rb, int64_t n, int64_t j0,
                                                       int64_t j1, const float* mult,
-                                                      const float* add, Shortlist& sl) {
+                                                      const float* add, float off,
+                                                      Shortlist& sl) {
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[1] = {L.q8.data()};
   for (int64_t j = j0; j < j1;) {
@@ -256,7 +268,8 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
       block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
     else
       block_sums_avx2<1, 1>(blocked + j * rb * kRows, rb, q8, tot);
-    for (int u = 0; u < nb; ++u, ++j) admit_block_avx2(L, tot + u * kRows, j, n, mult, add, sl);
+    for (int u = 0; u < nb; ++u, ++j)
+      admit_block_avx2(L, tot + u * kRows, j, n, mult, add, off, sl);
   }
 }
 
@@ -264,12 +277,14 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
 __attribute__((target("avx2"))) void scan_blocks4_avx2(const Lut* const* L, const uint8_t* blocked,
                                                        int64_t rb, int64_t n, int64_t j0,
                                                        int64_t j1, const float* mult,
-                                                       const float* add, Shortlist* const* sl) {
+                                                       const float* add, const float* off,
+                                                       Shortlist* const* sl) {
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[4] = {L[0]->q8.data(), L[1]->q8.data(), L[2]->q8.data(), L[3]->q8.data()};
   for (int64_t j = j0; j < j1; ++j) {
     block_sums_avx2<1, 4>(blocked + j * rb * kRows, rb, q8, tot);
-    for (int q = 0; q < 4; ++q) admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, *sl[q]);
+    for (int q = 0; q < 4; ++q)
+      admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
   }
 }
 
@@ -285,11 +300,11 @@ bool simd_avx2() {
 }
 
 void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
-                 int64_t j1, const float* mult, const float* add, Shortlist& sl) {
+                 int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {
   if (simd_avx2())
-    scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, sl);
+    scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   else
-    scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, sl);
+    scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, off, sl);
 }
 
 float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
@@ -316,8 +331,10 @@ void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult,
   }
   std::vector<Hit> hits;
   for (auto* s : parts)
-    for (const auto& [ub, i] : s->cand)
-      if (ub >= th) hits.emplace_back(mult[i] * exact_score(L, blocked, rb, i) + add[i], i);
+    for (const auto& c : s->cand)
+      if (c.ub >= th)
+        hits.emplace_back(mult[c.row] * exact_score(L, blocked, rb, c.row) + add[c.row] + c.off,
+                          c.row);
   write_topk(hits, k, vals, idx);
 }
 
@@ -374,9 +391,11 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
             for (; g + 4 <= ng; g += 4) {
               const Lut* lp[4] = {&luts[g], &luts[g + 1], &luts[g + 2], &luts[g + 3]};
               Shortlist* sp[4] = {&sls[g], &sls[g + 1], &sls[g + 2], &sls[g + 3]};
-              scan_blocks4_avx2(lp, blocked, rb, n, c0, c1, mult, add, sp);
+              const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+              scan_blocks4_avx2(lp, blocked, rb, n, c0, c1, mult, add, zero, sp);
             }
-          for (; g < ng; ++g) scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, sls[g]);
+          for (; g < ng; ++g)
+            scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
         }
         for (size_t g = 0; g < luts.size(); ++g) {
           const int64_t qi = g0 + static_cast<int64_t>(g);
@@ -400,13 +419,102 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
     for (int64_t w = 1; w < t; ++w)
       pool.emplace_back([&, w] {
         scan_blocks(L, blocked, rb, n, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk),
-                    mult, add, sls[static_cast<size_t>(w)]);
+                    mult, add, 0.f, sls[static_cast<size_t>(w)]);
       });
-    scan_blocks(L, blocked, rb, n, 0, std::min(nb, chunk), mult, add, sls[0]);
+    scan_blocks(L, blocked, rb, n, 0, std::min(nb, chunk), mult, add, 0.f, sls[0]);
     for (auto& th : pool) th.join();
     std::vector<Shortlist*> parts;
     for (auto& s : sls) parts.push_back(&s);
     finish(L, blocked, rb, mult, add, parts, k, out_vals + qi * k, out_idx + qi * k);
+  }
+}
+
+void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
+                   int b, const float* centroids, const float* mult, const float* add,
+                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
+                   const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
+                   int64_t* out_idx, int nthreads) {
+  const int64_t rb = (d * b + 7) / 8;
+  // Queries are handled in batches (their tables, ~5 bytes * 16 * 2 rb each, stay bounded);
+  // within a batch the probes are inverted so that each probed list is read once for all the
+  // queries that probe it (four tables per pass), as faiss's IVF fast-scan does.
+  const int64_t batch = 256;
+  for (int64_t q0 = 0; q0 < nq; q0 += batch) {
+    const int64_t q1 = std::min(nq, q0 + batch), m = q1 - q0;
+    std::vector<Lut> luts(static_cast<size_t>(m));
+    // (query in batch, offset) per list; lists ordered by the best rank at which any query
+    // probes them, so each shortlist meets its nearest lists first and its threshold rises early.
+    std::vector<std::vector<std::pair<int64_t, float>>> by_list(static_cast<size_t>(nlist));
+    std::vector<int64_t> rank(static_cast<size_t>(nlist), nprobe);
+    int64_t work_blocks = 0;
+    for (int64_t qi = 0; qi < m; ++qi)
+      for (int64_t r = 0; r < nprobe; ++r) {
+        const int64_t l = probes[(q0 + qi) * nprobe + r];
+        if (l < 0 || l >= nlist) continue;
+        by_list[static_cast<size_t>(l)].emplace_back(qi, offsets[(q0 + qi) * nprobe + r]);
+        rank[static_cast<size_t>(l)] = std::min(rank[static_cast<size_t>(l)], r);
+        work_blocks += list_blocks[l + 1] - list_blocks[l];
+      }
+    std::vector<int64_t> order;
+    for (int64_t l = 0; l < nlist; ++l)
+      if (!by_list[static_cast<size_t>(l)].empty() && list_blocks[l + 1] > list_blocks[l])
+        order.push_back(l);
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t c) {
+      return rank[static_cast<size_t>(a)] < rank[static_cast<size_t>(c)];
+    });
+    const int64_t t = std::max<int64_t>(
+        1, std::min<int64_t>({static_cast<int64_t>(std::max(1, nthreads)),
+                              static_cast<int64_t>(order.size()),
+                              std::max<int64_t>(1, (work_blocks + m) / 32)}));
+    // Shortlists per (thread, query): no locks; finish() merges a query's parts.
+    std::vector<std::vector<Shortlist>> sls(static_cast<size_t>(t));
+    for (auto& v : sls) v.assign(static_cast<size_t>(m), Shortlist(k));
+    std::atomic<int64_t> next_lut{0}, next_list{0};
+    auto build = [&] {
+      for (int64_t qi; (qi = next_lut.fetch_add(1)) < m;)
+        luts[static_cast<size_t>(qi)] = build_lut(qr + (q0 + qi) * d, d, b, centroids, rb);
+    };
+    auto scan = [&](int64_t w) {
+      auto& mine = sls[static_cast<size_t>(w)];
+      for (int64_t o; (o = next_list.fetch_add(1)) < static_cast<int64_t>(order.size());) {
+        const int64_t l = order[static_cast<size_t>(o)];
+        const auto& qs = by_list[static_cast<size_t>(l)];
+        const int64_t j0 = list_blocks[l], j1 = list_blocks[l + 1];
+        size_t g = 0;
+        if (simd_avx2())
+          for (; g + 4 <= qs.size(); g += 4) {
+            const Lut* lp[4];
+            Shortlist* sp[4];
+            float off[4];
+            for (int u = 0; u < 4; ++u) {
+              lp[u] = &luts[static_cast<size_t>(qs[g + u].first)];
+              sp[u] = &mine[static_cast<size_t>(qs[g + u].first)];
+              off[u] = qs[g + u].second;
+            }
+            scan_blocks4_avx2(lp, blocked, rb, n, j0, j1, mult, add, off, sp);
+          }
+        for (; g < qs.size(); ++g)
+          scan_blocks(luts[static_cast<size_t>(qs[g].first)], blocked, rb, n, j0, j1, mult, add,
+                      qs[g].second, mine[static_cast<size_t>(qs[g].first)]);
+      }
+    };
+    auto finish_all = [&](int64_t w) {
+      for (int64_t qi = w; qi < m; qi += t) {
+        std::vector<Shortlist*> parts;
+        for (auto& v : sls) parts.push_back(&v[static_cast<size_t>(qi)]);
+        finish(luts[static_cast<size_t>(qi)], blocked, rb, mult, add, parts, k,
+               out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
+      }
+    };
+    auto run = [&](auto&& f) {
+      std::vector<std::thread> pool;
+      for (int64_t w = 1; w < t; ++w) pool.emplace_back(f, w);
+      f(0);
+      for (auto& th : pool) th.join();
+    };
+    run([&](int64_t) { build(); });
+    run(scan);
+    run(finish_all);
   }
 }
 

@@ -31,5 +31,14 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked,
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads);
+// fast_scan over inverted lists stored as consecutive block ranges of one blocked array (rows
+// past a list's end padded with add = -inf): query i scans the lists probes[i, :] (-1 = none),
+// list_blocks[l] .. list_blocks[l + 1], adding offsets[i, r] to the scores of list probes[i, r].
+// n = 32 * nb rows; out_idx holds row positions of that array.
+void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
+                   int b, const float* centroids, const float* mult, const float* add,
+                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
+                   const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
+                   int64_t* out_idx, int nthreads);
 
 }  // namespace tqvec

@@ -120,6 +120,41 @@ NB_MODULE(_C, m) {
                      add.data(), k, out_vals.data(), out_idx.data(), nthreads);
   });
 
+  m.def("ivf_fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked,
+                            CArr<const float> centroids, CArr<const float> mult,
+                            CArr<const float> add, CArr<const int64_t> list_blocks,
+                            CArr<const int64_t> probes, CArr<const float> offsets, int b,
+                            int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
+                            int nthreads) {
+    require(b == 1 || b == 2 || b == 4, "ivf_fast_scan: bits must be 1, 2 or 4");
+    require(qr.ndim() == 2 && blocked.ndim() == 3 && probes.ndim() == 2 && offsets.ndim() == 2 &&
+                list_blocks.ndim() == 1 && out_vals.ndim() == 2 && out_idx.ndim() == 2,
+            "ivf_fast_scan: bad ranks");
+    const int64_t nq = qr.shape(0), d = qr.shape(1), nb = blocked.shape(0);
+    const int64_t n = 32 * nb, nlist = static_cast<int64_t>(list_blocks.shape(0)) - 1;
+    require(blocked.shape(1) == static_cast<size_t>(rb(d, b)) && blocked.shape(2) == 32,
+            "ivf_fast_scan: blocked must be (nb, rb, 32)");
+    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
+            "ivf_fast_scan: centroids");
+    require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+                add.shape(0) == static_cast<size_t>(n), "ivf_fast_scan: mult/add length");
+    require(nlist >= 0 && (nlist == 0 || list_blocks.data()[0] == 0), "ivf_fast_scan: lists");
+    for (int64_t l = 0; l < nlist; ++l)
+      require(list_blocks.data()[l] <= list_blocks.data()[l + 1] &&
+                  list_blocks.data()[l + 1] <= nb, "ivf_fast_scan: list_blocks not monotone");
+    require(probes.shape(0) == static_cast<size_t>(nq) && offsets.shape(0) == probes.shape(0) &&
+                offsets.shape(1) == probes.shape(1), "ivf_fast_scan: probes/offsets shape");
+    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
+                out_vals.shape(1) == static_cast<size_t>(k) &&
+                out_idx.shape(0) == static_cast<size_t>(nq) &&
+                out_idx.shape(1) == static_cast<size_t>(k), "ivf_fast_scan: outputs");
+    nb::gil_scoped_release rel;
+    tqvec::ivf_fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
+                         add.data(), list_blocks.data(), nlist, probes.data(), offsets.data(),
+                         static_cast<int64_t>(probes.shape(1)), k, out_vals.data(),
+                         out_idx.data(), nthreads);
+  });
+
   m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
                               CArr<const float> signs, int64_t p, bool inverse,
                               CArr<float> out, int nthreads) {

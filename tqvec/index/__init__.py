@@ -3,6 +3,7 @@
 from .factory import index_factory
 from .flat import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, FlatIndex
 from .io import read_index, write_index
+from .ivf import IVFIndex
 
-__all__ = ["FlatIndex", "index_factory", "read_index", "write_index", "METRIC_INNER_PRODUCT",
-           "METRIC_L2", "METRIC_COSINE"]
+__all__ = ["FlatIndex", "IVFIndex", "index_factory", "read_index", "write_index",
+           "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE"]

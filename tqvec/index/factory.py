@@ -15,6 +15,9 @@ spec                codec                                                    byt
 ==================  =======================================================  ==================
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes.
+``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
+k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
+are those of the codes (plus nlist * d * 4 bytes of centroids per index).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 from ..codecs import QJL, PolarQuant, TurboQuant
 from ..codecs.base import Codec
 from .flat import FlatIndex
+from .ivf import IVFIndex
 
 __all__ = ["index_factory", "parse_codec"]
 
@@ -53,19 +57,27 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
 
 
 def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
-                  k_factor: int = 4, device: Any = None) -> FlatIndex:
+                  k_factor: int = 4, device: Any = None) -> FlatIndex | IVFIndex:
     """Build an index from a factory string (see the module docstring); ``device="cuda"``
     keeps the codes on the GPU and searches them with the CUDA kernels."""
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
-    if spec.strip().startswith("IVF"):
-        raise ValueError(f"IVF indexes are not implemented yet, got {spec!r}")
-    m = _REFINE.fullmatch(spec.replace(" ", ""))
+    body = spec.replace(" ", "")
+    ivf = re.match(r"IVF(\d+),", body)
+    if body.startswith("IVF") and not ivf:
+        raise ValueError(f"spec must look like 'IVF1024,TQ4' for an IVF index, got {spec!r}")
+    if ivf:
+        body = body[ivf.end():]
+    m = _REFINE.fullmatch(body)
     if not m:
-        raise ValueError(f"spec must look like 'TQ4' or 'TQ2,Refine(TQ8)', got {spec!r}")
+        raise ValueError(f"spec must look like 'TQ4', 'TQ2,Refine(TQ8)' or 'IVF1024,TQ4', got "
+                         f"{spec!r}")
     base = parse_codec(d, m["base"], seed)
     if base == "flat":
         raise ValueError("spec must start with a codec (Flat is only a refinement), got "
                          f"{spec!r}")
     ref = parse_codec(d, m["ref"], seed + 1) if m["ref"] else None
+    if ivf:
+        return IVFIndex(base, int(ivf[1]), metric, refine=ref, k_factor=k_factor, seed=seed,
+                        device=device)
     return FlatIndex(base, metric, refine=ref, k_factor=k_factor, device=device)

@@ -261,10 +261,14 @@ class FlatIndex:
                 if self._sqnorms.numel():
                     self._sqnorms = self._sqnorms[keep_d]
                 self._ids = self._ids[keep]
+                self._keep_rows(keep)
                 self._n -= removed
                 self._pos = None
                 self._scan, self._blocked, self._blocked_n = None, None, 0
             return removed
+
+    def _keep_rows(self, keep: torch.Tensor) -> None:
+        """Filter per-row state a subclass keeps beyond the codes (lock held)."""
 
     def _position(self, key: int) -> int:
         if self._pos is None:
@@ -302,11 +306,11 @@ class FlatIndex:
             q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
         return q, was_numpy
 
-    def _allowed_mask(self, allowed_ids: Any) -> torch.Tensor | None:
+    def _allowed_mask(self, allowed_ids: Any, ids: torch.Tensor) -> torch.Tensor | None:
         if allowed_ids is None:
             return None
         sel = torch.as_tensor(np.asarray(allowed_ids, dtype=np.int64).reshape(-1))
-        return torch.isin(self._ids, sel).to(self.device)
+        return torch.isin(ids, sel).to(self.device)
 
     def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
                params: Any = None) -> tuple[np.ndarray, np.ndarray]:
@@ -327,25 +331,17 @@ class FlatIndex:
                     dtype=np.float32)
         I = np.full((nq, k), -1, dtype=np.int64)
         with self._lock:  # a consistent snapshot; searching itself needs no lock
-            codes, ids, sqn, ref, n = self._codes, self._ids, self._sqnorms, self._ref, self._n
-            scan = self._scan_state()
+            snap = self._snapshot()
+        n, ref = snap["n"], snap["ref"]
         if n == 0 or nq == 0:
             return D, I
-        mask = self._allowed_mask(allowed_ids)
-        ids_np = ids.numpy()
+        mask = self._allowed_mask(allowed_ids, snap["ids"])
+        ids_np = snap["ids"].numpy()
         kk = min(n, k * self.k_factor if ref is not None else k)
-        if scan is not None and scan[0] is not None and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
-            scan = (None, scan[1], scan[2])  # too few rows per result for the shortlist to pay
-        # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
-        lut = scan is not None and (nq <= _LUT_MAX_QUERIES or self.device.type == "cuda"
-                                    or scan[0] is not None)
         for qs in range(0, nq, _QUERY_BLOCK):
             qe = min(nq, qs + _QUERY_BLOCK)
             qb = q[qs:qe]
-            if lut:
-                best_s, best_p = self._lut_search(qb, codes, scan, mask, kk)
-            else:
-                best_s, best_p = self._gemm_search(qb, codes, sqn, mask, kk)
+            best_s, best_p = self._search_block(qb, snap, mask, kk, nq)
             if ref is not None:
                 best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
             vals, pos = best_s.cpu().numpy(), best_p.cpu().numpy()
@@ -356,6 +352,24 @@ class FlatIndex:
             D[qs:qe, :m] = np.where(valid, vals, D[qs:qe, :m])
             I[qs:qe, :m] = np.where(valid, ids_np[np.where(valid, pos, 0)], -1)
         return D, I
+
+    def _snapshot(self) -> dict[str, Any]:
+        """What a search reads, taken together under the lock (call with it held)."""
+        return {"codes": self._codes, "ids": self._ids, "sqn": self._sqnorms, "ref": self._ref,
+                "n": self._n, "scan": self._scan_state()}
+
+    def _search_block(self, q: torch.Tensor, snap: dict[str, Any], mask: torch.Tensor | None,
+                      kk: int, nq_total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Best kk similarities (larger is better; for L2 the negated squared distance) and
+        their row positions for the queries q, from the codes."""
+        scan, n = snap["scan"], snap["n"]
+        if scan is not None and scan[0] is not None and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
+            scan = (None, scan[1], scan[2])  # too few rows per result for the shortlist to pay
+        # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
+        if scan is not None and (nq_total <= _LUT_MAX_QUERIES or self.device.type == "cuda"
+                                 or scan[0] is not None):
+            return self._lut_search(q, snap["codes"], scan, mask, kk)
+        return self._gemm_search(q, snap["codes"], snap["sqn"], mask, kk)
 
     def _gemm_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
                      mask: torch.Tensor | None, kk: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -11,6 +11,7 @@ from ..codecs.base import Codec, Codes, codec_from_params
 from ..errors import FormatError
 from ..io import read_container, write_container
 from .flat import FlatIndex, metric_name
+from .ivf import IVFIndex
 
 __all__ = ["write_index", "read_index"]
 
@@ -32,7 +33,7 @@ def _codes_from(prefix: str, arrays: dict, codec: Codec) -> Codes:
     return codec.check_codes(Codes(payload, sc, codec.params))
 
 
-def write_index(index: FlatIndex, path: str | os.PathLike) -> None:
+def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
     """Write an index atomically (versioned, checksummed, never pickled)."""
     if not isinstance(index, FlatIndex):
         raise TypeError(f"index must be a tqvec FlatIndex, got {type(index).__name__}")
@@ -50,10 +51,17 @@ def write_index(index: FlatIndex, path: str | os.PathLike) -> None:
             "fingerprint": index.codec.fingerprint(), "metric": metric_name(index.metric_type),
             "ntotal": index.ntotal, "next_id": index._next_id, "refine": refine,
             "k_factor": index.k_factor}
+    if isinstance(index, IVFIndex):
+        meta.update(type="ivf", nlist=index.nlist, nprobe=index.nprobe, seed=index.seed,
+                    niter=index.niter, trained=index.is_trained)
+        if index.is_trained:
+            arrays["ivf.centroids"] = index.centroids.numpy()
+            arrays["ivf.lists"] = index._lists.numpy()
     write_container(path, _KIND, meta, arrays)
 
 
-def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True) -> FlatIndex:
+def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
+               ) -> FlatIndex | IVFIndex:
     """Read an index written by ``write_index``; ``mmap=True`` maps the codes copy-on-write."""
     meta, arrays = read_container(path, _KIND, mmap=mmap, verify=verify)
     p = os.fspath(path)
@@ -61,7 +69,15 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True)
         codec = codec_from_params(meta["params"])
         refine = meta["refine"]
         ref_codec = codec_from_params(refine["params"]) if isinstance(refine, dict) else refine
-        index = FlatIndex(codec, meta["metric"], refine=ref_codec, k_factor=meta["k_factor"])
+        if meta["type"] == "ivf":
+            index = IVFIndex(codec, meta["nlist"], meta["metric"], refine=ref_codec,
+                             k_factor=meta["k_factor"], nprobe=meta["nprobe"],
+                             seed=meta["seed"], niter=meta["niter"])
+        elif meta["type"] == "flat":
+            index = FlatIndex(codec, meta["metric"], refine=ref_codec,
+                              k_factor=meta["k_factor"])
+        else:
+            raise ValueError(f"type must be 'flat' or 'ivf', got {meta['type']!r}")
         ntotal = int(meta["ntotal"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{p!r} has an invalid index header: {e}") from e
@@ -70,6 +86,17 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True)
         raise FormatError(f"{p!r} was written with a different rotation/codebook (fingerprint "
                           "mismatch); its codes would decode wrongly")
     try:
+        if isinstance(index, IVFIndex) and meta["trained"]:
+            cent = torch.from_numpy(np.array(arrays["ivf.centroids"], dtype=np.float32))
+            if cent.shape != (index.nlist, index.d) or not torch.isfinite(cent).all():
+                raise ValueError(f"centroids must be finite ({index.nlist}, {index.d}), got "
+                                 f"{tuple(cent.shape)}")
+            index.centroids, index.is_trained = cent, True
+        if ntotal and isinstance(index, IVFIndex):
+            lists = torch.from_numpy(np.array(arrays["ivf.lists"], dtype=np.int64))
+            if not index.is_trained or lists.shape != (ntotal,) or (
+                    ntotal and (int(lists.min()) < 0 or int(lists.max()) >= index.nlist)):
+                raise ValueError(f"lists must be {ntotal} list numbers < {index.nlist}")
         if ntotal:
             ids = torch.from_numpy(np.asarray(arrays["ids"]))
             codes = _codes_from("codes", arrays, codec)
@@ -80,7 +107,11 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True)
                 index._ref = _codes_from("refine", arrays, ref_codec)
             elif ref_codec == "flat":
                 index._ref = torch.from_numpy(np.asarray(arrays["refine.vectors"]))
-            index._sqnorms = index._sqnorms_of(codec, codes)
+            if isinstance(index, IVFIndex):
+                index._lists = lists
+                index._rowterm = index._row_terms(lists, codes)
+            else:
+                index._sqnorms = index._sqnorms_of(codec, codes)
         index._next_id = int(meta["next_id"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{p!r} does not match its header: {e}") from e

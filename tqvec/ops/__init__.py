@@ -22,7 +22,8 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "decode_attention",
+           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan",
+           "decode_attention",
            "row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
@@ -147,6 +148,20 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
     return _pick("fast_scan", qr.device, backend)(
         qr.contiguous(), blocked.contiguous(), int(n), centroids.contiguous(),
         mult.contiguous(), add.contiguous(), b, k)
+
+
+def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
+                  mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
+                  probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast_scan`` over inverted lists (consecutive block ranges) with a score offset per
+    (query, probed list); see ``ref.ivf_fast_scan_ref``."""
+    if b not in FAST_SCAN_BITS:
+        raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for ivf_fast_scan, got {b}")
+    return _pick("ivf_fast_scan", qr.device, backend)(
+        qr.contiguous(), blocked.contiguous(), centroids.contiguous(), mult.contiguous(),
+        add.contiguous(), list_blocks.to(torch.int64).contiguous(),
+        probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k)
 
 
 def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

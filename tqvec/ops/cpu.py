@@ -15,7 +15,8 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
-           "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu"]
+           "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu",
+           "ivf_fast_scan_cpu"]
 
 
 def available() -> bool:
@@ -95,4 +96,17 @@ def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: to
     if nq and n:
         qr_, bl_, c_, mult_, add_, vals_, pos_ = _np(qr, blocked, centroids, mult, add, vals, pos)
         _C.fast_scan(qr_, bl_, n, c_, mult_, add_, b, k, vals_, pos_, _threads())
+    return vals, pos
+
+
+def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
+                      mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
+                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq = qr.shape[0]
+    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
+    pos = torch.full((nq, k), -1, dtype=torch.int64)
+    if nq and blocked.shape[0]:
+        arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, vals, pos)
+        _C.ivf_fast_scan(*arrays[:8], b, k, *arrays[8:], _threads())
     return vals, pos

@@ -102,14 +102,18 @@ def lut_scan_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     (The TurboQuant estimator of Algorithm 1 with a per-row affine map, which covers inner
     product, L2 to the reconstruction and cosine.)
     """
-    nq, d = qr.shape
-    n = packed.shape[0]
-    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32, device=qr.device)
-    pos = torch.full((nq, k), -1, dtype=torch.int64, device=qr.device)
+    yhat = centroids[unpack_bits_ref(packed, qr.shape[1], b).long()]  # (n, d)
+    return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :], k)
+
+
+def _topk_padded(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top k of each row of the score matrix s (nq, n), best first, -inf / -1 past the finite
+    scores (ties by the lower position, as torch.topk on CPU)."""
+    nq, n = s.shape
+    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32, device=s.device)
+    pos = torch.full((nq, k), -1, dtype=torch.int64, device=s.device)
     if n == 0:
         return vals, pos
-    yhat = centroids[unpack_bits_ref(packed, d, b).long()]  # (n, d)
-    s = (qr @ yhat.T) * mult[None, :] + add[None, :]
     top = torch.topk(s, min(k, n), dim=1)
     ok = torch.isfinite(top.values)
     m = top.values.shape[1]
@@ -140,6 +144,35 @@ def fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: to
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``); b in 1, 2, 4."""
     return lut_scan_ref(qr, unblock_codes(blocked, n), centroids, mult, add, b, k)
+
+
+def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
+                      mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
+                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast_scan_ref`` restricted to inverted lists, with a score offset per (query, list).
+
+    blocked (nb, rb, 32) holds the lists one after another, list l in blocks
+    ``list_blocks[l] .. list_blocks[l+1]`` (int64, nlist + 1 entries, rows past a list's end
+    carry add = -inf); mult, add (32 nb,) float32. Query i scores only the rows of the lists
+    ``probes[i, r]`` (int64 (nq, P), distinct per row, -1 = none) as
+    ``mult_j <qr_i, centroids[idx_j]> + add_j + offsets[i, r]``. Returns the top k as
+    ``lut_scan_ref`` does, positions into the 32 nb rows. (With a residual code the offset is
+    the query's exact score against the list's centroid: IVF-ADC, Jegou et al. 2011.)
+    """
+    nb = blocked.shape[0]
+    n = nb * BLOCK_ROWS
+    sizes = (list_blocks[1:] - list_blocks[:-1]) * BLOCK_ROWS
+    row_list = torch.full((n,), -1, dtype=torch.int64, device=qr.device)
+    used = int(list_blocks[-1]) * BLOCK_ROWS if list_blocks.numel() else 0
+    row_list[:used] = torch.repeat_interleave(
+        torch.arange(sizes.numel(), device=qr.device), sizes)
+    off = torch.full((qr.shape[0], n), -float("inf"), device=qr.device)
+    for r in range(probes.shape[1]):
+        hit = (row_list[None, :] == probes[:, r:r + 1]) & (probes[:, r:r + 1] >= 0)
+        off = torch.where(hit, offsets[:, r:r + 1], off)
+    yhat = centroids[unpack_bits_ref(unblock_codes(blocked, n), qr.shape[1], b).long()]
+    return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :] + off, k)
 
 
 def decode_attention_ref(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

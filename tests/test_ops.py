@@ -214,3 +214,19 @@ def test_ivf_fast_scan_matches_reference(backend, b, nq, d, nlist, nprobe, k):
     torch.testing.assert_close(v1.cpu(), v0, rtol=1e-5, atol=1e-4)
     assert torch.equal(p1.cpu(), p0)
     assert (p0 >= 0).any()
+
+
+@pytest.mark.parametrize("nq,n,d,kk", [(1, 10, 7, 3), (50, 3000, 784, 40), (3, 100, 1, 200)])
+def test_rescore_rows_matches_reference(backend, nq, n, d, kk, rng):
+    """Refine(Flat)'s exact re-score: dot products and squared norms of candidate rows, 0 for
+    the -1 padding; sums in a different order than the reference's einsum."""
+    if backend == "cuda":
+        pytest.skip("rescore_rows is a CPU kernel (exact vectors live in host memory)")
+    q = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    rows = torch.from_numpy(rng.integers(-1, n, (nq, kk)))
+    want = ops.ref.rescore_rows_ref(q, x, rows)
+    got = ops.rescore_rows(q, x, rows, backend=backend)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4 * d ** 0.5)
+    assert (got[1][rows < 0] == 0).all()

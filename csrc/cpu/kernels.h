@@ -41,4 +41,10 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
                    const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
                    int64_t* out_idx, int nthreads);
 
+// Exact re-scoring of candidates (rescore.cpp): for query i and candidate r with row
+// j = rows[i, r] of x (n, d) float32: dot[i, r] = <q_i, x_j>, sqn[i, r] = ||x_j||^2; j = -1 gives
+// 0 and 0 (the caller masks it).
+void rescore_rows(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
+                  int64_t kk, float* dot, float* sqn, int nthreads);
+
 }  // namespace tqvec

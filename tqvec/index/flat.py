@@ -405,16 +405,17 @@ class FlatIndex:
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-score the candidates p (nq, kk) with the refinement and keep the best k."""
         nq, kk = p.shape
-        flat = p.reshape(-1).clamp_min(0)  # -1 (no candidate) rows are masked out below
         if isinstance(ref, Codes):
+            flat = p.reshape(-1).clamp_min(0)  # -1 (no candidate) rows are masked out below
             cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)
-        else:
-            cand = ref[flat.cpu()].reshape(nq, kk, self.d).to(q.device)
-        ip = torch.einsum("qd,qkd->qk", q, cand)
+            ip, sqn = torch.einsum("qd,qkd->qk", q, cand), (cand * cand).sum(-1)
+        else:  # exact vectors: each candidate row read once, no (nq, kk, d) gather
+            ip, sqn = ops.rescore_rows(q.cpu(), ref, p.cpu())
+            ip, sqn = ip.to(q.device), sqn.to(q.device)
         if self.metric_type == METRIC_L2:
-            new = 2 * ip - (cand * cand).sum(-1) - (q * q).sum(1, keepdim=True)
+            new = 2 * ip - sqn - (q * q).sum(1, keepdim=True)
         elif self.metric_type == METRIC_COSINE:
-            new = ip / torch.linalg.vector_norm(cand, dim=-1).clamp_min(1e-30)
+            new = ip / torch.sqrt(sqn).clamp_min(1e-30)
         else:
             new = ip
         new = torch.where(torch.isfinite(s), new, torch.full_like(new, -float("inf")))

@@ -22,7 +22,7 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan",
+           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan", "rescore_rows",
            "decode_attention",
            "row_bytes", "FAST_SCAN_BITS"]
 
@@ -162,6 +162,15 @@ def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tens
         qr.contiguous(), blocked.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), list_blocks.to(torch.int64).contiguous(),
         probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k)
+
+
+def rescore_rows(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, backend: str = "auto"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(<q_i, x_j>, ||x_j||^2) for the candidate rows j = rows[i, r] (-1 -> 0, 0); float32
+    q (nq, d), x (n, d); see ``ref.rescore_rows_ref``."""
+    return _pick("rescore_rows", q.device, backend)(
+        q.to(torch.float32).contiguous(), x.to(torch.float32).contiguous(),
+        rows.to(torch.int64).contiguous())
 
 
 def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

@@ -16,7 +16,7 @@ else:
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu",
-           "ivf_fast_scan_cpu"]
+           "ivf_fast_scan_cpu", "rescore_rows_cpu"]
 
 
 def available() -> bool:
@@ -110,3 +110,12 @@ def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
         arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, vals, pos)
         _C.ivf_fast_scan(*arrays[:8], b, k, *arrays[8:], _threads())
     return vals, pos
+
+
+def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    dot = torch.zeros(rows.shape, dtype=torch.float32)
+    sqn = torch.zeros(rows.shape, dtype=torch.float32)
+    if rows.numel():
+        _C.rescore_rows(*_np(q, x, rows, dot, sqn), _threads())
+    return dot, sqn

@@ -175,6 +175,17 @@ def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
     return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :] + off, k)
 
 
+def rescore_rows_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact scores of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =
+    none) -> (<q_i, x_rows[i, r]>, ||x_rows[i, r]||^2), both (nq, kk) float32, 0 where -1."""
+    cand = x[rows.clamp_min(0)]
+    ok = rows >= 0
+    dot = torch.einsum("qd,qkd->qk", q, cand)
+    sqn = (cand * cand).sum(-1)
+    return torch.where(ok, dot, 0.0), torch.where(ok, sqn, 0.0)
+
+
 def decode_attention_ref(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
                          knorm: torch.Tensor, kcent: torch.Tensor, kb: int,
                          vpacked: torch.Tensor, vnorm: torch.Tensor, vcent: torch.Tensor,

@@ -22,9 +22,8 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan", "rescore_rows",
-           "decode_attention",
-           "row_bytes", "FAST_SCAN_BITS"]
+           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan",
+           "rescore_rows", "decode_attention", "row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")

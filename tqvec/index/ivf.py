@@ -269,10 +269,21 @@ class IVFIndex(FlatIndex):
             return self._to_metric(vals), pos
         return self._list_search(q, snap, probes, offsets, mask, kk)
 
-    def _list_scores(self, q: torch.Tensor, snap: dict[str, Any], li: int,
-                     rows: torch.Tensor) -> torch.Tensor:
+    def _per_list_scores(self, q: torch.Tensor, snap: dict[str, Any], probes: torch.Tensor,
+                         offsets: torch.Tensor):
+        """For each probed, non-empty list: (its rows, the queries probing it, their (nq_l,
+        n_l) similarities before ``_to_metric``), scored by the codec."""
+        order, starts = snap["ivf"]["order"], snap["ivf"]["starts"]
         w = 1.0 if self.metric_type == METRIC_INNER_PRODUCT else 2.0
-        return w * self.codec.score(q, snap["codes"][rows]) + snap["rowterm"][rows][None, :]
+        for li in torch.unique(probes).tolist():
+            rows = order[starts[li]:starts[li + 1]]
+            if rows.numel() == 0:
+                continue
+            hit = probes == li
+            qsel = hit.any(1).nonzero()[:, 0]
+            s = (w * self.codec.score(q[qsel], snap["codes"][rows])
+                 + snap["rowterm"][rows][None, :] + (offsets * hit).sum(1)[qsel, None])
+            yield rows, qsel, s
 
     def _list_search(self, q: torch.Tensor, snap: dict[str, Any], probes: torch.Tensor,
                      offsets: torch.Tensor, mask: torch.Tensor | None, kk: int
@@ -281,15 +292,7 @@ class IVFIndex(FlatIndex):
         nq = q.shape[0]
         best_s = torch.full((nq, kk), -float("inf"))
         best_p = torch.full((nq, kk), -1, dtype=torch.int64)
-        order, starts = snap["ivf"]["order"], snap["ivf"]["starts"]
-        for li in torch.unique(probes).tolist():
-            rows = order[starts[li]:starts[li + 1]]
-            if rows.numel() == 0:
-                continue
-            hit = probes == li
-            qsel = hit.any(1).nonzero()[:, 0]
-            off = (offsets * hit).sum(1)[qsel]
-            s = self._list_scores(q[qsel], snap, li, rows) + off[:, None]
+        for rows, qsel, s in self._per_list_scores(q, snap, probes, offsets):
             if mask is not None:
                 s = s.masked_fill(~mask[rows][None, :], -float("inf"))
             s = torch.cat([best_s[qsel], s], dim=1)
@@ -309,16 +312,8 @@ class IVFIndex(FlatIndex):
         per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(nq)]
         if snap["n"] and nq:
             probes, offsets = self._probe(q, snap["centroids"], snap["nprobe"])
-            order, starts = snap["ivf"]["order"], snap["ivf"]["starts"]
             ids = snap["ids"]
-            for li in torch.unique(probes).tolist():
-                rows = order[starts[li]:starts[li + 1]]
-                if rows.numel() == 0:
-                    continue
-                hit = probes == li
-                qsel = hit.any(1).nonzero()[:, 0]
-                s = self._list_scores(q[qsel], snap, li, rows) + (offsets * hit).sum(1)[qsel,
-                                                                                          None]
+            for rows, qsel, s in self._per_list_scores(q, snap, probes, offsets):
                 s = self._to_metric(s)
                 if self.metric_type == METRIC_L2:
                     s = -s

@@ -215,9 +215,8 @@ class FlatIndex:
                              f"{V.describe(idt)}")
         self._append(t, idt.to(torch.int64).cpu())
 
-    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
-        if t.shape[0] == 0:
-            return
+    def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
+        """(codes, refinement rows or None, {attribute: per-row values}) of new rows t."""
         td = t.to(self.device)
         codes = self.codec.encode(td)
         ref = None
@@ -225,17 +224,27 @@ class FlatIndex:
             ref = t.to(torch.float32).cpu().clone()
         elif isinstance(self.refine, Codec):
             ref = self.refine.encode(td)
-        sq = self._sqnorms_of(self.codec, codes)
+        return codes, ref, {"_sqnorms": self._sqnorms_of(self.codec, codes)}
+
+    def _invalidate(self) -> None:
+        """Drop the search-time state derived from the rows (lock held)."""
+        self._pos = None
+        self._scan = None
+
+    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+        if t.shape[0] == 0:
+            return
+        codes, ref, per_row = self._encode(t)
         with self._lock:
             self._codes = _append_rows(self._codes, codes)
             if ref is not None:
                 self._ref = _append_rows(self._ref, ref)
-            self._sqnorms = torch.cat([self._sqnorms, sq])
+            for name, values in per_row.items():
+                setattr(self, name, torch.cat([getattr(self, name), values]))
             self._ids = torch.cat([self._ids, ids])
             self._n += t.shape[0]
             self._next_id = max(self._next_id, int(ids.max()) + 1)
-            self._pos = None
-            self._scan = None
+            self._invalidate()
 
     def _sqnorms_of(self, codec: Codec, codes: Codes) -> torch.Tensor:
         """N(x) of the module docstring, cached at add time (not needed for inner product)."""
@@ -263,8 +272,8 @@ class FlatIndex:
                 self._ids = self._ids[keep]
                 self._keep_rows(keep)
                 self._n -= removed
-                self._pos = None
-                self._scan, self._blocked, self._blocked_n = None, None, 0
+                self._invalidate()
+                self._blocked, self._blocked_n = None, 0
             return removed
 
     def _keep_rows(self, keep: torch.Tensor) -> None:

@@ -39,7 +39,6 @@ from .flat import (
     METRIC_INNER_PRODUCT,
     METRIC_L2,
     FlatIndex,
-    _append_rows,
     metric_name,
 )
 
@@ -144,8 +143,9 @@ class IVFIndex(FlatIndex):
         if not self.is_trained:
             raise RuntimeError("the IVF index must be trained before add: call "
                                "index.train(x) first (is_trained is False)")
-        if t.shape[0] == 0:
-            return
+        super()._append(t, ids)
+
+    def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
         x = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:
             x = _normalized(x)
@@ -156,23 +156,15 @@ class IVFIndex(FlatIndex):
             ref = t.to(torch.float32).clone()
         elif isinstance(self.refine, Codec):
             ref = self.refine.encode(x)
-        rowterm = self._row_terms(lists, codes)
-        with self._lock:
-            self._codes = _append_rows(self._codes, codes)
-            if ref is not None:
-                self._ref = _append_rows(self._ref, ref)
-            self._lists = torch.cat([self._lists, lists])
-            self._rowterm = torch.cat([self._rowterm, rowterm])
-            self._ids = torch.cat([self._ids, ids])
-            self._n += t.shape[0]
-            self._next_id = max(self._next_id, int(ids.max()) + 1)
-            self._pos = None
-            self._ivf = None
+        return codes, ref, {"_lists": lists, "_rowterm": self._row_terms(lists, codes)}
+
+    def _invalidate(self) -> None:
+        super()._invalidate()
+        self._ivf = None
 
     def _keep_rows(self, keep: torch.Tensor) -> None:
         self._lists = self._lists[keep]
         self._rowterm = self._rowterm[keep]
-        self._ivf = None
 
     def reconstruct(self, key: int) -> np.ndarray:
         """Centroid + decoded residual of the vector with id ``key`` (normalized for cosine)."""

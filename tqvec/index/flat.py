@@ -297,6 +297,15 @@ class FlatIndex:
             raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
         return self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0))
 
+    def to_faiss(self, *, faiss_cosine: bool = False) -> Any:
+        """The same codes in a faiss index (``IndexPreTransform`` over faiss's ``SQtqmse{b}``
+        with our rotation and codebook): TurboQuant-mse at 1, 2, 3, 4 or 8 bits, metric ip or
+        l2 over unit-norm vectors (same results), or cosine with ``faiss_cosine=True`` (faiss's
+        estimator, lower recall); ``Refine(Flat)`` and custom ids carry over. See
+        ``tqvec.index.faiss_export`` for what maps exactly and what faiss cannot hold."""
+        from .faiss_export import to_faiss
+        return to_faiss(self, faiss_cosine=faiss_cosine)
+
     # -- search -------------------------------------------------------------------------------
     def _scores(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor) -> torch.Tensor:
         """(nq, B) similarities (larger is better; for L2 the negated squared distance).

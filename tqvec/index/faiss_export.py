@@ -19,13 +19,15 @@ with three facts checked in ``tests/test_faiss_export.py``:
 * the rotation Pi becomes a dense ``LinearTransform`` (d x d floats, what faiss's own ``RR,``
   stores too).
 
-What faiss cannot hold: the norm. Hence ``ip`` and ``l2`` export only when every stored norm is
-1 (normalized embeddings, the common case: faiss then gives the same scores). ``cosine`` exports
-only on request (``faiss_cosine=True``): faiss ranks by <q/||q||, x_hat> for unit x, where
-tqvec divides by ||x_hat|| (the cosine to the reconstruction, see ``flat``); the per-row factor
-||x_hat|| varies by ~sqrt(D) and that costs recall when neighbours' cosines are close (clustered
-data, d = 96, recall@10 at 2 / 4 / 8 bits: tqvec 0.32 / 0.72 / 0.97, faiss's own
-``L2norm,RR,SQtqmse{b}`` 0.15 / 0.32 / 0.85; the export, at 4 bits, 0.38). Nothing else has
+What faiss cannot hold: the norm, and tqvec's rescaling by it. faiss scores a unit vector's code
+by <q, x_hat> (inner product) or ||q - x_hat||^2 (L2). tqvec's L2 estimator is the same
+distance to the reconstruction, so an ``l2`` index over unit-norm vectors exports with the same
+results. tqvec's ``ip`` and ``cosine`` divide by ||x_hat|| (see ``flat``): the per-row factor
+||x_hat|| varies by ~sqrt(D), and that costs recall when neighbours' scores are close
+(clustered data, d = 96, recall@10 at 2 / 4 / 8 bits: tqvec 0.32 / 0.72 / 0.97, faiss's own
+``L2norm,RR,SQtqmse{b}`` 0.15 / 0.32 / 0.85; the export, at 4 bits, 0.38). So ``ip`` (unit
+vectors) and ``cosine`` indexes export only on request, ``faiss_estimator=True``: the same codes
+under faiss's estimator. Nothing else has
 a faiss equivalent: the prod/QJL/Polar codecs, the unbiased scale, 5-7 bits, IVF residual codes
 (not unit vectors), refinement by a finer code. ``Refine(Flat)`` maps to ``IndexRefine`` with
 an exact flat index.
@@ -52,7 +54,7 @@ FAISS_TQMSE_BITS = (1, 2, 3, 4, 8)
 _UNIT_TOL = 1e-3
 
 
-def _check_exportable(index: FlatIndex, faiss_cosine: bool) -> TurboQuant:
+def _check_exportable(index: FlatIndex, faiss_estimator: bool) -> TurboQuant:
     from .ivf import IVFIndex
     if isinstance(index, IVFIndex):
         raise ValueError("to_faiss() exports flat indexes only: an IVF index holds codes of "
@@ -67,11 +69,12 @@ def _check_exportable(index: FlatIndex, faiss_cosine: bool) -> TurboQuant:
     if index.refine is not None and index.refine != "flat":
         raise ValueError(f"to_faiss() can export refine='flat' (faiss IndexRefine) only; faiss "
                          f"has no refinement by a tqvec codec, got refine={index.refine!r}")
-    if index.metric_type == METRIC_COSINE and not faiss_cosine:
-        raise ValueError("to_faiss() of a cosine index needs faiss_cosine=True: faiss ranks by "
-                         "<q, x_hat> without tqvec's division by ||x_hat||, which loses recall "
-                         "(see tqvec.index.faiss_export); pass faiss_cosine=True to accept "
-                         "faiss's estimator on the same codes")
+    if index.metric_type != METRIC_L2 and not faiss_estimator:
+        raise ValueError(f"to_faiss() of a {metric_name(index.metric_type)!r} index needs "
+                         f"faiss_estimator=True: faiss ranks by <q, x_hat> without tqvec's "
+                         f"division by ||x_hat||, which loses recall (see "
+                         f"tqvec.index.faiss_export); pass faiss_estimator=True to accept "
+                         f"faiss's estimator on the same codes")
     if index.metric_type in (METRIC_INNER_PRODUCT, METRIC_L2) and index.ntotal:
         norms = index._codes.scalars["norm"].float()
         lo, hi = float(norms.min()), float(norms.max())
@@ -94,7 +97,7 @@ def _keep(owner: Any, *objs: Any) -> None:
     refs.extend(objs)
 
 
-def to_faiss(index: FlatIndex, *, faiss_cosine: bool = False) -> Any:
+def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
     """A faiss index holding the same codes (see the module docstring for what maps).
 
     Returns an ``IndexPreTransform`` (in ``IndexRefine`` for ``Refine(Flat)``, then in
@@ -104,7 +107,7 @@ def to_faiss(index: FlatIndex, *, faiss_cosine: bool = False) -> Any:
     """
     import faiss
 
-    codec = _check_exportable(index, bool(faiss_cosine))
+    codec = _check_exportable(index, bool(faiss_estimator))
     d, b = index.d, codec.bits
     cosine = index.metric_type == METRIC_COSINE
     fmetric = faiss.METRIC_L2 if index.metric_type == METRIC_L2 else faiss.METRIC_INNER_PRODUCT

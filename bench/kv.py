@@ -260,6 +260,31 @@ def perplexity(model, ids: torch.Tensor, prefill: int, cache) -> tuple[float, fl
     return math.exp(nll / n), dt
 
 
+def bits_fp16_window(cache) -> float:
+    """bits/element with the cache's full-precision tokens (sink, window, BalanceKV pending)
+    counted at 16 bits, as a float16/bfloat16 deployment holds them; the models here run in
+    float32, so ``bits_per_element`` counts those tokens at 32 bits."""
+    fp32 = 0
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        held = [layer.keys, layer.values, layer.sink_k, layer.sink_v]
+        if layer.mr is not None:
+            held += [a for lv in layer.mr.levels if lv is not None for a in lv[:2]]
+        fp32 += sum(x.numel() * 4 for x in held if x.dtype == torch.float32)
+    return 8 * (cache.memory_bytes() - fp32 / 2) / cache.represented_elements()
+
+
+def replay_bits(model, ids: torch.Tensor, settings: dict) -> tuple[float, float]:
+    """(bits_per_element, bits_fp16_window) of a cache that has seen ``ids`` in one forward
+    (the same segments as token by token), for rows measured before the 16-bit accounting."""
+    model.config._attn_implementation = "sdpa"
+    cache = kv.TurboQuantCache(model.config, **settings)
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    return cache.bits_per_element(), bits_fp16_window(cache)
+
+
 def run_ppl(args) -> None:
     from transformers import DynamicCache, QuantizedCache
     path = RESULTS / f"{args.out or 'kv_ppl'}.json"
@@ -280,6 +305,11 @@ def run_ppl(args) -> None:
                         "hqq", hqq, axis)
             for name, st in cands.items():
                 if (model_name, text, name) in have:
+                    for r in rows:
+                        if (r["model"], r["text"], r["method"]) == (model_name, text, name) \
+                                and isinstance(st, dict) and "bits_fp16" not in r \
+                                and "error" not in r:
+                            r["bits"], r["bits_fp16"] = replay_bits(model, ids, st)
                     continue
                 model.config._attn_implementation = "sdpa"
                 try:
@@ -292,10 +322,11 @@ def run_ppl(args) -> None:
                     else:
                         cache = kv.TurboQuantCache(model.config, **st)
                     ppl, dt = perplexity(model, ids, args.prefill, cache)
-                    bits = cache.bits_per_element() if hasattr(cache, "bits_per_element") else None
+                    tq = hasattr(cache, "bits_per_element")
                     row = {"model": model_name, "text": text, "method": name, "ppl": ppl,
-                           "s_per_token": dt, "bits": bits, "prefill": args.prefill,
-                           "decoded": args.decode}
+                           "s_per_token": dt, "bits": cache.bits_per_element() if tq else None,
+                           "bits_fp16": bits_fp16_window(cache) if tq else None,
+                           "prefill": args.prefill, "decoded": args.decode}
                 except Exception as e:  # recorded: e.g. QuantizedCache refuses sliding layers
                     row = {"model": model_name, "text": text, "method": name,
                            "error": f"{type(e).__name__}: {e}"[:300]}
@@ -308,19 +339,20 @@ def run_ppl(args) -> None:
 
 def ppl_md(rows) -> str:
     base = {(r["model"], r["text"]): r["ppl"] for r in rows if r["method"] == "dynamic (fp32)"}
-    out = ["| model | text | method | bits/element | perplexity | vs fp32 | s/token |",
-           "|---|---|---|---|---|---|---|"]
+    out = ["| model | text | method | bits/element (16-bit window) | bits/element (as held, "
+           "fp32 window) | perplexity | vs fp32 | s/token |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            out.append(f"| {r['model']} | {r['text']} | {r['method']} | - | refused: "
+            out.append(f"| {r['model']} | {r['text']} | {r['method']} | - | - | refused: "
                        f"{r['error'][:80]} | - | - |")
             continue
         b = base.get((r["model"], r["text"]))
         rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if b else "-"
         bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)" if "dynamic" in r[
             "method"] else "-"
-        out.append(f"| {r['model']} | {r['text']} | {r['method']} | {bits} | {r['ppl']:.3f} | "
-                   f"{rel} | {r['s_per_token'] * 1000:.0f} ms |")
+        b16 = f"{r['bits_fp16']:.2f}" if r.get("bits_fp16") else "-"
+        out.append(f"| {r['model']} | {r['text']} | {r['method']} | {b16} | {bits} | "
+                   f"{r['ppl']:.3f} | {rel} | {r['s_per_token'] * 1000:.0f} ms |")
     return "\n".join(out) + "\n"
 
 

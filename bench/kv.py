@@ -100,6 +100,8 @@ def methods(head_dim: int) -> dict[str, dict]:
                                 balance=kv.BalanceConfig(rounds=2, method="uniform")),
         "balance1/2+tq3": dict(key_bits=3, value_bits=3, sink_length=32,
                                balance=kv.BalanceConfig(rounds=1)),
+        "tq-k3v3-n8": dict(key_bits=3, value_bits=3, norm_bits=8),
+        "tq-k4v3-n8": dict(key_bits=4, value_bits=3, norm_bits=8),
     }
     for v in m.values():
         v.setdefault("residual_length", 32)
@@ -174,20 +176,27 @@ def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
 
 def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed: int = 0):
     """(relative error, bits/element) of one method on one layer; the cache stores K/V as float16
-    (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment)."""
+    (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment). A sliding-window
+    layer is built as the cache builds it (old tokens evicted, no sink, no token selection), and
+    its bits are counted over the tokens it holds for the queries measured (window + nq)."""
     L = k.shape[2]
     mask = causal_mask(L, nq, window)
     ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
     s = dict(settings)
     s["seed"] = seed
-    layer = CompressedLayer(KVSettings(**s), 0, None)
+    layer = CompressedLayer(KVSettings(**s), 0, window)
     layer.update(k.half(), v.half())
     layer.observe_queries(q)  # as the attention function does at prefill
     layer.flush()
     layer.awaiting_attention = False
+    first = 0
+    if window:  # what the cache still holds for the first of the nq queries
+        first = max(0, L - nq - (window - 1))
+        layer._evict(first)
     out = kv.attend(layer, q[:, :, -nq:].float(), mask, scaling, softcap).float()
     err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
-    bits = 8 * layer.nbytes() / (2 * k.numel())
+    B, H, _, d = k.shape
+    bits = 8 * layer.nbytes() / (2 * B * H * (L - first) * d)
     return err, bits
 
 
@@ -281,7 +290,8 @@ def replay_bits(model, ids: torch.Tensor, settings: dict) -> tuple[float, float]
     model.config._attn_implementation = "sdpa"
     cache = kv.TurboQuantCache(model.config, **settings)
     with torch.no_grad():
-        model(ids, past_key_values=cache)
+        model(ids[:, :-1], past_key_values=cache)
+        model(ids[:, -1:], past_key_values=cache)  # a decode step: sliding layers evict
     return cache.bits_per_element(), bits_fp16_window(cache)
 
 
@@ -334,6 +344,7 @@ def run_ppl(args) -> None:
                 rows.append(row)
                 write(args.out or "kv_ppl", {"machine": machine_info(), "rows": rows},
                       ppl_md(rows))
+        write(args.out or "kv_ppl", {"machine": machine_info(), "rows": rows}, ppl_md(rows))
         del model
 
 
@@ -383,7 +394,10 @@ def passkey_prompt(tok, context: int, depth: float, key: int) -> torch.Tensor:
 
 def run_passkey(args) -> None:
     from transformers import DynamicCache
-    rows = []
+    path = RESULTS / f"{args.out or 'kv_passkey'}.json"
+    # --resume keeps the rows of other models (one model per run fits a CPU session)
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models] \
+        if args.resume and path.exists() else []
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
     for model_name in args.models:
@@ -534,6 +548,7 @@ def main(argv=None) -> None:
     k.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     k.add_argument("--keys", type=int, default=2, help="pass keys tried per depth")
     k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
+    k.add_argument("--resume", action="store_true", help="keep other models' rows")
     k.add_argument("--out")
     v = sub.add_parser("speed")
     v.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])

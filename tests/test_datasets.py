@@ -80,3 +80,40 @@ def test_embedded_datasets():
     assert ds.load_embedded("random", n=10, dim=5).shape == (10, 5)
     with pytest.raises(ValueError, match="dataset must be one of"):
         ds.load_embedded("mnist")
+
+
+def _minilm_recipe():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "datasets" / "minilm.py"
+    spec = importlib.util.spec_from_file_location("minilm_recipe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_minilm_recipe_reads_wordnet_glosses(tmp_path):
+    recipe = _minilm_recipe()
+    (tmp_path / "data.noun").write_text(
+        "  1 This software and database is being provided to you, the LICENSEE\n"
+        "00001740 03 n 01 entity 0 003 ~ 00001930 n 0000 | that which is perceived to exist\n"
+        "00001930 03 n 01 physical_entity 0 | an entity that has physical existence\n"
+        "00002137 03 n 02 abstraction 0 no gloss on this line\n")
+    (tmp_path / "data.verb").write_text(
+        "00001740 29 v 04 breathe 0 | draw air into, and expel out of, the lungs; "
+        "\"I can breathe\"\n")
+    got = recipe.wordnet_glosses(str(tmp_path))
+    assert got == ["that which is perceived to exist", "an entity that has physical existence",
+                   "draw air into, and expel out of, the lungs; \"I can breathe\""]
+    with pytest.raises(FileNotFoundError, match="wordnet-base"):
+        recipe.wordnet_glosses(str(tmp_path / "missing"))
+
+
+def test_minilm_recipe_refuses_more_passages_than_it_has(tmp_path, monkeypatch):
+    recipe = _minilm_recipe()
+    text = tmp_path / "t.txt"
+    text.write_text("a passage that is long enough to count\n" * 3 + "short\n")
+    monkeypatch.setattr(recipe, "embed", lambda *a, **k: pytest.fail("must not embed"))
+    with pytest.raises(ValueError, match="train \\+ test"):
+        recipe.build(train=2, test=1, texts=[str(text)], out=str(tmp_path / "o.hdf5"))

@@ -87,16 +87,6 @@ def _check_exportable(index: FlatIndex, faiss_estimator: bool) -> TurboQuant:
     return codec
 
 
-def _keep(owner: Any, *objs: Any) -> None:
-    """Keep the Python wrappers of sub-objects alive as long as ``owner`` (faiss's own
-    convention for objects handed to a constructor)."""
-    refs = getattr(owner, "referenced_objects", None)
-    if refs is None:
-        refs = []
-        owner.referenced_objects = refs
-    refs.extend(objs)
-
-
 def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
     """A faiss index holding the same codes (see the module docstring for what maps).
 
@@ -126,34 +116,29 @@ def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
     rot.is_trained = True
 
     pre = faiss.IndexPreTransform(rot, sq)
-    _keep(pre, rot, sq)
     if cosine:
         norm = faiss.NormalizationTransform(d, 2.0)
         pre.prepend_transform(norm)
-        _keep(pre, norm)
 
     n = index.ntotal
     with index._lock:
         codes = index._codes.payload.cpu().numpy() if n else None
         ids = index._ids.numpy().copy()
         exact = index._ref.numpy() if index.refine == "flat" and n else None
-    # faiss's wrappers must be built around empty indexes; the contents go in afterwards.
+    # faiss's wrappers must be built around empty indexes; the contents go in afterwards. (faiss's
+    # Python layer keeps the sub-objects handed to these constructors alive.)
     out = pre
     flat: Any = None
     if index.refine == "flat":
         flat = faiss.IndexFlat(d, fmetric)
         if cosine:
-            inner, flat = flat, faiss.IndexPreTransform(faiss.NormalizationTransform(d, 2.0),
-                                                        flat)
-            _keep(flat, inner)
+            flat = faiss.IndexPreTransform(faiss.NormalizationTransform(d, 2.0), flat)
         out = faiss.IndexRefine(pre, flat)
-        _keep(out, pre, flat)
         out.k_factor = float(index.k_factor)
     idmap = None
     if n and not np.array_equal(ids, np.arange(n, dtype=np.int64)):
         # Outermost: IndexRefine looks its candidates up by position in the flat index.
         idmap = faiss.IndexIDMap2(out)
-        _keep(idmap, out)
     if n:
         sq.add_sa_codes(np.ascontiguousarray(codes))
         pre.ntotal = n

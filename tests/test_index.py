@@ -235,7 +235,7 @@ def test_lut_and_gemm_search_paths_agree(metric, rng, monkeypatch):
     assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()
 
 
-@pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ4"])
+@pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ3", "TQ4"])
 def test_fast_scan_layout_follows_adds_and_removes(spec):
     """The blocked copy is extended on add (partial last block included) and rebuilt after a
     removal: results always equal those of an index built in one go."""

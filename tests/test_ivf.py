@@ -63,10 +63,10 @@ def test_search_equals_brute_force_over_the_reconstruction(spec, metric, rng):
     np.testing.assert_allclose(D, want, rtol=1e-4, atol=1e-3)
 
 
-@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("b", [1, 2, 3, 4])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):
-    """TQ1/2/4 on CPU take ops.ivf_fast_scan; every other codec the codec's scorer per list."""
+    """TQ1-4 on CPU take ops.ivf_fast_scan; every other codec the codec's scorer per list."""
     xb, xq = _clustered(rng, n=2000, d=48, nq=30)
     fast = _trained(f"IVF16,TQ{b}", metric, xb, nprobe=5)
     slow = _trained(f"IVF16,TQ{b}", metric, xb, nprobe=5)

@@ -105,17 +105,35 @@ def test_lut_scan_matches_reference(backend, b, d, n, nq, rng):
     assert not torch.isin(pc[torch.isfinite(vc)], torch.arange(0, n, 5)).any()
 
 
-@pytest.mark.parametrize("b", [1, 2, 4, 8])
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("d", [37, 64])
 @pytest.mark.parametrize("n", [0, 1, 31, 32, 33, 1000])
-def test_block_codes_matches_reference(backend, b, n, rng):
-    packed = torch.from_numpy(rng.integers(0, 256, (n, ops.row_bytes(37, b))).astype(np.uint8))
-    ref = ops.block_codes(packed, backend="ref")
-    assert ref.shape == (-(-n // 32), packed.shape[1], 32)
-    assert torch.equal(ops.ref.unblock_codes(ref, n), packed)
-    assert torch.equal(ops.block_codes(on(backend, packed), backend=backend).cpu(), ref)
+def test_block_codes_matches_reference(backend, b, d, n, rng):
+    """Any width is transposed into 32-row blocks; b = 3 is re-laid out in pairs (3 bytes per
+    8 coordinates, exactly the packed bytes when 8 divides d) and unblocks to the same codes."""
+    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))
+    packed = ops.pack_bits(idx, b, backend="ref")
+    ref = ops.block_codes(packed, d, b, backend="ref")
+    assert ref.shape == (-(-n // 32), ops.fast_scan_row_bytes(d, b), 32)
+    if d % 8 == 0:
+        assert ref.shape[1] == packed.shape[1]
+    assert torch.equal(ops.ref.unblock_codes(ref, n, d, b), packed)
+    assert torch.equal(ops.block_codes(on(backend, packed), d, b, backend=backend).cpu(), ref)
+    with pytest.raises(ValueError, match="packed must be"):
+        ops.block_codes(packed[:, 1:], d, b)
 
 
-@pytest.mark.parametrize("b", [1, 2, 4])
+def test_block_codes_pair_layout_of_three_bits():
+    """b = 3, one group of 8 indices: hi nibbles of pairs in bytes 0-1, lo bits in byte 2."""
+    idx = torch.tensor([[5, 2, 7, 0, 1, 6, 3, 4]], dtype=torch.uint8)
+    bl = ops.block_codes(ops.pack_bits(idx, 3), 8, 3, backend="ref")[0, :, 0].tolist()
+    hi = [(5 >> 1) | (2 >> 1) << 2, (7 >> 1) | (0 >> 1) << 2, (1 >> 1) | (6 >> 1) << 2,
+          (3 >> 1) | (4 >> 1) << 2]
+    lo = [1 | 0 << 1, 1 | 0 << 1, 1 | 0 << 1, 1 | 0 << 1]
+    assert bl == [hi[0] | hi[1] << 4, hi[2] | hi[3] << 4, lo[0] | lo[1] << 2 | lo[2] << 4 | lo[3] << 6]
+
+
+@pytest.mark.parametrize("b", [1, 2, 3, 4])
 @pytest.mark.parametrize("d,n,nq,k", [(7, 50, 3, 12), (100, 5000, 1, 10), (96, 9001, 5, 1),
                                       (384, 300, 40, 12), (1536, 4000, 2, 100), (64, 20, 2, 40)])
 def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
@@ -126,7 +144,7 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
         pytest.skip("fast_scan is a CPU kernel (GPUs run the CUDA lut_scan)")
     qr, packed, c, mult, add = scan_case(rng, nq, n, d, b, excluded_every=5)
     vr, pr = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
-    blocked = ops.block_codes(packed, backend="ref")
+    blocked = ops.block_codes(packed, d, b, backend="ref")
     vc, pc = ops.fast_scan(*on(backend, qr, blocked), n, *on(backend, c, mult, add), b, k,
                            backend=backend)
     vc, pc = vc.cpu(), pc.cpu()
@@ -140,14 +158,14 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
     n, d = 100, 16
     packed = torch.zeros((n, ops.row_bytes(d, 2)), dtype=torch.uint8)
     qr = torch.zeros((1, d))
-    v, p = ops.fast_scan(qr, ops.block_codes(packed), n, torch.tensor([-1.5, -0.5, 0.5, 1.5]),
+    v, p = ops.fast_scan(qr, ops.block_codes(packed, d, 2), n, torch.tensor([-1.5, -0.5, 0.5, 1.5]),
                          torch.ones(n), torch.zeros(n), 2, 5)
     assert v.tolist() == [[0.0] * 5]
     if "cpu" in ops.available_backends():
         assert p.tolist() == [[0, 1, 2, 3, 4]]
     with pytest.raises(ValueError, match="b must be one of"):
-        ops.fast_scan(qr, ops.block_codes(packed), n, torch.zeros(8), torch.ones(n),
-                      torch.zeros(n), 3, 5)
+        ops.fast_scan(qr, ops.block_codes(packed, d, 2), n, torch.zeros(32), torch.ones(n),
+                      torch.zeros(n), 5, 5)
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
@@ -163,10 +181,10 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "from tqvec import ops\n"
         "rng = np.random.default_rng(3)\n"
         "out = []\n"
-        "for b, d, n in [(1, 100, 1000), (2, 96, 777), (4, 384, 2000)]:\n"
+        "for b, d, n in [(1, 100, 1000), (2, 96, 777), (3, 100, 999), (4, 384, 2000)]:\n"
         "    qr = torch.from_numpy(rng.standard_normal((3, d)).astype(np.float32))\n"
         "    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))\n"
-        "    bl = ops.block_codes(ops.pack_bits(idx, b))\n"
+        "    bl = ops.block_codes(ops.pack_bits(idx, b), d, b)\n"
         "    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))\n"
         "    v, p = ops.fast_scan(qr, bl, n, c, torch.ones(n), torch.zeros(n), b, 10)\n"
         "    out += [v.numpy(), p.numpy()]\n"
@@ -188,7 +206,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         np.testing.assert_array_equal(res["auto"][key], res["scalar"][key])
 
 
-@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("b", [1, 2, 3, 4])
 @pytest.mark.parametrize("nq,d,nlist,nprobe,k", [(1, 64, 8, 3, 10), (7, 100, 5, 5, 7),
                                                  (37, 784, 16, 4, 20), (300, 33, 40, 6, 5)])
 def test_ivf_fast_scan_matches_reference(backend, b, nq, d, nlist, nprobe, k):
@@ -207,7 +225,7 @@ def test_ivf_fast_scan_matches_reference(backend, b, nq, d, nlist, nprobe, k):
     probes = torch.from_numpy(np.stack([rng.permutation(nlist)[:nprobe] for _ in range(nq)]))
     probes[0, -1] = -1
     offsets = torch.from_numpy(3 * rng.standard_normal((nq, nprobe)).astype(np.float32))
-    blocked = ops.block_codes(packed, backend="ref")
+    blocked = ops.block_codes(packed, d, b, backend="ref")
     args = (blocked, c, mult, add, list_blocks, probes, offsets)
     v0, p0 = ops.ref.ivf_fast_scan_ref(qr, *args, b, k)
     v1, p1 = ops.ivf_fast_scan(*on(backend, qr, *args), b, k, backend=backend)

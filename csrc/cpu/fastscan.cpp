@@ -1,18 +1,26 @@
-// Fast-scan of packed 1/2/4-bit codes: 7-bit lookup tables in SIMD registers (the FAISS PQ
+// Fast-scan of packed 1/2/3/4-bit codes: 7-bit lookup tables in SIMD registers (the FAISS PQ
 // fast-scan idea applied to our scalar codebooks), then an exact float re-score of a shortlist,
 // so the result has the meaning of lut_scan_ref (tqvec/ops/ref.py) within float rounding.
 // Layouts:
-//   packed    (n, rb)        uint8   rows as in kernels.h, rb = ceil(d*b/8), b in {1, 2, 4}
-//   blocked   (nb, rb, 32)   uint8   nb = ceil(n/32); blocked[j][p][t] = packed[32j+t][p], rows
+//   packed    (n, rb)        uint8   rows as in kernels.h, rb = ceil(d*b/8), b in {1, 2, 3, 4}
+//   blocked   (nb, fb, 32)   uint8   nb = ceil(n/32); blocked[j][p][t] = row[32j+t][p], rows
 //                                    past n are zero. One 32-byte load = byte p of 32 rows.
+//                                    row = the packed row for b in {1, 2, 4} (fb = rb); for b = 3
+//                                    the pair-plane row below (fb = 3 ceil(d/8)).
+// b = 3: 3-bit indices never fill a nibble, so each group of 8 coordinates (3 bytes, 4 pairs)
+// is stored as byte 0 = hi(pair 0) | hi(pair 1) << 4, byte 1 = hi(pair 2) | hi(pair 3) << 4,
+// byte 2 = lo(pair 0) | lo(pair 1) << 2 | lo(pair 2) << 4 | lo(pair 3) << 6, where pair p holds
+// coordinates 2p, 2p+1, hi = (idx_2p >> 1) | (idx_2p+1 >> 1) << 2 and lo = (idx_2p & 1) |
+// (idx_2p+1 & 1) << 1 — still exactly 3 bits per coordinate. A pair's 6 bits index a 64-entry
+// table, looked up as four 16-entry shuffles on `hi` and two byte blends on the bits of `lo`.
 //   qr        (nq, d)        float32 queries in the codes' (rotated) domain
 //   centroids (2^b)          float32
 //   mult, add (n)            float32 score_i = mult_i * <qr, c[idx_i]> + add_i (add may be -inf)
 //   out_vals  (nq, k)        float32 best first, -inf where fewer than k finite scores
 //   out_idx   (nq, k)        int64   row positions, -1 where missing
 // For b in {1, 2, 4} every nibble of a row (bits [4m, 4m+4) of its stream) holds 4/b whole
-// indices, so <qr, c[idx]> = sum_m T[m][nibble_m] with a 16-entry table per nibble position.
-// T is quantized to 7 bits with one step `delta` for all positions (per-position offsets), summed
+// indices, so <qr, c[idx]> = sum_m T[m][nibble_m] with a 16-entry table per nibble position
+// (b = 3: a 64-entry table per pair). T is quantized to 7 bits with one step `delta` for all positions (per-position offsets), summed
 // with 16-bit lanes (pshufb lookups, flushed to 32 bits every 256 bytes so nothing overflows) and
 // the approximation error is bounded (see build_lut: the worst case delta * M / 2 for small M,
 // else a Hoeffding bound that fails with probability < 1e-9 per row). A row can only be in the
@@ -40,13 +48,15 @@ namespace {
 
 constexpr int64_t kRows = 32;         // rows per block
 constexpr int64_t kFlushBytes = 256;  // <= 254 per byte and row: 256 * 254 < 65536
+constexpr int64_t kFlushGroups3 = 128;  // b = 3: <= 508 per group and row: 128 * 508 < 65536
 constexpr float kLevels = 127.0f;     // table entries are 7-bit: two of them add in 8 bits
 
 // Per query: the quantized table only (the exact re-score reads the query and centroids, so
 // a batch of queries holds 32 rb bytes of tables each, not 160 rb).
 struct Lut {
-  int64_t M = 0;                 // nibble positions (2 * rb)
-  std::vector<uint8_t> q8;       // (M, 16) quantized: T ~ delta * q8 + offset[m]
+  int64_t M = 0;                 // table positions: nibbles (2 rb), or pairs for b = 3
+  int64_t E = 16;                // entries per position: 16, or 64 for b = 3 ((lo, hi) order)
+  std::vector<uint8_t> q8;       // (M, E) quantized: T ~ delta * q8 + offset[m]
   float delta = 1.0f, bias = 0.0f, err = 0.0f;  // S ~ delta * sum q8 + bias, |error| <= err
   const float* q = nullptr;      // (d) the query, rotated
   const float* c = nullptr;      // (2^b) centroids
@@ -70,35 +80,52 @@ void fill_rows(const float* q, int64_t d, const float* cv, int64_t M, float* f) 
   }
 }
 
+// b = 3: T[p][lo][hi] = q[2p] c[idx0] + q[2p+1] c[idx1] for the pair layout above.
+void fill_pairs3(const float* q, int64_t d, const float* c, int64_t M, float* f) {
+  for (int64_t p = 0; p < M; ++p) {
+    const float q0 = 2 * p < d ? q[2 * p] : 0.0f, q1 = 2 * p + 1 < d ? q[2 * p + 1] : 0.0f;
+    float* row = f + p * 64;
+    for (int lo = 0; lo < 4; ++lo)
+      for (int hi = 0; hi < 16; ++hi)
+        row[lo * 16 + hi] = q0 * c[((hi & 3) << 1) | (lo & 1)] + q1 * c[((hi >> 2) << 1) | (lo >> 1)];
+  }
+}
+
+// rb: bytes per row of the blocked layout (fs_row_bytes).
 Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb) {
   Lut L;
-  L.M = 2 * rb;
-  const int per = 4 / b;
-  const int mask = (1 << b) - 1;
+  L.M = b == 3 ? 4 * (rb / 3) : 2 * rb;
+  L.E = b == 3 ? 64 : 16;
   L.q = q;
   L.c = c;
   L.d = d;
   L.b = b;
   // the exact table, in a per-thread buffer reused across queries (no page faults per call)
   thread_local std::vector<float> table;
-  table.resize(static_cast<size_t>(L.M * 16));
-  L.q8.resize(static_cast<size_t>(L.M * 16));
-  float cv[4 * 16];
-  for (int t = 0; t < per; ++t)
-    for (int v = 0; v < 16; ++v) cv[t * 16 + v] = c[(v >> (t * b)) & mask];
-  if (per == 1)
-    fill_rows<1>(q, d, cv, L.M, table.data());
-  else if (per == 2)
-    fill_rows<2>(q, d, cv, L.M, table.data());
-  else
-    fill_rows<4>(q, d, cv, L.M, table.data());
+  table.resize(static_cast<size_t>(L.M * L.E));
+  L.q8.resize(static_cast<size_t>(L.M * L.E));
+  if (b == 3) {
+    fill_pairs3(q, d, c, L.M, table.data());
+  } else {
+    const int per = 4 / b;
+    const int mask = (1 << b) - 1;
+    float cv[4 * 16];
+    for (int t = 0; t < per; ++t)
+      for (int v = 0; v < 16; ++v) cv[t * 16 + v] = c[(v >> (t * b)) & mask];
+    if (per == 1)
+      fill_rows<1>(q, d, cv, L.M, table.data());
+    else if (per == 2)
+      fill_rows<2>(q, d, cv, L.M, table.data());
+    else
+      fill_rows<4>(q, d, cv, L.M, table.data());
+  }
   std::vector<float> lo(static_cast<size_t>(L.M));
   float span = 0.0f;
   double bias = 0.0, absmax = 0.0;
   for (int64_t m = 0; m < L.M; ++m) {
-    const float* row = &table[static_cast<size_t>(m * 16)];
+    const float* row = &table[static_cast<size_t>(m * L.E)];
     float mn = row[0], mx = row[0];
-    for (int v = 1; v < 16; ++v) {
+    for (int v = 1; v < L.E; ++v) {
       mn = std::min(mn, row[v]);
       mx = std::max(mx, row[v]);
     }
@@ -113,10 +140,10 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb) {
   // call that saves and restores the FP environment, and it made table building dominate
   // batched IVF search (~100 us per query at d = 784, b = 4).
   for (int64_t m = 0; m < L.M; ++m) {
-    const float* f = &table[static_cast<size_t>(m * 16)];
-    uint8_t* q8 = &L.q8[static_cast<size_t>(m * 16)];
+    const float* f = &table[static_cast<size_t>(m * L.E)];
+    uint8_t* q8 = &L.q8[static_cast<size_t>(m * L.E)];
     const float base = lo[static_cast<size_t>(m)];
-    for (int v = 0; v < 16; ++v) {
+    for (int v = 0; v < L.E; ++v) {
       const float r = (f[v] - base) * inv + 0.5f;
       q8[v] = static_cast<uint8_t>(static_cast<int>(std::min(kLevels, std::max(0.0f, r))));
     }
@@ -183,15 +210,64 @@ void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
   for (int64_t j = j0; j < j1; ++j) {
     const uint8_t* blk = blocked + j * rb * kRows;
     for (int t = 0; t < kRows; ++t) tot[t] = 0;
-    for (int64_t p = 0; p < rb; ++p) {
-      const uint8_t* c = blk + p * kRows;
-      const uint8_t* t0 = L.q8.data() + (2 * p) * 16;
-      const uint8_t* t1 = t0 + 16;
-      for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
+    if (L.b == 3) {
+      for (int64_t g = 0; g < rb / 3; ++g) {
+        const uint8_t* c0 = blk + 3 * g * kRows;
+        const uint8_t* c1 = c0 + kRows;
+        const uint8_t* c2 = c1 + kRows;
+        const uint8_t* T = L.q8.data() + 4 * g * 64;
+        for (int t = 0; t < kRows; ++t) {
+          const int lo = c2[t];
+          tot[t] += T[(lo & 3) * 16 + (c0[t] & 15)] + T[64 + ((lo >> 2) & 3) * 16 + (c0[t] >> 4)] +
+                    T[128 + ((lo >> 4) & 3) * 16 + (c1[t] & 15)] +
+                    T[192 + (lo >> 6) * 16 + (c1[t] >> 4)];
+        }
+      }
+    } else {
+      for (int64_t p = 0; p < rb; ++p) {
+        const uint8_t* c = blk + p * kRows;
+        const uint8_t* t0 = L.q8.data() + (2 * p) * 16;
+        const uint8_t* t1 = t0 + 16;
+        for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
+      }
     }
     const int64_t base = j * kRows, rows = std::min(kRows, n - base);
     for (int64_t t = 0; t < rows; ++t) consider(L, tot[t], base + t, mult, add, off, sl);
   }
+}
+
+// 16-bit lane sums (all = even row + 256 odd row, odd) -> the u32 totals tt.
+template <int NB, int NQ>
+__attribute__((target("avx2"), always_inline)) inline void flush_u16(
+    __m256i (&all)[NQ][NB], __m256i (&odd)[NQ][NB], __m256i (&tt)[NQ][NB][4]) {
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j) {
+      const __m256i o = odd[q][j];
+      const __m256i even = _mm256_sub_epi16(all[q][j], _mm256_slli_epi16(o, 8));
+      __m256i* t = tt[q][j];
+      t[0] = _mm256_add_epi32(t[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(even)));
+      t[1] = _mm256_add_epi32(t[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(even, 1)));
+      t[2] = _mm256_add_epi32(t[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(o)));
+      t[3] = _mm256_add_epi32(t[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(o, 1)));
+    }
+}
+
+// 16-bit lane i held rows 2i and 2i+1: interleave back to row order; rows of block j for
+// query q land at tot[(q * NB + j) * 32 ...].
+template <int NB, int NQ>
+__attribute__((target("avx2"), always_inline)) inline void store_totals(
+    __m256i (&tt)[NQ][NB][4], uint32_t* tot) {
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i e = tt[q][j][h], o = tt[q][j][2 + h];
+        const __m256i a = _mm256_unpacklo_epi32(e, o), b = _mm256_unpackhi_epi32(e, o);
+        uint32_t* dst = tot + (q * NB + j) * kRows + h * 16;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
+                           _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 8),
+                           _mm256_permute2x128_si256(a, b, 0x31));
+      }
 }
 
 // Table sums of NB consecutive blocks for NQ queries (NB * NQ <= 4 accumulator pairs fit in the
@@ -235,29 +311,90 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums_avx2(
         }
       }
     }
-    for (int q = 0; q < NQ; ++q)
-      for (int j = 0; j < NB; ++j) {
-        const __m256i o = odd[q][j];
-        const __m256i even = _mm256_sub_epi16(all[q][j], _mm256_slli_epi16(o, 8));
-        __m256i* t = tt[q][j];
-        t[0] = _mm256_add_epi32(t[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(even)));
-        t[1] = _mm256_add_epi32(t[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(even, 1)));
-        t[2] = _mm256_add_epi32(t[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(o)));
-        t[3] = _mm256_add_epi32(t[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(o, 1)));
-      }
+    flush_u16<NB, NQ>(all, odd, tt);
   }
-  // 16-bit lane i held rows 2i and 2i+1: interleave back to row order.
+  store_totals<NB, NQ>(tt, tot);
+}
+
+// b = 3 (pair layout): per group of 8 coordinates, pair P's value is a 64-entry table looked
+// up as four 16-entry shuffles on its hi nibble, merged by two byte blends on its lo bits
+// (bit 2P of the lo byte selects within each pair of tables, bit 2P+1 between the pairs); the
+// two pairs of a byte add in 8 bits as in the 4-bit scan. A group adds <= 2 * 254 per row to a
+// 16-bit lane, so the lanes flush every 128 groups.
+template <int NB, int NQ>
+__attribute__((target("avx2"), always_inline)) inline void block_sums3_avx2(
+    const uint8_t* blk, int64_t rb, const uint8_t* const* q8, uint32_t* tot) {
+  const __m256i low4 = _mm256_set1_epi8(0x0f);
+  const int64_t G = rb / 3;
+  __m256i tt[NQ][NB][4];
   for (int q = 0; q < NQ; ++q)
     for (int j = 0; j < NB; ++j)
-      for (int h = 0; h < 2; ++h) {
-        const __m256i e = tt[q][j][h], o = tt[q][j][2 + h];
-        const __m256i a = _mm256_unpacklo_epi32(e, o), b = _mm256_unpackhi_epi32(e, o);
-        uint32_t* dst = tot + (q * NB + j) * kRows + h * 16;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst),
-                           _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(dst + 8),
-                           _mm256_permute2x128_si256(a, b, 0x31));
+      for (int u = 0; u < 4; ++u) tt[q][j][u] = _mm256_setzero_si256();
+  for (int64_t g0 = 0; g0 < G; g0 += kFlushGroups3) {
+    const int64_t g1 = std::min(G, g0 + kFlushGroups3);
+    __m256i all[NQ][NB], odd[NQ][NB];
+    for (int q = 0; q < NQ; ++q)
+      for (int j = 0; j < NB; ++j) all[q][j] = odd[q][j] = _mm256_setzero_si256();
+    for (int64_t g = g0; g < g1; ++g) {
+      __m256i cb[NB][2], cl[NB];
+      for (int j = 0; j < NB; ++j) {
+        const uint8_t* src = blk + (j * rb + 3 * g) * kRows;
+        cb[j][0] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+        cb[j][1] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + kRows));
+        cl[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * kRows));
       }
+      for (int h = 0; h < 2; ++h) {
+        __m256i r[NQ][NB];
+        for (int s = 0; s < 2; ++s) {
+          const int P = 2 * h + s;
+          // bit 2P (2P+1) of the lo byte moved to bit 7 of its byte, where blendv looks
+          const __m128i sh0 = _mm_cvtsi32_si128(7 - 2 * P), sh1 = _mm_cvtsi32_si128(6 - 2 * P);
+          __m256i hv[NB], m0[NB], m1[NB];
+          for (int j = 0; j < NB; ++j) {
+            hv[j] = s == 0 ? _mm256_and_si256(cb[j][h], low4)
+                           : _mm256_and_si256(_mm256_srli_epi16(cb[j][h], 4), low4);
+            m0[j] = _mm256_sll_epi16(cl[j], sh0);
+            m1[j] = _mm256_sll_epi16(cl[j], sh1);
+          }
+          for (int q = 0; q < NQ; ++q) {
+            const uint8_t* t = q8[q] + (4 * g + P) * 64;
+            const __m256i t0 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+            const __m256i t1 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+            const __m256i t2 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32)));
+            const __m256i t3 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 48)));
+            for (int j = 0; j < NB; ++j) {
+              const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(t0, hv[j]),
+                                                   _mm256_shuffle_epi8(t1, hv[j]), m0[j]);
+              const __m256i c = _mm256_blendv_epi8(_mm256_shuffle_epi8(t2, hv[j]),
+                                                   _mm256_shuffle_epi8(t3, hv[j]), m0[j]);
+              const __m256i v = _mm256_blendv_epi8(a, c, m1[j]);
+              r[q][j] = s == 0 ? v : _mm256_add_epi8(r[q][j], v);
+            }
+          }
+        }
+        for (int q = 0; q < NQ; ++q)
+          for (int j = 0; j < NB; ++j) {
+            all[q][j] = _mm256_add_epi16(all[q][j], r[q][j]);
+            odd[q][j] = _mm256_add_epi16(odd[q][j], _mm256_srli_epi16(r[q][j], 8));
+          }
+      }
+    }
+    flush_u16<NB, NQ>(all, odd, tt);
+  }
+  store_totals<NB, NQ>(tt, tot);
+}
+
+template <int NB, int NQ>
+__attribute__((target("avx2"), always_inline)) inline void block_sums(
+    int b, const uint8_t* blk, int64_t rb, const uint8_t* const* q8, uint32_t* tot) {
+  if (b == 3)
+    block_sums3_avx2<NB, NQ>(blk, rb, q8, tot);
+  else
+    block_sums_avx2<NB, NQ>(blk, rb, q8, tot);
 }
 
 // Bounds of the 32 rows of block j (sums bt) against the query's threshold, 8 rows at a time;
@@ -303,9 +440,9 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
   for (int64_t j = j0; j < j1;) {
     const int nb = j + 3 < j1 ? 4 : 1;
     if (nb == 4)
-      block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+      block_sums<4, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
     else
-      block_sums_avx2<1, 1>(blocked + j * rb * kRows, rb, q8, tot);
+      block_sums<1, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
     for (int u = 0; u < nb; ++u, ++j)
       admit_block_avx2(L, tot + u * kRows, j, n, mult, add, off, sl);
   }
@@ -320,7 +457,7 @@ __attribute__((target("avx2"))) void scan_blocks4_avx2(const Lut* const* L, cons
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[4] = {L[0]->q8.data(), L[1]->q8.data(), L[2]->q8.data(), L[3]->q8.data()};
   for (int64_t j = j0; j < j1; ++j) {
-    block_sums_avx2<1, 4>(blocked + j * rb * kRows, rb, q8, tot);
+    block_sums<1, 4>(L[0]->b, blocked + j * rb * kRows, rb, q8, tot);
     for (int q = 0; q < 4; ++q)
       admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
   }
@@ -349,6 +486,22 @@ void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, in
 // two accumulators).
 float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
   const uint8_t* blk = blocked + (i / kRows) * rb * kRows + (i % kRows);
+  if (L.b == 3) {
+    float s[2] = {0.f, 0.f};
+    for (int64_t g = 0; g < rb / 3; ++g) {
+      const int c0 = blk[3 * g * kRows], c1 = blk[(3 * g + 1) * kRows];
+      const int lo = blk[(3 * g + 2) * kRows];
+      for (int P = 0; P < 4; ++P) {
+        const int hi = ((P < 2 ? c0 : c1) >> (4 * (P & 1))) & 15, l = (lo >> (2 * P)) & 3;
+        const int64_t j = 8 * g + 2 * P;
+        float t = 0.f;
+        if (j < L.d) t += L.q[j] * L.c[((hi & 3) << 1) | (l & 1)];
+        if (j + 1 < L.d) t += L.q[j + 1] * L.c[((hi >> 2) << 1) | (l >> 1)];
+        s[P & 1] += t;
+      }
+    }
+    return s[0] + s[1];
+  }
   const int per = 4 / L.b, mask = (1 << L.b) - 1;
   float s[2] = {0.f, 0.f};
   for (int64_t p = 0; p < rb; ++p) {
@@ -385,16 +538,38 @@ void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult,
 
 }  // namespace
 
-void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked, int nthreads) {
+void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
+                 int nthreads) {
   const int64_t nb = (n + kRows - 1) / kRows;
+  const int64_t rb = (d * b + 7) / 8, fb = fs_row_bytes(d, b);
   auto work = [&](int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
-      uint8_t* out = blocked + j * rb * kRows;
+      uint8_t* out = blocked + j * fb * kRows;
       const int64_t rows = std::min(kRows, n - j * kRows);
-      if (rows < kRows) std::memset(out, 0, static_cast<size_t>(rb * kRows));
+      if (rows < kRows) std::memset(out, 0, static_cast<size_t>(fb * kRows));
       for (int64_t t = 0; t < rows; ++t) {
         const uint8_t* row = packed + (j * kRows + t) * rb;
-        for (int64_t p = 0; p < rb; ++p) out[p * kRows + t] = row[p];
+        if (b != 3) {
+          for (int64_t p = 0; p < rb; ++p) out[p * kRows + t] = row[p];
+          continue;
+        }
+        // 8 indices = 24 bits = bytes 3g .. 3g+2 of the LSB-first stream -> the pair layout
+        for (int64_t g = 0; g < fb / 3; ++g) {
+          uint32_t w = 0;
+          for (int u = 0; u < 3; ++u)
+            if (3 * g + u < rb) w |= static_cast<uint32_t>(row[3 * g + u]) << (8 * u);
+          const int64_t valid = std::min<int64_t>(8, d - 8 * g);  // padding indices are 0
+          if (valid < 8) w &= (1u << (3 * valid)) - 1;
+          uint32_t hi = 0, lo = 0;
+          for (int u = 0; u < 8; ++u) {
+            const uint32_t idx = (w >> (3 * u)) & 7;
+            hi |= (idx >> 1) << (2 * u);
+            lo |= (idx & 1) << u;
+          }
+          out[(3 * g) * kRows + t] = static_cast<uint8_t>(hi & 0xff);
+          out[(3 * g + 1) * kRows + t] = static_cast<uint8_t>(hi >> 8);
+          out[(3 * g + 2) * kRows + t] = static_cast<uint8_t>(lo);
+        }
       }
     }
   };
@@ -410,7 +585,7 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked,
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads) {
-  const int64_t rb = (d * b + 7) / 8;
+  const int64_t rb = fs_row_bytes(d, b);
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t t = std::max(1, nthreads);
   if (nq >= t || nb < 64) {
@@ -479,7 +654,7 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
                    const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
                    const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
                    int64_t* out_idx, int nthreads) {
-  const int64_t rb = (d * b + 7) / 8;
+  const int64_t rb = fs_row_bytes(d, b);
   // Queries are handled in batches whose tables (5 bytes * 16 * 2 rb each) stay within 64 MB;
   // within a batch the probes are inverted so that each probed list is read once for all the
   // queries that probe it, four tables per pass, as faiss's IVF fast-scan does. Big batches

@@ -25,9 +25,14 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
               const float* centroids, const float* mult, const float* add, int64_t k,
               float* out_vals, int64_t* out_idx, int nthreads);
 
-// Fast-scan (fastscan.cpp): packed rows -> blocks of 32 rows, byte-major (nb, rb, 32).
-void block_codes(const uint8_t* packed, int64_t n, int64_t rb, uint8_t* blocked, int nthreads);
-// lut_scan's meaning over the blocked layout, b in {1, 2, 4}.
+// Fast-scan (fastscan.cpp): bytes per row of the blocked layout — the packed row for b in
+// {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.cpp).
+inline int64_t fs_row_bytes(int64_t d, int b) { return b == 3 ? 3 * ((d + 7) / 8) : (d * b + 7) / 8; }
+// packed (n, ceil(d b / 8)) rows -> blocks of 32 rows, byte-major (nb, fs_row_bytes, 32); any b
+// is transposed as is, except b = 3, which is re-laid out in pairs.
+void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
+                 int nthreads);
+// lut_scan's meaning over the blocked layout, b in {1, 2, 3, 4}.
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads);

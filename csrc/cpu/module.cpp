@@ -86,27 +86,32 @@ NB_MODULE(_C, m) {
                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
   });
 
-  m.def("block_codes", [](CArr<const uint8_t> packed, CArr<uint8_t> blocked, int nthreads) {
+  m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
+                          int nthreads) {
     require(packed.ndim() == 2 && blocked.ndim() == 3, "block_codes: bad ranks");
-    const int64_t n = packed.shape(0), r = packed.shape(1);
+    require(b >= 1 && b <= 8 && d >= 1, "block_codes: need 1 <= b <= 8 and d >= 1");
+    const int64_t n = packed.shape(0);
+    require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "block_codes: packed row size");
     require(blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
-                blocked.shape(1) == static_cast<size_t>(r) && blocked.shape(2) == 32,
-            "block_codes: blocked must be (ceil(n/32), rb, 32)");
+                blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                blocked.shape(2) == 32,
+            "block_codes: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
     nb::gil_scoped_release rel;
-    tqvec::block_codes(packed.data(), n, r, blocked.data(), nthreads);
+    tqvec::block_codes(packed.data(), n, d, b, blocked.data(), nthreads);
   });
 
   m.def("fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked, int64_t n,
                         CArr<const float> centroids, CArr<const float> mult,
                         CArr<const float> add, int b, int64_t k, CArr<float> out_vals,
                         CArr<int64_t> out_idx, int nthreads) {
-    require(b == 1 || b == 2 || b == 4, "fast_scan: bits must be 1, 2 or 4");
+    require(b >= 1 && b <= 4, "fast_scan: bits must be 1, 2, 3 or 4");
     require(qr.ndim() == 2 && blocked.ndim() == 3 && out_vals.ndim() == 2 &&
                 out_idx.ndim() == 2, "fast_scan: bad ranks");
     const int64_t nq = qr.shape(0), d = qr.shape(1);
     require(n >= 0 && blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
-                blocked.shape(1) == static_cast<size_t>(rb(d, b)) && blocked.shape(2) == 32,
-            "fast_scan: blocked must be (ceil(n/32), rb, 32)");
+                blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                blocked.shape(2) == 32,
+            "fast_scan: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
     require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
             "fast_scan: centroids");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
@@ -126,14 +131,15 @@ NB_MODULE(_C, m) {
                             CArr<const int64_t> probes, CArr<const float> offsets, int b,
                             int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
                             int nthreads) {
-    require(b == 1 || b == 2 || b == 4, "ivf_fast_scan: bits must be 1, 2 or 4");
+    require(b >= 1 && b <= 4, "ivf_fast_scan: bits must be 1, 2, 3 or 4");
     require(qr.ndim() == 2 && blocked.ndim() == 3 && probes.ndim() == 2 && offsets.ndim() == 2 &&
                 list_blocks.ndim() == 1 && out_vals.ndim() == 2 && out_idx.ndim() == 2,
             "ivf_fast_scan: bad ranks");
     const int64_t nq = qr.shape(0), d = qr.shape(1), nb = blocked.shape(0);
     const int64_t n = 32 * nb, nlist = static_cast<int64_t>(list_blocks.shape(0)) - 1;
-    require(blocked.shape(1) == static_cast<size_t>(rb(d, b)) && blocked.shape(2) == 32,
-            "ivf_fast_scan: blocked must be (nb, rb, 32)");
+    require(blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                blocked.shape(2) == 32,
+            "ivf_fast_scan: blocked must be (nb, fs_row_bytes(d, b), 32)");
     require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
             "ivf_fast_scan: centroids");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&

@@ -248,7 +248,7 @@ class TurboQuant(Codec):
         """Top-k rows by weight_i * <q, x_hat_i> + add_i straight from the packed codes (LUT
         scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32.
         ``blocked``: the codes' payload in the fast-scan layout (``ops.block_codes``), for
-        bits 1, 2, 4 — the SIMD kernel then scans it instead of the rows. ``mult``: the
+        bits 1-4 — the SIMD kernel then scans it instead of the rows. ``mult``: the
         precomputed ``weight * scan_multiplier(codes)`` (an index caches it; pass weight=None)."""
         if self.variant != "mse":
             raise ValueError("scan_topk needs variant='mse'")
@@ -267,7 +267,7 @@ class TurboQuant(Codec):
     def ivf_scan_topk(self, q: torch.Tensor, blocked: torch.Tensor, mult: torch.Tensor,
                       add: torch.Tensor, list_blocks: torch.Tensor, probes: torch.Tensor,
                       offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``scan_topk`` over inverted lists in the fast-scan layout (bits 1, 2, 4): query i
+        """``scan_topk`` over inverted lists in the fast-scan layout (bits 1-4): query i
         scores the rows of the lists ``probes[i]`` as mult_j <Pi q_i, c[idx_j]> + add_j +
         offsets[i, r] (see ``ops.ivf_fast_scan``); positions index the blocked rows."""
         if self.variant != "mse":

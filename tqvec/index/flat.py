@@ -25,7 +25,7 @@ codes), ||x_hat||^2 or ||x||^2 (cosine); ip without such an N uses est<q, x> unc
 
 Search scores blocks of codes against blocks of queries (the codec's ``score``) and keeps a
 running top-k, so memory stays bounded for any n and nq. TurboQuant-mse codes are scanned with
-per-query lookup tables instead (no decoding); at 1, 2 and 4 bits on CPU by the SIMD fast-scan
+per-query lookup tables instead (no decoding); at 1-4 bits on CPU by the SIMD fast-scan
 kernel over a blocked copy of the codes (``ops.block_codes``; it doubles the code bytes held in
 memory, not those stored in files). Searches only refresh that cache, under the index's lock, so
 concurrent ``search`` calls are safe; ``add``/``remove_ids`` must not run concurrently with them.
@@ -61,7 +61,7 @@ _QUERY_BLOCK = 1024
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
-# At 1, 2 and 4 bits the CPU fast-scan kernel (7-bit tables in SIMD registers) beats the GEMM at
+# At 1-4 bits the CPU fast-scan kernel (7-bit tables in SIMD registers) beats the GEMM at
 # any number of queries, so it is used for all of them.
 _LUT_MAX_QUERIES = 32
 # The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few
@@ -203,7 +203,7 @@ class FlatIndex:
             blocked = None
             if self._fast_scan_ok():
                 start = (self._blocked_n // 32) * 32 if self._blocked is not None else 0
-                new = ops.block_codes(self._codes.payload[start:])
+                new = ops.block_codes(self._codes.payload[start:], self.d, self.codec.bits)
                 old = self._blocked[: start // 32] if self._blocked is not None else None
                 self._blocked = new if old is None else torch.cat([old, new])
                 self._blocked_n = n

@@ -18,7 +18,7 @@ flat index's estimators with the centroid part computed exactly (Jegou et al. 20
 
 The row term -2 est<c, r> - N(r) is computed once at add time, so a query's score of row j in
 list l is ``w est<q, r_j> + row_j + offset(q, l)`` with offset = -||q - c_l||^2 (l2) or <q, c_l>
-(ip): TurboQuant-mse codes at 1, 2 and 4 bits on CPU are scanned by ``ops.ivf_fast_scan`` over a
+(ip): TurboQuant-mse codes at 1, 2, 3 and 4 bits on CPU are scanned by ``ops.ivf_fast_scan`` over a
 list-major blocked copy (built at the first search after a change, like the flat index's), every
 other codec by the codec's own scorer list by list. Filtered search (``allowed_ids``) only sees
 the probed lists, as in faiss.
@@ -213,7 +213,7 @@ class IVFIndex(FlatIndex):
             payload = self._codes.payload[src]
             payload[~valid] = 0
             st.update(
-                blocked=ops.block_codes(payload), list_blocks=list_blocks, pos=pos,
+                blocked=ops.block_codes(payload, self.d, self.codec.bits), list_blocks=list_blocks, pos=pos,
                 mult=torch.where(valid, mult[src], torch.zeros(())).contiguous(),
                 add=torch.where(valid, self._rowterm[src],
                                 torch.full((), -float("inf"))).contiguous())

@@ -19,11 +19,12 @@ from ..errors import BackendUnavailable
 from . import cpu as _cpu
 from . import cuda as _cuda
 from . import ref as _ref
-from .ref import FAST_SCAN_BITS, row_bytes
+from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan",
-           "rescore_rows", "decode_attention", "row_bytes", "FAST_SCAN_BITS"]
+           "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
+           "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -131,15 +132,19 @@ def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mu
         add.contiguous(), b, k)
 
 
-def block_codes(packed: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """(n, rb) packed rows -> (ceil(n/32), rb, 32) fast-scan layout; see ``ref.block_codes_ref``."""
-    return _pick("block_codes", packed.device, backend)(packed.contiguous())
+def block_codes(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> torch.Tensor:
+    """(n, ceil(d b / 8)) packed rows -> (ceil(n/32), fast_scan_row_bytes(d, b), 32) fast-scan
+    layout; see ``ref.block_codes_ref``."""
+    if packed.dim() != 2 or packed.shape[1] != row_bytes(d, b):
+        raise ValueError(f"packed must be (n, {row_bytes(d, b)}) for d={d}, b={b}, "
+                         f"got {tuple(packed.shape)}")
+    return _pick("block_codes", packed.device, backend)(packed.contiguous(), int(d), int(b))
 
 
 def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
               mult: torch.Tensor, add: torch.Tensor, b: int, k: int, backend: str = "auto"
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lut_scan`` over the fast-scan layout (b in 1, 2, 4): the CPU kernel sums 8-bit tables
+    """``lut_scan`` over the fast-scan layout (b in 1, 2, 3, 4): the CPU kernel sums 8-bit tables
     with SIMD shuffles and re-scores a provably sufficient shortlist exactly, so results agree
     with ``lut_scan`` within float rounding."""
     if b not in FAST_SCAN_BITS:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .ref import row_bytes
+from .ref import fast_scan_row_bytes, row_bytes
 
 try:  # the compiled module is optional: tqvec.ops falls back to the reference without it
     from .. import _C
@@ -79,11 +79,11 @@ def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     return vals, pos
 
 
-def block_codes_cpu(packed: torch.Tensor) -> torch.Tensor:
-    n, rb = packed.shape
-    out = torch.empty((-(-n // 32), rb, 32), dtype=torch.uint8)
+def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
+    n = packed.shape[0]
+    out = torch.empty((-(-n // 32), fast_scan_row_bytes(d, b), 32), dtype=torch.uint8)
     if n:
-        _C.block_codes(packed, out, _threads())
+        _C.block_codes(packed, d, b, out, _threads())
     return out
 
 

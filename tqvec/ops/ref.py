@@ -12,12 +12,17 @@ import torch
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
            "lut_scan_ref", "block_codes_ref", "fast_scan_ref", "decode_attention_ref", "row_bytes"]
 
-FAST_SCAN_BITS = (1, 2, 4)  # widths whose 4-bit nibbles hold whole indices (fast-scan layout)
+FAST_SCAN_BITS = (1, 2, 3, 4)  # widths with a fast-scan layout (3 bits: pairs, see block_codes_ref)
 BLOCK_ROWS = 32
 
 
 def row_bytes(d: int, b: int) -> int:
     return (d * b + 7) // 8
+
+
+def fast_scan_row_bytes(d: int, b: int) -> int:
+    """Bytes per row of the fast-scan layout: the packed row, or 3 per 8 coordinates at b = 3."""
+    return 3 * -(-d // 8) if b == 3 else row_bytes(d, b)
 
 
 def pack_bits_ref(idx: torch.Tensor, b: int) -> torch.Tensor:
@@ -122,28 +127,64 @@ def _topk_padded(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, pos
 
 
-def block_codes_ref(packed: torch.Tensor) -> torch.Tensor:
-    """Fast-scan layout: (n, rb) packed rows -> (ceil(n/32), rb, 32) uint8 with
-    ``blocked[j, p, t] = packed[32 j + t, p]`` and zero rows past n (one 32-byte load then
-    holds byte p of 32 rows)."""
-    n, rb = packed.shape
+def _pairs3(idx: torch.Tensor) -> torch.Tensor:
+    """3-bit indices (n, d) -> rows of the b = 3 fast-scan layout (n, 3 ceil(d/8)): per group of
+    8 coordinates (4 pairs, pair p = coordinates 2p, 2p+1) byte 0 = hi(p0) | hi(p1) << 4,
+    byte 1 = hi(p2) | hi(p3) << 4, byte 2 = lo(p0) | lo(p1) << 2 | lo(p2) << 4 | lo(p3) << 6,
+    with hi = (i0 >> 1) | (i1 >> 1) << 2 and lo = (i0 & 1) | (i1 & 1) << 1. A pair's 6 bits index
+    one 64-entry table (four 16-entry SIMD shuffles); 3 bits per coordinate, as packed."""
+    n, d = idx.shape
+    g = -(-d // 8)
+    x = torch.zeros((n, 8 * g), dtype=torch.int32, device=idx.device)
+    x[:, :d] = idx.to(torch.int32)
+    x = x.view(n, g, 4, 2)
+    hi = (x[..., 0] >> 1) | ((x[..., 1] >> 1) << 2)  # (n, g, 4)
+    lo = (x[..., 0] & 1) | ((x[..., 1] & 1) << 1)
+    out = torch.stack([hi[..., 0] | (hi[..., 1] << 4), hi[..., 2] | (hi[..., 3] << 4),
+                       lo[..., 0] | (lo[..., 1] << 2) | (lo[..., 2] << 4) | (lo[..., 3] << 6)],
+                      dim=-1)
+    return out.reshape(n, 3 * g).to(torch.uint8)
+
+
+def _unpairs3(rows: torch.Tensor, d: int) -> torch.Tensor:
+    """Inverse of ``_pairs3``: (n, 3 ceil(d/8)) -> (n, d) uint8 indices."""
+    n = rows.shape[0]
+    r = rows.to(torch.int32).view(n, rows.shape[1] // 3, 3)
+    hi = torch.stack([r[..., 0] & 15, r[..., 0] >> 4, r[..., 1] & 15, r[..., 1] >> 4], dim=-1)
+    lo = torch.stack([(r[..., 2] >> (2 * p)) & 3 for p in range(4)], dim=-1)
+    i0 = ((hi & 3) << 1) | (lo & 1)
+    i1 = ((hi >> 2) << 1) | (lo >> 1)
+    return torch.stack([i0, i1], dim=-1).reshape(n, 8 * (rows.shape[1] // 3))[:, :d].to(torch.uint8)
+
+
+def block_codes_ref(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
+    """Fast-scan layout: packed rows (n, ceil(d b / 8)) -> (ceil(n/32), fb, 32) uint8 with
+    ``blocked[j, p, t] = row[32 j + t, p]`` and zero rows past n (one 32-byte load then holds
+    byte p of 32 rows). ``row`` is the packed row (fb = its bytes) for every b but 3, where it is
+    the pair layout of ``_pairs3`` (fb = 3 ceil(d/8))."""
+    if packed.shape[1] != row_bytes(d, b):
+        raise ValueError(f"packed must have {row_bytes(d, b)} bytes per row for d={d}, b={b}, "
+                         f"got {packed.shape[1]}")
+    rows = _pairs3(unpack_bits_ref(packed, d, 3)) if b == 3 else packed
+    n, rb = rows.shape
     nb = -(-n // BLOCK_ROWS)
     out = torch.zeros((nb * BLOCK_ROWS, rb), dtype=torch.uint8, device=packed.device)
-    out[:n] = packed
+    out[:n] = rows
     return out.reshape(nb, BLOCK_ROWS, rb).transpose(1, 2).contiguous()
 
 
-def unblock_codes(blocked: torch.Tensor, n: int) -> torch.Tensor:
-    """Inverse of ``block_codes_ref``: (nb, rb, 32) -> (n, rb)."""
+def unblock_codes(blocked: torch.Tensor, n: int, d: int, b: int) -> torch.Tensor:
+    """Inverse of ``block_codes_ref``: (nb, fb, 32) -> packed (n, ceil(d b / 8))."""
     nb, rb, _ = blocked.shape
-    return blocked.transpose(1, 2).reshape(nb * BLOCK_ROWS, rb)[:n]
+    rows = blocked.transpose(1, 2).reshape(nb * BLOCK_ROWS, rb)[:n]
+    return pack_bits_ref(_unpairs3(rows, d), 3) if b == 3 else rows
 
 
 def fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
                   mult: torch.Tensor, add: torch.Tensor, b: int, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``); b in 1, 2, 4."""
-    return lut_scan_ref(qr, unblock_codes(blocked, n), centroids, mult, add, b, k)
+    """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``); b in 1, 2, 3, 4."""
+    return lut_scan_ref(qr, unblock_codes(blocked, n, qr.shape[1], b), centroids, mult, add, b, k)
 
 
 def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
@@ -152,7 +193,7 @@ def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fast_scan_ref`` restricted to inverted lists, with a score offset per (query, list).
 
-    blocked (nb, rb, 32) holds the lists one after another, list l in blocks
+    blocked (nb, fb, 32) holds the lists one after another, list l in blocks
     ``list_blocks[l] .. list_blocks[l+1]`` (int64, nlist + 1 entries, rows past a list's end
     carry add = -inf); mult, add (32 nb,) float32. Query i scores only the rows of the lists
     ``probes[i, r]`` (int64 (nq, P), distinct per row, -1 = none) as
@@ -171,7 +212,8 @@ def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
     for r in range(probes.shape[1]):
         hit = (row_list[None, :] == probes[:, r:r + 1]) & (probes[:, r:r + 1] >= 0)
         off = torch.where(hit, offsets[:, r:r + 1], off)
-    yhat = centroids[unpack_bits_ref(unblock_codes(blocked, n), qr.shape[1], b).long()]
+    d = qr.shape[1]
+    yhat = centroids[unpack_bits_ref(unblock_codes(blocked, n, d, b), d, b).long()]
     return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :] + off, k)
 
 

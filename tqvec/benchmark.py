@@ -7,8 +7,9 @@ The default dataset (scikit-learn's digits, 1,797 x 64) ships with the install: 
 
 For each bit budget b (bits per dimension) every method is built (train + add), then measured:
 recall@10 (|I10 ∩ GT10| / 10), recall@1@10 (true nearest neighbour within the top 10),
-recall@100, batch QPS (all queries in one call) at 1 and 2 threads, and single-query QPS
-(one query per call, 1 thread, on --single queries). Writes bench/results/search_<dataset>.json,
+recall@100 (from one k = 100 search), then QPS at k = 10 as ann-benchmarks times it: batch
+(all queries in one call, best of up to 3 calls) at 1 and 2 threads, and single-query (one
+query per call, 1 thread, on --single queries). Writes bench/results/search_<dataset>.json,
 .md and a recall-vs-QPS plot.
 
 faiss's SQtq types assume unit-norm input (no stored norm), so on raw-pixel L2 data they are
@@ -24,7 +25,7 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "build_parser", "run_method", "faiss_specs", "tqvec_specs", "recall"]
+__all__ = ["main", "build_parser", "run_method", "faiss_specs", "tqvec_specs", "recall", "best_time"]
 
 
 def faiss_specs(d: int, b: int) -> list[str]:
@@ -57,6 +58,21 @@ def recall_1_at_10(I: np.ndarray, gt: np.ndarray) -> float:
     return float(np.mean([gt[i, 0] in I[i, :10] for i in range(len(I))]))
 
 
+def best_time(fn, reps: int = 3, budget_s: float = 2.0) -> float:
+    """Best wall time of up to ``reps`` calls (fewer once ``budget_s`` is spent): the machine's
+    background noise only ever adds time."""
+    best = float("inf")
+    spent = 0.0
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t
+        best, spent = min(best, dt), spent + dt
+        if spent >= budget_s:
+            break
+    return best
+
+
 def run_method(kind: str, spec: str, d: int, metric: str, xb, xq, gt, single: int) -> dict:
     import faiss
     import torch
@@ -81,15 +97,17 @@ def run_method(kind: str, spec: str, d: int, metric: str, xb, xq, gt, single: in
         code_size = index.sa_code_size() if spec != "Flat" else 4 * d
     build = time.perf_counter() - t0
     out = {"method": f"{kind} {spec}", "bytes": int(code_size), "build_s": build}
-    for threads in (2, 1):
-        torch.set_num_threads(threads)
-        faiss.omp_set_num_threads(threads)
-        t = time.perf_counter()
-        D, I = index.search(xq, 100)
-        out[f"qps_batch_{threads}t"] = len(xq) / (time.perf_counter() - t)
+    _, I = index.search(xq, 100)  # recall (untimed); QPS is timed at k = 10 below
     out["recall@10"] = recall(I, gt, 10)
     out["recall@1@10"] = recall_1_at_10(I, gt)
     out["recall@100"] = recall(I, gt, 100)
+    for threads in (2, 1):
+        torch.set_num_threads(threads)
+        faiss.omp_set_num_threads(threads)
+        out[f"qps_batch_{threads}t"] = len(xq) / best_time(lambda: index.search(xq, 10))
+    torch.set_num_threads(1)
+    faiss.omp_set_num_threads(1)
+    index.search(xq[:1], 10)  # warm
     t = time.perf_counter()
     for i in range(single):
         index.search(xq[i:i + 1], 10)
@@ -190,7 +208,9 @@ def write_md(res: dict, path: str, a) -> str:
              f"{res['metric']})", "",
              f"Command: `tqvec bench --dataset {res['dataset']} --nq {a.nq} --single {a.single}"
              + (f" --skip {' '.join(a.skip)}" if a.skip else "") + "`. "
-             f"Machine: {res['machine'].get('cpu')}, {res['machine']['cpus']} CPUs.", "",
+             f"Machine: {res['machine'].get('cpu')}, {res['machine']['cpus']} CPUs. "
+             "Recall from one k = 100 search; QPS at k = 10 (batch: all queries per call, best "
+             "of up to 3 calls; single: one query per call, 1 thread).", "",
              "| bits/dim | method | bytes/vec | build s | recall@10 | recall@1@10 | recall@100 | "
              "batch QPS 2t | batch QPS 1t | single QPS 1t |", "|---" * 10 + "|"]
     for r in res["rows"]:

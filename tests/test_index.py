@@ -220,22 +220,31 @@ def test_bad_factory_strings(spec, msg):
         tqvec.index_factory(32, "TQ4", "hamming")
 
 
+@pytest.mark.parametrize("spec", ["TQ3,Refine(TQ8)", "TQprod3", "QJL64", "TQprod1", "TQ2u"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
-def test_lut_and_gemm_search_paths_agree(metric, rng, monkeypatch):
-    """Few queries use the LUT scan, many the block GEMM: same results either way."""
+def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
+    """The fast-scan kernel (every 1-4-bit term codec on CPU: mse codes, prod's mse codes +
+    QJL signs, QJL alone), the plain LUT scan (mse) and the block GEMM over decoded codes
+    give the same results, with a filter."""
     from tqvec.index import flat
 
     xb, xq = _data(rng, n=3000, d=48, nq=20)
-    index = tqvec.index_factory(48, "TQ3,Refine(TQ8)", metric)
+    index = tqvec.index_factory(48, spec, metric)
     index.add(xb)
-    D1, I1 = index.search(xq, 10, allowed_ids=np.arange(0, 3000, 2))
+    allowed = np.arange(0, 3000, 2)
+    D1, I1 = index.search(xq, 10, allowed_ids=allowed)
+    assert index._scan["blocked"] is not None  # the fast-scan kernel ran
+    monkeypatch.setattr(index, "_fast_scan_ok", lambda: False)
+    index._scan = None
+    paths = [index.search(xq, 10, allowed_ids=allowed)]  # LUT scan (mse) or GEMM
     monkeypatch.setattr(flat, "_LUT_MAX_QUERIES", 0)
-    D2, I2 = index.search(xq, 10, allowed_ids=np.arange(0, 3000, 2))
-    np.testing.assert_allclose(D1, D2, rtol=1e-4, atol=1e-4)
-    assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()
+    paths.append(index.search(xq, 10, allowed_ids=allowed))  # GEMM
+    for D2, I2 in paths:
+        np.testing.assert_allclose(D1, D2, rtol=1e-4, atol=1e-4)
+        assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()
 
 
-@pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ3", "TQ4"])
+@pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ3", "TQ4", "TQprod3", "QJL40"])
 def test_fast_scan_layout_follows_adds_and_removes(spec):
     """The blocked copy is extended on add (partial last block included) and rebuilt after a
     removal: results always equal those of an index built in one go."""

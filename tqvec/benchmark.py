@@ -25,7 +25,8 @@ import time
 
 import numpy as np
 
-__all__ = ["main", "build_parser", "run_method", "faiss_specs", "tqvec_specs", "recall", "best_time"]
+__all__ = ["main", "build_parser", "run_method", "faiss_specs", "tqvec_specs", "recall",
+           "best_time"]
 
 
 def faiss_specs(d: int, b: int) -> list[str]:

@@ -20,8 +20,9 @@
 //   out_idx   (nq, k)        int64   row positions, -1 where missing
 // For b in {1, 2, 4} every nibble of a row (bits [4m, 4m+4) of its stream) holds 4/b whole
 // indices, so <qr, c[idx]> = sum_m T[m][nibble_m] with a 16-entry table per nibble position
-// (b = 3: a 64-entry table per pair). T is quantized to 7 bits with one step `delta` for all positions (per-position offsets), summed
-// with 16-bit lanes (pshufb lookups, flushed to 32 bits every 256 bytes so nothing overflows) and
+// (b = 3: a 64-entry table per pair). T is quantized to 7 bits with one step `delta` for all
+// positions (per-position offsets), summed with 16-bit lanes (pshufb lookups, flushed to 32
+// bits every 256 bytes so nothing overflows) and
 // the approximation error is bounded (see build_lut: the worst case delta * M / 2 for small M,
 // else a Hoeffding bound that fails with probability < 1e-9 per row). A row can only be in the
 // top k if its upper bound reaches the k-th best lower bound seen so far; those rows (typically
@@ -91,7 +92,8 @@ void fill_pairs3(const float* q, int64_t d, const float* c, int64_t M, float* f)
     float* row = f + p * 64;
     for (int lo = 0; lo < 4; ++lo)
       for (int hi = 0; hi < 16; ++hi)
-        row[lo * 16 + hi] = q0 * c[((hi & 3) << 1) | (lo & 1)] + q1 * c[((hi >> 2) << 1) | (lo >> 1)];
+        row[lo * 16 + hi] =
+            q0 * c[((hi & 3) << 1) | (lo & 1)] + q1 * c[((hi >> 2) << 1) | (lo >> 1)];
   }
 }
 
@@ -209,34 +211,38 @@ inline void consider(const Lut& L, uint32_t tot, int64_t i, const float* mult, c
   if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i, off);
 }
 
+// Table sums of the 32 rows of one block (portable loop).
+void block_sums_scalar(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* tot) {
+  for (int t = 0; t < kRows; ++t) tot[t] = 0;
+  if (L.b == 3) {
+    for (int64_t g = 0; g < rb / 3; ++g) {
+      const uint8_t* c0 = blk + 3 * g * kRows;
+      const uint8_t* c1 = c0 + kRows;
+      const uint8_t* c2 = c1 + kRows;
+      const uint8_t* T = L.q8.data() + 4 * g * 64;
+      for (int t = 0; t < kRows; ++t) {
+        const int lo = c2[t];
+        tot[t] += T[(lo & 3) * 16 + (c0[t] & 15)] + T[64 + ((lo >> 2) & 3) * 16 + (c0[t] >> 4)] +
+                  T[128 + ((lo >> 4) & 3) * 16 + (c1[t] & 15)] +
+                  T[192 + (lo >> 6) * 16 + (c1[t] >> 4)];
+      }
+    }
+    return;
+  }
+  for (int64_t p = 0; p < rb; ++p) {
+    const uint8_t* c = blk + p * kRows;
+    const uint8_t* t0 = L.q8.data() + (2 * p) * 16;
+    const uint8_t* t1 = t0 + 16;
+    for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
+  }
+}
+
 void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                         int64_t j1, const float* mult, const float* add, float off,
                         Shortlist& sl) {
   uint32_t tot[kRows];
   for (int64_t j = j0; j < j1; ++j) {
-    const uint8_t* blk = blocked + j * rb * kRows;
-    for (int t = 0; t < kRows; ++t) tot[t] = 0;
-    if (L.b == 3) {
-      for (int64_t g = 0; g < rb / 3; ++g) {
-        const uint8_t* c0 = blk + 3 * g * kRows;
-        const uint8_t* c1 = c0 + kRows;
-        const uint8_t* c2 = c1 + kRows;
-        const uint8_t* T = L.q8.data() + 4 * g * 64;
-        for (int t = 0; t < kRows; ++t) {
-          const int lo = c2[t];
-          tot[t] += T[(lo & 3) * 16 + (c0[t] & 15)] + T[64 + ((lo >> 2) & 3) * 16 + (c0[t] >> 4)] +
-                    T[128 + ((lo >> 4) & 3) * 16 + (c1[t] & 15)] +
-                    T[192 + (lo >> 6) * 16 + (c1[t] >> 4)];
-        }
-      }
-    } else {
-      for (int64_t p = 0; p < rb; ++p) {
-        const uint8_t* c = blk + p * kRows;
-        const uint8_t* t0 = L.q8.data() + (2 * p) * 16;
-        const uint8_t* t1 = t0 + 16;
-        for (int t = 0; t < kRows; ++t) tot[t] += t0[c[t] & 15] + t1[c[t] >> 4];
-      }
-    }
+    block_sums_scalar(L, blocked + j * rb * kRows, rb, tot);
     const int64_t base = j * kRows, rows = std::min(kRows, n - base);
     for (int64_t t = 0; t < rows; ++t) consider(L, tot[t], base + t, mult, add, off, sl);
   }
@@ -536,7 +542,8 @@ float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
       const int nib = (byte >> (4 * h)) & 15;
       const int64_t j0 = (2 * p + h) * per;
       float t = 0.f;
-      for (int u = 0; u < per && j0 + u < L.d; ++u) t += L.q[j0 + u] * L.c[(nib >> (u * L.b)) & mask];
+      for (int u = 0; u < per && j0 + u < L.d; ++u)
+        t += L.q[j0 + u] * L.c[(nib >> (u * L.b)) & mask];
       s[h] += t;
     }
   }
@@ -559,6 +566,128 @@ void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult,
       if (c.ub >= th)
         hits.emplace_back(mult[c.row] * exact_score(L, blocked, rb, c.row) + add[c.row] + c.off,
                           c.row);
+  write_topk(hits, k, vals, idx);
+}
+
+// ---- several terms per row (fast_scan_terms) ------------------------------------------------
+// score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>: each term has its own codes, width,
+// table and multiplier; a row's bound is the sum of the terms' bounds.
+struct TermScan {
+  Lut L;
+  const uint8_t* blocked;
+  int64_t rb;
+  const float* mult;
+};
+
+constexpr int kMaxTerms = 4;
+
+void admit_terms_scalar(const std::vector<TermScan>& ts, uint32_t (*tot)[4 * kRows], int u,
+                        int64_t j, int64_t n, const float* add, Shortlist& sl) {
+  const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+  for (int64_t t = 0; t < rows; ++t) {
+    const int64_t i = base + t;
+    const float a = add[i];
+    if (!(a > -std::numeric_limits<float>::infinity())) continue;
+    float s = a, e = 0.0f;
+    for (size_t x = 0; x < ts.size(); ++x) {
+      const Lut& L = ts[x].L;
+      const float m = ts[x].mult[i];
+      s += m * (L.delta * static_cast<float>(tot[x][u * kRows + t]) + L.bias);
+      e += std::fabs(m) * L.err;
+    }
+    if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i, 0.0f);
+  }
+}
+
+__attribute__((target("avx2"))) void admit_terms_avx2(const std::vector<TermScan>& ts,
+                                                      uint32_t (*tot)[4 * kRows], int u,
+                                                      int64_t j, int64_t n, const float* add,
+                                                      Shortlist& sl) {
+  const int64_t base = j * kRows;
+  if (n - base < kRows) {
+    admit_terms_scalar(ts, tot, u, j, n, add, sl);
+    return;
+  }
+  const __m256 ninf = _mm256_set1_ps(-INFINITY);
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  for (int g = 0; g < kRows; g += 8) {
+    const __m256 a = _mm256_loadu_ps(add + base + g);
+    __m256 s = a, e = _mm256_setzero_ps();
+    for (size_t x = 0; x < ts.size(); ++x) {
+      const Lut& L = ts[x].L;
+      const __m256 m = _mm256_loadu_ps(ts[x].mult + base + g);
+      const __m256 sum = _mm256_cvtepi32_ps(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tot[x] + u * kRows + g)));
+      s = _mm256_add_ps(s, _mm256_mul_ps(m, _mm256_add_ps(
+                                                _mm256_mul_ps(_mm256_set1_ps(L.delta), sum),
+                                                _mm256_set1_ps(L.bias))));
+      e = _mm256_add_ps(e, _mm256_mul_ps(_mm256_and_ps(m, absmask), _mm256_set1_ps(L.err)));
+    }
+    const __m256 ub = _mm256_add_ps(s, e);
+    const __m256 th = _mm256_set1_ps(sl.threshold());
+    int bits = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(ub, th, _CMP_GE_OQ),
+                                                _mm256_cmp_ps(a, ninf, _CMP_GT_OQ)));
+    if (!bits) continue;
+    // the few rows that pass leave the vector path (scalar, same arithmetic order per term)
+    alignas(32) float sv[8], ev[8];
+    _mm256_store_ps(sv, s);
+    _mm256_store_ps(ev, e);
+    while (bits) {
+      const int t = __builtin_ctz(bits);
+      bits &= bits - 1;
+      if (sv[t] + ev[t] >= sl.threshold())
+        sl.admit(sv[t] - ev[t], sv[t] + ev[t], base + g + t, 0.0f);
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void term_sums_avx2(const TermScan& T, int64_t j, int nb,
+                                                    uint32_t* tot) {
+  const uint8_t* q8[1] = {T.L.q8.data()};
+  if (nb == 4)
+    block_sums<4, 1>(T.L.b, T.blocked + j * T.rb * kRows, T.rb, q8, tot);
+  else
+    block_sums<1, 1>(T.L.b, T.blocked + j * T.rb * kRows, T.rb, q8, tot);
+}
+
+void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t j1,
+                const float* add, Shortlist& sl) {
+  alignas(32) uint32_t tot[kMaxTerms][4 * kRows];
+  const bool simd = simd_avx2();
+  for (int64_t j = j0; j < j1;) {
+    const int nb = simd && j + 3 < j1 ? 4 : 1;
+    for (size_t x = 0; x < ts.size(); ++x) {
+      if (simd)
+        term_sums_avx2(ts[x], j, nb, tot[x]);
+      else
+        block_sums_scalar(ts[x].L, ts[x].blocked + j * ts[x].rb * kRows, ts[x].rb, tot[x]);
+    }
+    for (int u = 0; u < nb; ++u, ++j) {
+      if (simd)
+        admit_terms_avx2(ts, tot, u, j, n, add, sl);
+      else
+        admit_terms_scalar(ts, tot, u, j, n, add, sl);
+    }
+  }
+}
+
+void finish_terms(const std::vector<TermScan>& ts, const float* add,
+                  std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
+  std::vector<float> lbs;
+  for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
+  float th = -std::numeric_limits<float>::infinity();
+  if (static_cast<int64_t>(lbs.size()) >= k) {
+    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
+    th = lbs[static_cast<size_t>(k - 1)];
+  }
+  std::vector<Hit> hits;
+  for (auto* s : parts)
+    for (const auto& c : s->cand)
+      if (c.ub >= th) {
+        float v = 0.0f;
+        for (const auto& T : ts) v += T.mult[c.row] * exact_score(T.L, T.blocked, T.rb, c.row);
+        hits.emplace_back(v + add[c.row], c.row);
+      }
   write_topk(hits, k, vals, idx);
 }
 
@@ -763,6 +892,54 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
     run([&](int64_t) { build(); });
     run(scan);
     run(finish_all);
+  }
+}
+
+void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,
+                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
+  const int64_t nb = (n + kRows - 1) / kRows;
+  const int64_t t = std::max(1, nthreads);
+  auto make = [&](int64_t qi) {
+    std::vector<TermScan> ts;
+    for (int x = 0; x < nterms; ++x) {
+      const ScanTerm& T = terms[x];
+      const int64_t rb = fs_row_bytes(T.d, T.b);
+      ts.push_back({build_lut(T.qr + qi * T.d, T.d, T.b, T.centroids, rb, true), T.blocked, rb,
+                    T.mult});
+    }
+    return ts;
+  };
+  if (nq >= t || nb < 64) {  // threads over queries
+    const int64_t tq = std::min<int64_t>(t, nq);
+    auto work = [&](int64_t w) {
+      for (int64_t qi = w; qi < nq; qi += tq) {
+        const auto ts = make(qi);
+        Shortlist sl(k);
+        scan_terms(ts, n, 0, nb, add, sl);
+        finish_terms(ts, add, {&sl}, k, out_vals + qi * k, out_idx + qi * k);
+      }
+    };
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < tq; ++w) pool.emplace_back(work, w);
+    work(0);
+    for (auto& th : pool) th.join();
+    return;
+  }
+  for (int64_t qi = 0; qi < nq; ++qi) {  // few queries: threads over blocks, shortlists merged
+    const auto ts = make(qi);
+    std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
+    const int64_t chunk = (nb + t - 1) / t;
+    std::vector<std::thread> pool;
+    for (int64_t w = 1; w < t; ++w)
+      pool.emplace_back([&, w] {
+        scan_terms(ts, n, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk), add,
+                   sls[static_cast<size_t>(w)]);
+      });
+    scan_terms(ts, n, 0, std::min(nb, chunk), add, sls[0]);
+    for (auto& th : pool) th.join();
+    std::vector<Shortlist*> parts;
+    for (auto& s : sls) parts.push_back(&s);
+    finish_terms(ts, add, parts, k, out_vals + qi * k, out_idx + qi * k);
   }
 }
 

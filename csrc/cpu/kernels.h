@@ -27,7 +27,9 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
 
 // Fast-scan (fastscan.cpp): bytes per row of the blocked layout — the packed row for b in
 // {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.cpp).
-inline int64_t fs_row_bytes(int64_t d, int b) { return b == 3 ? 3 * ((d + 7) / 8) : (d * b + 7) / 8; }
+inline int64_t fs_row_bytes(int64_t d, int b) {
+  return b == 3 ? 3 * ((d + 7) / 8) : (d * b + 7) / 8;
+}
 // packed (n, ceil(d b / 8)) rows -> blocks of 32 rows, byte-major (nb, fs_row_bytes, 32); any b
 // is transposed as is, except b = 3, which is re-laid out in pairs.
 void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
@@ -36,6 +38,20 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads);
+// fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
+// each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
+// width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the
+// mse codes and the QJL signs with centroids -1, +1).
+struct ScanTerm {
+  const float* qr;
+  int64_t d;
+  const uint8_t* blocked;
+  int b;
+  const float* centroids;
+  const float* mult;
+};
+void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,
+                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads);
 // fast_scan over inverted lists stored as consecutive block ranges of one blocked array (rows
 // past a list's end padded with add = -inf): query i scans the lists probes[i, :] (-1 = none),
 // list_blocks[l] .. list_blocks[l + 1], adding offsets[i, r] to the scores of list probes[i, r].

@@ -2,9 +2,11 @@
 // never write out of bounds; value checks (NaN, ranges) happen once in tqvec/_validate.py.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/vector.h>
 
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "kernels.h"
 
@@ -123,6 +125,48 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release rel;
     tqvec::fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
                      add.data(), k, out_vals.data(), out_idx.data(), nthreads);
+  });
+
+  m.def("fast_scan_terms", [](std::vector<CArr<const float>> qrs,
+                              std::vector<CArr<const uint8_t>> blocked,
+                              std::vector<CArr<const float>> centroids,
+                              std::vector<CArr<const float>> mults, std::vector<int> bits,
+                              int64_t n, CArr<const float> add, int64_t k, CArr<float> out_vals,
+                              CArr<int64_t> out_idx, int nthreads) {
+    const size_t T = qrs.size();
+    require(T >= 1 && T <= 4 && blocked.size() == T && centroids.size() == T &&
+                mults.size() == T && bits.size() == T,
+            "fast_scan_terms: 1 to 4 terms, each with queries, blocked codes, centroids, "
+            "multipliers and bits");
+    require(add.ndim() == 1 && add.shape(0) == static_cast<size_t>(n) && n >= 0,
+            "fast_scan_terms: add length");
+    require(out_vals.ndim() == 2 && out_idx.ndim() == 2, "fast_scan_terms: bad ranks");
+    const int64_t nq = qrs[0].ndim() == 2 ? qrs[0].shape(0) : -1;
+    std::vector<tqvec::ScanTerm> terms;
+    for (size_t t = 0; t < T; ++t) {
+      const int b = bits[t];
+      require(b >= 1 && b <= 4, "fast_scan_terms: bits must be 1, 2, 3 or 4");
+      require(qrs[t].ndim() == 2 && static_cast<int64_t>(qrs[t].shape(0)) == nq,
+              "fast_scan_terms: queries must be (nq, d_t), the same nq for every term");
+      const int64_t d = qrs[t].shape(1);
+      require(blocked[t].ndim() == 3 && blocked[t].shape(0) == static_cast<size_t>((n + 31) / 32) &&
+                  blocked[t].shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                  blocked[t].shape(2) == 32,
+              "fast_scan_terms: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
+      require(centroids[t].ndim() == 1 && centroids[t].shape(0) == static_cast<size_t>(1 << b),
+              "fast_scan_terms: centroids");
+      require(mults[t].ndim() == 1 && mults[t].shape(0) == static_cast<size_t>(n),
+              "fast_scan_terms: mult length");
+      terms.push_back({qrs[t].data(), d, blocked[t].data(), b, centroids[t].data(),
+                       mults[t].data()});
+    }
+    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
+                out_vals.shape(1) == static_cast<size_t>(k) &&
+                out_idx.shape(0) == static_cast<size_t>(nq) &&
+                out_idx.shape(1) == static_cast<size_t>(k), "fast_scan_terms: outputs");
+    nb::gil_scoped_release rel;
+    tqvec::fast_scan_terms(terms.data(), static_cast<int>(T), nq, n, add.data(), k,
+                           out_vals.data(), out_idx.data(), nthreads);
   });
 
   m.def("ivf_fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked,

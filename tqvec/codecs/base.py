@@ -184,6 +184,18 @@ class Codec:
         """codes -> list of ((n, k_i) float32 code-side term, (n,) float32 scale)."""
         raise NotImplementedError(f"{type(self).__name__} has no term form of its estimator")
 
+    # The same estimator over the packed codes, for lookup-table scans: term i of
+    # ``query_terms`` pairs with ``lut_terms(codes)[i] = (packed (n, ceil(d_i b_i / 8)) uint8,
+    # d_i, b_i, centroids (2^b_i,) float32, scale (n,) float32)``, i.e. code_terms' vector is
+    # centroids[unpack_bits(packed, d_i, b_i)] (QJL signs: b = 1, centroids (-1, +1)).
+    def lut_term_bits(self) -> list[int] | None:
+        """Widths of the ``lut_terms``, or None when the codes are not scalar-quantized terms."""
+        return None
+
+    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
+                                                   torch.Tensor]]:
+        raise NotImplementedError(f"{type(self).__name__} has no lookup-table form of its codes")
+
     #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
     #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).
     unbiased_ip: bool = False

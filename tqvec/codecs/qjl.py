@@ -166,3 +166,18 @@ class QJL(Codec):
 
     def code_terms(self, codes: Codes) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [(s, g) for s, g, _ in self._parts(codes)]
+
+    def lut_term_bits(self) -> list[int] | None:
+        return [1, 1] if self.outliers else [1]
+
+    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
+                                                   torch.Tensor]]:
+        """The sign bits as 1-bit codes with centroids (-1, +1), scaled as in code_terms."""
+        dev = codes.device
+        pm1 = torch.tensor([-1.0, 1.0], device=dev)
+        terms = [(codes.payload[:, : self._in_bytes], self.sketch_dim, 1, pm1,
+                  (codes.scalars["norm"].float() * qjl_scale(self.sketch_dim)))]
+        if self.outliers:
+            terms.append((codes.payload[:, self._in_bytes:], self.outlier_sketch_dim, 1, pm1,
+                          codes.scalars["onorm"].float() * qjl_scale(self.outlier_sketch_dim)))
+        return terms

@@ -242,6 +242,25 @@ class TurboQuant(Codec):
             terms.append((signs, nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)))
         return terms
 
+    def lut_term_bits(self) -> list[int] | None:
+        return ([self.mse_bits] if self.mse_bits else []) + ([1] if self.variant == "prod" else [])
+
+    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
+                                                   torch.Tensor]]:
+        """code_terms over the packed codes (no unpacking): the mse indices with the codebook,
+        and for prod the QJL sign bits with centroids (-1, +1)."""
+        dev = codes.device
+        nrm = self._multiplier(codes).to(torch.float32)
+        terms = []
+        if self.mse_bits:
+            terms.append((codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
+                          self._arr.get("centroids", dev), nrm))
+        if self.variant == "prod":
+            terms.append((codes.payload[:, self._mse_bytes:], self.sketch_dim, 1,
+                          torch.tensor([-1.0, 1.0], device=dev),
+                          (nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)).float()))
+        return terms
+
     def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor | None,
                   add: torch.Tensor, k: int, blocked: torch.Tensor | None = None, *,
                   mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -169,25 +169,32 @@ class FlatIndex:
         self._ids = torch.empty(0, dtype=torch.int64)
         self._pos: dict[int, int] | None = None
         # What a LUT scan needs beyond the codes, built at the first search after a change:
-        # per-row multipliers and offsets of the metric, and on CPU at 1/2/4 bits the codes in
+        # per-row multipliers and offsets of the metric, and on CPU the codes of each term in
         # the fast-scan layout (a search-time copy, extended incrementally on add).
-        self._scan: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
-        self._blocked: torch.Tensor | None = None
+        self._scan: dict[str, Any] | None = None
+        self._blocked: list[torch.Tensor] | None = None
         self._blocked_n = 0
 
     def _lut_ok(self) -> bool:
+        """TurboQuant-mse codes: scanned with per-query tables on any device (``ops.lut_scan``)."""
         return isinstance(self.codec, TurboQuant) and self.codec.variant == "mse"
 
     def _fast_scan_ok(self) -> bool:
-        return (self.device.type == "cpu" and self._lut_ok()
-                and self.codec.bits in ops.FAST_SCAN_BITS
-                and self.codec.backend in ("auto", "cpu") and ops_cpu_available())
+        """Codes whose estimator is a sum of 1-4-bit scalar-code terms (TurboQuant mse and prod,
+        QJL), on CPU: the SIMD fast-scan kernel (``ops.fast_scan_terms``)."""
+        if not (self.device.type == "cpu" and self.codec.backend in ("auto", "cpu")
+                and ops_cpu_available()):
+            return False
+        bits = self.codec.lut_term_bits()
+        return bool(bits) and all(b in ops.FAST_SCAN_BITS for b in bits)
 
-    def _scan_state(self) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None:
-        """(blocked layout or None, mult, add) for the LUT scan, brought up to date (call with
-        the lock held): score_i = mult_i <Pi q, c[idx_i]> + add_i is the metric's similarity
-        (without the query's own ||q||^2 for L2)."""
-        if not self._lut_ok() or self._codes is None:
+    def _scan_state(self) -> dict[str, Any] | None:
+        """What the LUT scan reads, brought up to date (call with the lock held):
+        score_i = sum_t mults[t]_i <query_terms(q)[t], c_t[idx_t,i]> + add_i is the metric's
+        similarity (without the query's own ||q||^2 for L2); ``blocked`` (one array per term,
+        fast-scan layout) or None for ``ops.lut_scan`` over the packed mse codes."""
+        fast = self._fast_scan_ok()
+        if self._codes is None or not (fast or self._lut_ok()):
             return None
         if self._scan is None:
             n, dev = self._n, self.device
@@ -199,16 +206,22 @@ class FlatIndex:
                 weight = 1.0 / torch.sqrt(self._sqnorms.clamp_min(1e-30))
             else:
                 weight = torch.ones(n, device=dev)
-            mult = (weight * self.codec.scan_multiplier(self._codes)).contiguous()
-            blocked = None
-            if self._fast_scan_ok():
+            terms = self.codec.lut_terms(self._codes)
+            state: dict[str, Any] = {
+                "mults": [(weight * t[4]).to(torch.float32).contiguous() for t in terms],
+                "cents": [t[3].to(torch.float32).contiguous() for t in terms],
+                "bits": [t[2] for t in terms], "add": add.to(torch.float32).contiguous(),
+                "blocked": None}
+            if fast:
                 start = (self._blocked_n // 32) * 32 if self._blocked is not None else 0
-                new = ops.block_codes(self._codes.payload[start:], self.d, self.codec.bits)
-                old = self._blocked[: start // 32] if self._blocked is not None else None
-                self._blocked = new if old is None else torch.cat([old, new])
-                self._blocked_n = n
-                blocked = self._blocked
-            self._scan = (blocked, mult, add.to(torch.float32).contiguous())
+                blocked = []
+                for ti, (packed, d, b, _, _) in enumerate(terms):
+                    new = ops.block_codes(packed[start:], d, b)
+                    old = self._blocked[ti][: start // 32] if self._blocked is not None else None
+                    blocked.append(new if old is None else torch.cat([old, new]))
+                self._blocked, self._blocked_n = blocked, n
+                state["blocked"] = blocked
+            self._scan = state
         return self._scan
 
     def add(self, x: Any) -> None:
@@ -401,12 +414,15 @@ class FlatIndex:
         """Best kk similarities (larger is better; for L2 the negated squared distance) and
         their row positions for the queries q, from the codes."""
         scan, n = snap["scan"], snap["n"]
-        if scan is not None and scan[0] is not None and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
-            scan = (None, scan[1], scan[2])  # too few rows per result for the shortlist to pay
+        fast = scan is not None and scan["blocked"] is not None
+        if fast and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
+            fast = False  # too few rows per result for the shortlist to pay
+        if fast:
+            return self._lut_search(q, snap["codes"], scan, mask, kk, blocked=True)
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
-        if scan is not None and (nq_total <= _LUT_MAX_QUERIES or self.device.type == "cuda"
-                                 or scan[0] is not None):
-            return self._lut_search(q, snap["codes"], scan, mask, kk)
+        if scan is not None and self._lut_ok() and (nq_total <= _LUT_MAX_QUERIES
+                                                    or self.device.type == "cuda"):
+            return self._lut_search(q, snap["codes"], scan, mask, kk, blocked=False)
         return self._gemm_search(q, snap["codes"], snap["sqn"], mask, kk)
 
     def _gemm_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
@@ -428,13 +444,20 @@ class FlatIndex:
             best_s, best_p = top.values, torch.gather(p, 1, top.indices)
         return best_s, best_p
 
-    def _lut_search(self, q: torch.Tensor, codes: Codes, scan: tuple, mask: torch.Tensor | None,
-                    kk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same similarities as ``_scores`` via the codec's LUT scan (fused top-k)."""
-        blocked, mult, add = scan
+    def _lut_search(self, q: torch.Tensor, codes: Codes, scan: dict[str, Any],
+                    mask: torch.Tensor | None, kk: int, *, blocked: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same similarities as ``_scores`` from lookup tables (fused top-k): the fast-scan
+        kernel over the blocked terms, or ``ops.lut_scan`` over the packed mse codes."""
+        add = scan["add"]
         if mask is not None:
             add = add.masked_fill(~mask, -float("inf"))
-        vals, pos = self.codec.scan_topk(q, codes, None, add, kk, blocked, mult=mult)
+        if blocked:
+            vals, pos = ops.fast_scan_terms(self.codec.query_terms(q), scan["blocked"], len(codes),
+                                            scan["cents"], scan["mults"], add, scan["bits"], kk,
+                                            self.codec.backend)
+        else:
+            vals, pos = self.codec.scan_topk(q, codes, None, add, kk, mult=scan["mults"][0])
         if self.metric_type == METRIC_L2:
             vals = vals - (q * q).sum(1, keepdim=True)
         return vals, pos

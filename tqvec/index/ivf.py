@@ -186,8 +186,8 @@ class IVFIndex(FlatIndex):
         return float(self.nlist * (sizes * sizes).sum() / self._n ** 2)
 
     # -- search -------------------------------------------------------------------------------
-    def _fast_ok(self) -> bool:
-        return self._fast_scan_ok()
+    def _fast_ok(self) -> bool:  # residual TurboQuant-mse codes only (ops.ivf_fast_scan)
+        return self._lut_ok() and self._fast_scan_ok()
 
     def _ivf_state(self) -> dict[str, Any]:
         """List-major layout of the rows (call with the lock held), built once per change."""
@@ -213,7 +213,8 @@ class IVFIndex(FlatIndex):
             payload = self._codes.payload[src]
             payload[~valid] = 0
             st.update(
-                blocked=ops.block_codes(payload, self.d, self.codec.bits), list_blocks=list_blocks, pos=pos,
+                blocked=ops.block_codes(payload, self.d, self.codec.bits),
+                list_blocks=list_blocks, pos=pos,
                 mult=torch.where(valid, mult[src], torch.zeros(())).contiguous(),
                 add=torch.where(valid, self._rowterm[src],
                                 torch.full((), -float("inf"))).contiguous())

@@ -22,9 +22,9 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "ivf_fast_scan",
-           "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
-           "FAST_SCAN_BITS"]
+           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "fast_scan_terms",
+           "ivf_fast_scan", "rescore_rows", "decode_attention", "row_bytes",
+           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -152,6 +152,30 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
     return _pick("fast_scan", qr.device, backend)(
         qr.contiguous(), blocked.contiguous(), int(n), centroids.contiguous(),
         mult.contiguous(), add.contiguous(), b, k)
+
+
+def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
+                    centroids: list[torch.Tensor], mults: list[torch.Tensor], add: torch.Tensor,
+                    bits: list[int], k: int, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast_scan`` with several codes per row (1 to 4 terms): score_i = add_i +
+    sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]>; a row's error bound is the sum of its
+    terms' bounds, the shortlist is re-scored exactly. One term is ``fast_scan`` (which also
+    batches queries four at a time). See ``ref.fast_scan_terms_ref``."""
+    nt = len(qrs)
+    if not 1 <= nt <= 4 or not (len(blocked) == len(centroids) == len(mults) == len(bits) == nt):
+        raise ValueError(f"fast_scan_terms needs 1 to 4 terms with blocked, centroids, mults "
+                         f"and bits each; got {nt}, {len(blocked)}, {len(centroids)}, "
+                         f"{len(mults)}, {len(bits)}")
+    for b in bits:
+        if b not in FAST_SCAN_BITS:
+            raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")
+    if nt == 1:
+        return fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k, backend)
+    c = [t.contiguous() for t in qrs]
+    return _pick("fast_scan_terms", qrs[0].device, backend)(
+        c, [t.contiguous() for t in blocked], int(n), [t.contiguous() for t in centroids],
+        [t.contiguous() for t in mults], add.contiguous(), [int(b) for b in bits], k)
 
 
 def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,

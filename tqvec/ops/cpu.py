@@ -16,7 +16,7 @@ else:
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu",
-           "ivf_fast_scan_cpu", "rescore_rows_cpu"]
+           "fast_scan_terms_cpu", "ivf_fast_scan_cpu", "rescore_rows_cpu"]
 
 
 def available() -> bool:
@@ -96,6 +96,21 @@ def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: to
     if nq and n:
         qr_, bl_, c_, mult_, add_, vals_, pos_ = _np(qr, blocked, centroids, mult, add, vals, pos)
         _C.fast_scan(qr_, bl_, n, c_, mult_, add_, b, k, vals_, pos_, _threads())
+    return vals, pos
+
+
+def fast_scan_terms_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
+                        centroids: list[torch.Tensor], mults: list[torch.Tensor],
+                        add: torch.Tensor, bits: list[int], k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq = qrs[0].shape[0]
+    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
+    pos = torch.full((nq, k), -1, dtype=torch.int64)
+    if nq and n:
+        add_, vals_, pos_ = _np(add, vals, pos)
+        _C.fast_scan_terms(list(_np(*qrs)), list(_np(*blocked)), list(_np(*centroids)),
+                           list(_np(*mults)), [int(b) for b in bits], n, add_, k, vals_, pos_,
+                           _threads())
     return vals, pos
 
 

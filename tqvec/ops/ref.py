@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
-           "lut_scan_ref", "block_codes_ref", "fast_scan_ref", "decode_attention_ref", "row_bytes"]
+           "lut_scan_ref", "block_codes_ref", "fast_scan_ref", "fast_scan_terms_ref",
+           "decode_attention_ref", "row_bytes"]
 
 FAST_SCAN_BITS = (1, 2, 3, 4)  # widths with a fast-scan layout (3 bits: pairs, see block_codes_ref)
 BLOCK_ROWS = 32
@@ -183,8 +184,24 @@ def unblock_codes(blocked: torch.Tensor, n: int, d: int, b: int) -> torch.Tensor
 def fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
                   mult: torch.Tensor, add: torch.Tensor, b: int, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``); b in 1, 2, 3, 4."""
+    """``lut_scan_ref`` over codes in the fast-scan layout (``block_codes_ref``), b in 1-4."""
     return lut_scan_ref(qr, unblock_codes(blocked, n, qr.shape[1], b), centroids, mult, add, b, k)
+
+
+def fast_scan_terms_ref(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
+                        centroids: list[torch.Tensor], mults: list[torch.Tensor],
+                        add: torch.Tensor, bits: list[int], k: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of score_i = add_i + sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]> over several
+    codes per row, each in the fast-scan layout (``block_codes_ref``) with its own width, query
+    vectors (nq, d_t), centroids and per-row multiplier — e.g. TurboQuant-prod: the mse codes
+    plus the QJL sign bits with centroids (-1, +1). Padded as ``lut_scan_ref``."""
+    s = add[None, :].expand(qrs[0].shape[0], -1)
+    for qr, bl, c, m, b in zip(qrs, blocked, centroids, mults, bits, strict=True):
+        d = qr.shape[1]
+        yhat = c[unpack_bits_ref(unblock_codes(bl, n, d, b), d, b).long()]
+        s = s + (qr @ yhat.T) * m[None, :]
+    return _topk_padded(s, k)
 
 
 def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,

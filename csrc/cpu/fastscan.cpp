@@ -550,16 +550,20 @@ float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
   return s[0] + s[1];
 }
 
+// The k-th best lower bound over a query's shortlists: rows whose upper bound is below it
+// cannot be in the top k.
+float final_threshold(const std::vector<Shortlist*>& parts, int64_t k) {
+  std::vector<float> lbs;
+  for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
+  if (static_cast<int64_t>(lbs.size()) < k) return -std::numeric_limits<float>::infinity();
+  std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
+  return lbs[static_cast<size_t>(k - 1)];
+}
+
 // Re-scores the admitted rows whose upper bound reaches the final threshold; writes the top k.
 void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult, const float* add,
             std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
-  std::vector<float> lbs;
-  for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
-  float th = -std::numeric_limits<float>::infinity();
-  if (static_cast<int64_t>(lbs.size()) >= k) {
-    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
-    th = lbs[static_cast<size_t>(k - 1)];
-  }
+  const float th = final_threshold(parts, k);
   std::vector<Hit> hits;
   for (auto* s : parts)
     for (const auto& c : s->cand)
@@ -673,13 +677,7 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
 
 void finish_terms(const std::vector<TermScan>& ts, const float* add,
                   std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
-  std::vector<float> lbs;
-  for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
-  float th = -std::numeric_limits<float>::infinity();
-  if (static_cast<int64_t>(lbs.size()) >= k) {
-    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
-    th = lbs[static_cast<size_t>(k - 1)];
-  }
+  const float th = final_threshold(parts, k);
   std::vector<Hit> hits;
   for (auto* s : parts)
     for (const auto& c : s->cand)

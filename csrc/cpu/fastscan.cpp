@@ -37,11 +37,11 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 #include "topk.h"
 
 namespace tqvec {
@@ -550,6 +550,24 @@ float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
   return s[0] + s[1];
 }
 
+// One query's blocks [0, nb) split between t threads, each scanned by scan(j0, j1, shortlist)
+// into its own shortlist (finish() merges them).
+template <class Scan>
+std::vector<Shortlist> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
+  std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
+  const int64_t chunk = (nb + t - 1) / t;
+  run_workers(t, [&](int64_t w) {
+    scan(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk), sls[static_cast<size_t>(w)]);
+  });
+  return sls;
+}
+
+std::vector<Shortlist*> pointers(std::vector<Shortlist>& sls) {
+  std::vector<Shortlist*> parts;
+  for (auto& s : sls) parts.push_back(&s);
+  return parts;
+}
+
 // The k-th best lower bound over a query's shortlists: rows whose upper bound is below it
 // cannot be in the top k.
 float final_threshold(const std::vector<Shortlist*>& parts, int64_t k) {
@@ -727,12 +745,8 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
     }
   };
   const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nb / 64));
-  std::vector<std::thread> pool;
   const int64_t chunk = (nb + t - 1) / t;
-  for (int64_t w = 1; w < t; ++w)
-    pool.emplace_back(work, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk));
-  work(0, std::min(nb, chunk));
-  for (auto& th : pool) th.join();
+  run_workers(t, [&](int64_t w) { work(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk)); });
 }
 
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
@@ -777,28 +791,16 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
         }
       }
     };
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < tq; ++w) pool.emplace_back(work, w);
-    work(0);
-    for (auto& th : pool) th.join();
+    run_workers(tq, work);
     return;
   }
   // Few queries: split the blocks between threads, merge their shortlists.
   for (int64_t qi = 0; qi < nq; ++qi) {
     const Lut L = build_lut(qr + qi * d, d, b, centroids, rb, true);
-    std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
-    const int64_t chunk = (nb + t - 1) / t;
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < t; ++w)
-      pool.emplace_back([&, w] {
-        scan_blocks(L, blocked, rb, n, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk),
-                    mult, add, 0.f, sls[static_cast<size_t>(w)]);
-      });
-    scan_blocks(L, blocked, rb, n, 0, std::min(nb, chunk), mult, add, 0.f, sls[0]);
-    for (auto& th : pool) th.join();
-    std::vector<Shortlist*> parts;
-    for (auto& s : sls) parts.push_back(&s);
-    finish(L, blocked, rb, mult, add, parts, k, out_vals + qi * k, out_idx + qi * k);
+    std::vector<Shortlist> sls = split_blocks(nb, t, k, [&](int64_t j0, int64_t j1, Shortlist& sl) {
+      scan_blocks(L, blocked, rb, n, j0, j1, mult, add, 0.f, sl);
+    });
+    finish(L, blocked, rb, mult, add, pointers(sls), k, out_vals + qi * k, out_idx + qi * k);
   }
 }
 
@@ -881,15 +883,9 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
                out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
       }
     };
-    auto run = [&](auto&& f) {
-      std::vector<std::thread> pool;
-      for (int64_t w = 1; w < t; ++w) pool.emplace_back(f, w);
-      f(0);
-      for (auto& th : pool) th.join();
-    };
-    run([&](int64_t) { build(); });
-    run(scan);
-    run(finish_all);
+    run_workers(t, [&](int64_t) { build(); });
+    run_workers(t, scan);
+    run_workers(t, finish_all);
   }
 }
 
@@ -917,27 +913,15 @@ void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, c
         finish_terms(ts, add, {&sl}, k, out_vals + qi * k, out_idx + qi * k);
       }
     };
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < tq; ++w) pool.emplace_back(work, w);
-    work(0);
-    for (auto& th : pool) th.join();
+    run_workers(tq, work);
     return;
   }
   for (int64_t qi = 0; qi < nq; ++qi) {  // few queries: threads over blocks, shortlists merged
     const auto ts = make(qi);
-    std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
-    const int64_t chunk = (nb + t - 1) / t;
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < t; ++w)
-      pool.emplace_back([&, w] {
-        scan_terms(ts, n, std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk), add,
-                   sls[static_cast<size_t>(w)]);
-      });
-    scan_terms(ts, n, 0, std::min(nb, chunk), add, sls[0]);
-    for (auto& th : pool) th.join();
-    std::vector<Shortlist*> parts;
-    for (auto& s : sls) parts.push_back(&s);
-    finish_terms(ts, add, parts, k, out_vals + qi * k, out_idx + qi * k);
+    std::vector<Shortlist> sls = split_blocks(nb, t, k, [&](int64_t j0, int64_t j1, Shortlist& sl) {
+      scan_terms(ts, n, j0, j1, add, sl);
+    });
+    finish_terms(ts, add, pointers(sls), k, out_vals + qi * k, out_idx + qi * k);
   }
 }
 

@@ -25,6 +25,20 @@ int64_t rb(int64_t d, int b) { return (d * b + 7) / 8; }
 
 void check_bits(int b) { require(b >= 1 && b <= 8, "bits must be in 1..8"); }
 
+// A scan's 2^b centroids and its (nq, k) top-k outputs.
+void check_centroids(const CArr<const float>& c, int b, const char* op) {
+  require(c.ndim() == 1 && c.shape(0) == static_cast<size_t>(1 << b),
+          std::string(op) + ": centroids");
+}
+
+void check_topk_out(const CArr<float>& vals, const CArr<int64_t>& idx, int64_t nq, int64_t k,
+                    const char* op) {
+  require(k >= 1 && vals.shape(0) == static_cast<size_t>(nq) &&
+              vals.shape(1) == static_cast<size_t>(k) && idx.shape(0) == static_cast<size_t>(nq) &&
+              idx.shape(1) == static_cast<size_t>(k),
+          std::string(op) + ": outputs");
+}
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -75,14 +89,10 @@ NB_MODULE(_C, m) {
             "lut_scan: bad ranks");
     const int64_t nq = qr.shape(0), d = qr.shape(1), n = packed.shape(0);
     require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "lut_scan: packed row size");
-    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
-            "lut_scan: centroids");
+    check_centroids(centroids, b, "lut_scan");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
                 add.shape(0) == static_cast<size_t>(n), "lut_scan: mult/add length");
-    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
-                out_vals.shape(1) == static_cast<size_t>(k) &&
-                out_idx.shape(0) == static_cast<size_t>(nq) &&
-                out_idx.shape(1) == static_cast<size_t>(k), "lut_scan: outputs");
+    check_topk_out(out_vals, out_idx, nq, k, "lut_scan");
     nb::gil_scoped_release rel;
     tqvec::lut_scan(qr.data(), nq, d, packed.data(), n, b, centroids.data(), mult.data(),
                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
@@ -114,14 +124,10 @@ NB_MODULE(_C, m) {
                 blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
                 blocked.shape(2) == 32,
             "fast_scan: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
-    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
-            "fast_scan: centroids");
+    check_centroids(centroids, b, "fast_scan");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
                 add.shape(0) == static_cast<size_t>(n), "fast_scan: mult/add length");
-    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
-                out_vals.shape(1) == static_cast<size_t>(k) &&
-                out_idx.shape(0) == static_cast<size_t>(nq) &&
-                out_idx.shape(1) == static_cast<size_t>(k), "fast_scan: outputs");
+    check_topk_out(out_vals, out_idx, nq, k, "fast_scan");
     nb::gil_scoped_release rel;
     tqvec::fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
                      add.data(), k, out_vals.data(), out_idx.data(), nthreads);
@@ -153,17 +159,13 @@ NB_MODULE(_C, m) {
                   blocked[t].shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
                   blocked[t].shape(2) == 32,
               "fast_scan_terms: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
-      require(centroids[t].ndim() == 1 && centroids[t].shape(0) == static_cast<size_t>(1 << b),
-              "fast_scan_terms: centroids");
+      check_centroids(centroids[t], b, "fast_scan_terms");
       require(mults[t].ndim() == 1 && mults[t].shape(0) == static_cast<size_t>(n),
               "fast_scan_terms: mult length");
       terms.push_back({qrs[t].data(), d, blocked[t].data(), b, centroids[t].data(),
                        mults[t].data()});
     }
-    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
-                out_vals.shape(1) == static_cast<size_t>(k) &&
-                out_idx.shape(0) == static_cast<size_t>(nq) &&
-                out_idx.shape(1) == static_cast<size_t>(k), "fast_scan_terms: outputs");
+    check_topk_out(out_vals, out_idx, nq, k, "fast_scan_terms");
     nb::gil_scoped_release rel;
     tqvec::fast_scan_terms(terms.data(), static_cast<int>(T), nq, n, add.data(), k,
                            out_vals.data(), out_idx.data(), nthreads);
@@ -184,8 +186,7 @@ NB_MODULE(_C, m) {
     require(blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
                 blocked.shape(2) == 32,
             "ivf_fast_scan: blocked must be (nb, fs_row_bytes(d, b), 32)");
-    require(centroids.ndim() == 1 && centroids.shape(0) == static_cast<size_t>(1 << b),
-            "ivf_fast_scan: centroids");
+    check_centroids(centroids, b, "ivf_fast_scan");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
                 add.shape(0) == static_cast<size_t>(n), "ivf_fast_scan: mult/add length");
     require(nlist >= 0 && (nlist == 0 || list_blocks.data()[0] == 0), "ivf_fast_scan: lists");
@@ -194,10 +195,7 @@ NB_MODULE(_C, m) {
                   list_blocks.data()[l + 1] <= nb, "ivf_fast_scan: list_blocks not monotone");
     require(probes.shape(0) == static_cast<size_t>(nq) && offsets.shape(0) == probes.shape(0) &&
                 offsets.shape(1) == probes.shape(1), "ivf_fast_scan: probes/offsets shape");
-    require(k >= 1 && out_vals.shape(0) == static_cast<size_t>(nq) &&
-                out_vals.shape(1) == static_cast<size_t>(k) &&
-                out_idx.shape(0) == static_cast<size_t>(nq) &&
-                out_idx.shape(1) == static_cast<size_t>(k), "ivf_fast_scan: outputs");
+    check_topk_out(out_vals, out_idx, nq, k, "ivf_fast_scan");
     nb::gil_scoped_release rel;
     tqvec::ivf_fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
                          add.data(), list_blocks.data(), nlist, probes.data(), offsets.data(),

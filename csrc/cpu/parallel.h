@@ -10,6 +10,16 @@ namespace tqvec {
 // Rows below this count per thread are not worth a thread start (~20 us).
 constexpr int64_t kMinRowsPerThread = 512;
 
+// Runs fn(w) for the workers w = 0 .. t-1, w = 0 on the calling thread.
+template <class F>
+void run_workers(int64_t t, F&& fn) {
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(std::max<int64_t>(0, t - 1)));
+  for (int64_t w = 1; w < t; ++w) pool.emplace_back([&fn, w] { fn(w); });
+  fn(int64_t{0});
+  for (auto& th : pool) th.join();
+}
+
 template <class F>
 void parallel_rows(int64_t n, int nthreads, F&& fn) {
   int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / kMinRowsPerThread));

@@ -9,10 +9,10 @@
 // same load. Eight independent partial sums per row vectorize without reassociation flags.
 #include <algorithm>
 #include <cstdint>
-#include <thread>
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace tqvec {
 namespace {
@@ -60,11 +60,7 @@ void rescore_rows(const float* q, int64_t nq, int64_t d, const float* x, const i
   const int64_t t = std::max<int64_t>(
       1, std::min<int64_t>({static_cast<int64_t>(nthreads), nq, nq * kk * d / 65536}));
   const int64_t chunk = (nq + t - 1) / t;
-  std::vector<std::thread> pool;
-  for (int64_t w = 1; w < t; ++w)
-    pool.emplace_back(work, std::min(nq, w * chunk), std::min(nq, (w + 1) * chunk));
-  work(0, std::min(nq, chunk));
-  for (auto& th : pool) th.join();
+  run_workers(t, [&](int64_t w) { work(std::min(nq, w * chunk), std::min(nq, (w + 1) * chunk)); });
 }
 
 }  // namespace tqvec

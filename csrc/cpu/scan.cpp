@@ -14,7 +14,6 @@
 #include <cmath>
 #include <functional>
 #include <limits>
-#include <thread>
 #include <utility>
 #include <vector>
 
@@ -125,10 +124,7 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
         write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);
       }
     };
-    std::vector<std::thread> pool;
-    for (int64_t w = 1; w < t; ++w) pool.emplace_back(work, w);
-    work(0);
-    for (auto& th : pool) th.join();
+    run_workers(t, work);
     return;
   }
   // Few queries: split the database between threads, merge their top-k.
@@ -136,15 +132,11 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
     Table tab = build_table(qr + qi * d, d, b, centroids);
     const int t = std::max(1, nthreads);
     std::vector<TopK> tops(static_cast<size_t>(t), TopK(k));
-    std::vector<std::thread> pool;
     const int64_t chunk = (n + t - 1) / t;
-    for (int w = 1; w < t; ++w)
-      pool.emplace_back([&, w] {
-        scan_range(tab, packed, std::min(n, w * chunk), std::min(n, (w + 1) * chunk), d, b,
-                   mult, add, tops[static_cast<size_t>(w)]);
-      });
-    scan_range(tab, packed, 0, std::min(n, chunk), d, b, mult, add, tops[0]);
-    for (auto& th : pool) th.join();
+    run_workers(t, [&](int64_t w) {
+      scan_range(tab, packed, std::min(n, w * chunk), std::min(n, (w + 1) * chunk), d, b, mult,
+                 add, tops[static_cast<size_t>(w)]);
+    });
     std::vector<Hit> all;
     for (auto& tp : tops) all.insert(all.end(), tp.heap.begin(), tp.heap.end());
     write_topk(all, k, out_vals + qi * k, out_idx + qi * k);

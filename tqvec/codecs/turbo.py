@@ -261,32 +261,10 @@ class TurboQuant(Codec):
                           (nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)).float()))
         return terms
 
-    def scan_topk(self, q: torch.Tensor, codes: Codes, weight: torch.Tensor | None,
-                  add: torch.Tensor, k: int, blocked: torch.Tensor | None = None, *,
-                  mult: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k rows by weight_i * <q, x_hat_i> + add_i straight from the packed codes (LUT
-        scan, no decoding); mse variant only. q: (nq, d) float32; weight, add: (n,) float32.
-        ``blocked``: the codes' payload in the fast-scan layout (``ops.block_codes``), for
-        bits 1-4 — the SIMD kernel then scans it instead of the rows. ``mult``: the
-        precomputed ``weight * scan_multiplier(codes)`` (an index caches it; pass weight=None)."""
-        if self.variant != "mse":
-            raise ValueError("scan_topk needs variant='mse'")
-        qr = self._rot.apply(q)
-        if mult is None:
-            if weight is None:
-                raise ValueError("weight must be an (n,) tensor when mult is not given, got None")
-            mult = (weight * self.scan_multiplier(codes)).to(torch.float32)
-        cent = self._arr.get("centroids", q.device)
-        if blocked is not None:
-            return ops.fast_scan(qr, blocked, len(codes), cent, mult, add.to(torch.float32),
-                                 self.bits, k, self.backend)
-        return ops.lut_scan(qr, codes.payload, cent, mult, add.to(torch.float32),
-                            self.bits, k, self.backend)
-
     def ivf_scan_topk(self, q: torch.Tensor, blocked: torch.Tensor, mult: torch.Tensor,
                       add: torch.Tensor, list_blocks: torch.Tensor, probes: torch.Tensor,
                       offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``scan_topk`` over inverted lists in the fast-scan layout (bits 1-4): query i
+        """Top-k over inverted lists of mse codes in the fast-scan layout (bits 1-4): query i
         scores the rows of the lists ``probes[i]`` as mult_j <Pi q_i, c[idx_j]> + add_j +
         offsets[i, r] (see ``ops.ivf_fast_scan``); positions index the blocked rows."""
         if self.variant != "mse":

@@ -208,6 +208,7 @@ class FlatIndex:
                 weight = torch.ones(n, device=dev)
             terms = self.codec.lut_terms(self._codes)
             state: dict[str, Any] = {
+                "packed": [t[0] for t in terms],
                 "mults": [(weight * t[4]).to(torch.float32).contiguous() for t in terms],
                 "cents": [t[3].to(torch.float32).contiguous() for t in terms],
                 "bits": [t[2] for t in terms], "add": add.to(torch.float32).contiguous(),
@@ -418,11 +419,11 @@ class FlatIndex:
         if fast and n < _FAST_SCAN_ROWS_PER_RESULT * kk:
             fast = False  # too few rows per result for the shortlist to pay
         if fast:
-            return self._lut_search(q, snap["codes"], scan, mask, kk, blocked=True)
+            return self._lut_search(q, scan, mask, kk, blocked=True)
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
         if scan is not None and self._lut_ok() and (nq_total <= _LUT_MAX_QUERIES
                                                     or self.device.type == "cuda"):
-            return self._lut_search(q, snap["codes"], scan, mask, kk, blocked=False)
+            return self._lut_search(q, scan, mask, kk, blocked=False)
         return self._gemm_search(q, snap["codes"], snap["sqn"], mask, kk)
 
     def _gemm_search(self, q: torch.Tensor, codes: Codes, sqn: torch.Tensor,
@@ -444,20 +445,21 @@ class FlatIndex:
             best_s, best_p = top.values, torch.gather(p, 1, top.indices)
         return best_s, best_p
 
-    def _lut_search(self, q: torch.Tensor, codes: Codes, scan: dict[str, Any],
-                    mask: torch.Tensor | None, kk: int, *, blocked: bool
+    def _lut_search(self, q: torch.Tensor, scan: dict[str, Any], mask: torch.Tensor | None,
+                    kk: int, *, blocked: bool
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same similarities as ``_scores`` from lookup tables (fused top-k): the fast-scan
         kernel over the blocked terms, or ``ops.lut_scan`` over the packed mse codes."""
         add = scan["add"]
         if mask is not None:
             add = add.masked_fill(~mask, -float("inf"))
+        qts, backend = self.codec.query_terms(q), self.codec.backend
         if blocked:
-            vals, pos = ops.fast_scan_terms(self.codec.query_terms(q), scan["blocked"], len(codes),
-                                            scan["cents"], scan["mults"], add, scan["bits"], kk,
-                                            self.codec.backend)
-        else:
-            vals, pos = self.codec.scan_topk(q, codes, None, add, kk, mult=scan["mults"][0])
+            vals, pos = ops.fast_scan_terms(qts, scan["blocked"], len(add), scan["cents"],
+                                            scan["mults"], add, scan["bits"], kk, backend)
+        else:  # one mse term (_lut_ok)
+            vals, pos = ops.lut_scan(qts[0], scan["packed"][0], scan["cents"][0],
+                                     scan["mults"][0], add, scan["bits"][0], kk, backend)
         if self.metric_type == METRIC_L2:
             vals = vals - (q * q).sum(1, keepdim=True)
         return vals, pos

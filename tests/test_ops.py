@@ -68,6 +68,18 @@ def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
     torch.testing.assert_close(m @ m.T, torch.eye(d, dtype=torch.float64), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("n", [1, 7, 9])
+def test_hadamard_partial_groups_are_bit_exact(backend, n, rng):
+    # The CPU kernel rotates 8 rows interleaved and a partial group (one query) row by row.
+    rot = make_rotation("hadamard", 384, 3)
+    x = torch.from_numpy(rng.standard_normal((n, 384)).astype(np.float32))
+    perms, signs = on(backend, rot.perms, rot.signs)
+    for inverse in (False, True):
+        ref = ops.hadamard_rotate(x, rot.perms, rot.signs, rot.p, inverse, backend="ref")
+        got = ops.hadamard_rotate(on(backend, x), perms, signs, rot.p, inverse, backend=backend)
+        assert torch.equal(got.cpu(), ref)
+
+
 def test_ops_accept_empty_and_strided_inputs(backend, rng):
     y = torch.from_numpy(rng.standard_normal((10, 40)).astype(np.float32))[:, ::2]  # strided
     scale = torch.ones(10)

@@ -61,6 +61,45 @@ void sign_unpermute_lanes(const float* __restrict z, const int64_t* __restrict p
   }
 }
 
+// One row (a query): the same butterflies over contiguous floats, vectorized along j for
+// h >= 8; the per-element operations and their order are those of fwht_lanes.
+__attribute__((target_clones("avx2", "default")))
+void fwht_row(float* __restrict w, int64_t p, float inv_sqrt_p) {
+  for (int64_t h = 1; h < p; h <<= 1) {
+    for (int64_t i = 0; i < p; i += 2 * h) {
+      float* __restrict a = w + i;
+      float* __restrict b = w + i + h;
+      for (int64_t j = 0; j < h; ++j) {
+        const float u = a[j], v = b[j];
+        a[j] = u + v;
+        b[j] = u - v;
+      }
+    }
+  }
+  for (int64_t k = 0; k < p; ++k) w[k] *= inv_sqrt_p;
+}
+
+void rotate_row(const float* x, int64_t d, const int64_t* perms, const float* signs, int rounds,
+                int64_t p, bool inverse, float inv_sqrt_p, float* z, float* w, float* out) {
+  std::memcpy(z, x, sizeof(float) * static_cast<size_t>(d));
+  for (int rr = 0; rr < rounds; ++rr) {
+    const int r = inverse ? rounds - 1 - rr : rr;
+    const int64_t* perm = perms + static_cast<int64_t>(r) * d;
+    const float* sg = signs + static_cast<int64_t>(r) * d;
+    if (!inverse) {
+      for (int64_t j = 0; j < d; ++j) w[j] = z[perm[j]] * sg[j];
+      fwht_row(w, p, inv_sqrt_p);
+      if (p < d) fwht_row(w + (d - p), p, inv_sqrt_p);
+    } else {
+      if (p < d) fwht_row(z + (d - p), p, inv_sqrt_p);
+      fwht_row(z, p, inv_sqrt_p);
+      for (int64_t j = 0; j < d; ++j) w[perm[j]] = z[j] * sg[j];
+    }
+    std::swap(z, w);
+  }
+  std::memcpy(out, z, sizeof(float) * static_cast<size_t>(d));
+}
+
 }  // namespace
 
 void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
@@ -77,7 +116,12 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
     for (int64_t g = glo; g < ghi; ++g) {
       const int64_t r0 = g * kLanes;
       const int rows = static_cast<int>(std::min<int64_t>(kLanes, n - r0));
-      if (rows < kLanes) std::memset(z, 0, sizeof(float) * static_cast<size_t>(d * kLanes));
+      if (rows < kLanes) {  // a partial group (one query, the tail): row by row, no idle lanes
+        for (int l = 0; l < rows; ++l)
+          rotate_row(x + (r0 + l) * d, d, perms, signs, rounds, p, inverse, inv_sqrt_p, z, w,
+                     out + (r0 + l) * d);
+        continue;
+      }
       for (int l = 0; l < rows; ++l) {
         const float* xi = x + (r0 + l) * d;
         for (int64_t j = 0; j < d; ++j) z[j * kLanes + l] = xi[j];

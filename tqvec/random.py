@@ -166,22 +166,20 @@ class HadamardRotation(Rotation):
                                       .astype(np.int64))
         self.signs = torch.from_numpy(
             (rng.integers(0, 2, size=(rounds, d)) * 2 - 1).astype(np.float32))
-        self._on: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._on: dict[torch.device, ops.HadamardRotate] = {}
 
-    def _params(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device.type == "cpu":
-            return self.perms, self.signs
-        if device not in self._on:
-            self._on[device] = (self.perms.to(device), self.signs.to(device))
-        return self._on[device]
+    def _op(self, device: torch.device) -> ops.HadamardRotate:
+        op = self._on.get(device)
+        if op is None:
+            op = self._on[device] = ops.HadamardRotate(self.perms.to(device),
+                                                       self.signs.to(device), self.p)
+        return op
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        perms, signs = self._params(x.device)
-        return ops.hadamard_rotate(x, perms, signs, self.p, inverse=False)
+        return self._op(x.device)(x)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        perms, signs = self._params(y.device)
-        return ops.hadamard_rotate(y, perms, signs, self.p, inverse=True)
+        return self._op(y.device)(y, inverse=True)
 
     def fingerprint(self) -> str:
         return _sha(self.perms.numpy(), self.signs.numpy(), np.array([self.p], np.int64))

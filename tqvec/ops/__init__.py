@@ -22,9 +22,9 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "lut_scan", "block_codes", "fast_scan", "fast_scan_terms",
-           "ivf_fast_scan", "rescore_rows", "decode_attention", "row_bytes",
-           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
+           "hadamard_rotate", "HadamardRotate", "lut_scan", "block_codes", "fast_scan",
+           "fast_scan_terms", "FastScan", "ivf_fast_scan", "rescore_rows", "decode_attention",
+           "row_bytes", "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -123,6 +123,24 @@ def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p
     return f(x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
 
 
+class HadamardRotate:
+    """``hadamard_rotate`` with fixed permutations and signs, prepared once: on the compiled
+    CPU kernel their numpy views are made here, so rotating one query is one kernel call (the
+    per-call conversions and dispatch cost 3x the rotation of a 384-vector)."""
+
+    def __init__(self, perms: torch.Tensor, signs: torch.Tensor, p: int, backend: str = "auto"):
+        self.perms, self.signs = perms.contiguous(), signs.contiguous()
+        self.p, self.backend = int(p), backend
+        self._np = None
+        if _pick("hadamard_rotate", self.perms.device, backend) is _cpu.hadamard_rotate_cpu:
+            self._np = (self.perms.numpy(), self.signs.numpy())
+
+    def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        if self._np is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return _cpu.hadamard_rotate_np(x.contiguous(), *self._np, self.p, inverse)
+        return hadamard_rotate(x, self.perms, self.signs, self.p, inverse, self.backend)
+
+
 def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
              add: torch.Tensor, b: int, k: int, backend: str = "auto"
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,15 +172,7 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
         mult.contiguous(), add.contiguous(), b, k)
 
 
-def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
-                    centroids: list[torch.Tensor], mults: list[torch.Tensor], add: torch.Tensor,
-                    bits: list[int], k: int, backend: str = "auto"
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fast_scan`` with several codes per row (1 to 4 terms): score_i = add_i +
-    sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]>; a row's error bound is the sum of its
-    terms' bounds, the shortlist is re-scored exactly. One term is ``fast_scan`` (which also
-    batches queries four at a time). See ``ref.fast_scan_terms_ref``."""
-    nt = len(qrs)
+def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: list[int]) -> None:
     if not 1 <= nt <= 4 or not (len(blocked) == len(centroids) == len(mults) == len(bits) == nt):
         raise ValueError(f"fast_scan_terms needs 1 to 4 terms with blocked, centroids, mults "
                          f"and bits each; got {nt}, {len(blocked)}, {len(centroids)}, "
@@ -170,12 +180,65 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
     for b in bits:
         if b not in FAST_SCAN_BITS:
             raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")
-    if nt == 1:
-        return fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k, backend)
-    c = [t.contiguous() for t in qrs]
-    return _pick("fast_scan_terms", qrs[0].device, backend)(
-        c, [t.contiguous() for t in blocked], int(n), [t.contiguous() for t in centroids],
-        [t.contiguous() for t in mults], add.contiguous(), [int(b) for b in bits], k)
+
+
+class FastScan:
+    """``fast_scan_terms`` over fixed codes, prepared once: the checks, the kernel choice and
+    the arrays the CPU kernel reads are settled here, so that a search pays only for its
+    queries (a one-query search on the compiled kernel is one call). The index keeps one per
+    state of its rows; the arrays must not change while it is in use.
+
+    ``search(qrs, k, add=None) -> (vals, pos)`` as ``fast_scan_terms``; ``add`` replaces the
+    prepared offsets for one search (e.g. -inf outside an allowed set)."""
+
+    def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
+                 mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
+                 backend: str = "auto"):
+        _check_terms(len(blocked), blocked, centroids, mults, bits)
+        self.n, self.bits, self.backend = int(n), [int(b) for b in bits], backend
+        self.blocked = [t.contiguous() for t in blocked]
+        self.centroids = [t.contiguous() for t in centroids]
+        self.mults = [t.contiguous() for t in mults]
+        self.add = add.contiguous()
+        name = "fast_scan" if len(blocked) == 1 else "fast_scan_terms"
+        impl = _pick(name, self.add.device, backend)
+        # the compiled CPU kernel, called on numpy views made once (~1 us each per call)
+        self._np = None
+        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu):
+            self._np = ([t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
+                        [t.numpy() for t in self.mults], self.add.numpy())
+
+    def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(qrs) != len(self.bits):
+            raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
+        if self._np is not None and qrs[0].device.type == "cpu":
+            blocked, cents, mults, add_np = self._np
+            vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
+                                          self.n, cents, mults,
+                                          add_np if add is None else add.contiguous().numpy(),
+                                          self.bits, int(k))
+            return torch.from_numpy(vals), torch.from_numpy(pos)
+        add = self.add if add is None else add
+        if len(qrs) == 1:
+            return fast_scan(qrs[0], self.blocked[0], self.n, self.centroids[0], self.mults[0],
+                             add, self.bits[0], k, self.backend)
+        return _pick("fast_scan_terms", qrs[0].device, self.backend)(
+            [t.contiguous() for t in qrs], self.blocked, self.n, self.centroids, self.mults,
+            add.contiguous(), self.bits, k)
+
+
+def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
+                    centroids: list[torch.Tensor], mults: list[torch.Tensor], add: torch.Tensor,
+                    bits: list[int], k: int, backend: str = "auto"
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast_scan`` with several codes per row (1 to 4 terms): score_i = add_i +
+    sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]>; a row's error bound is the sum of its
+    terms' bounds, the shortlist is re-scored exactly. One term is ``fast_scan`` (which also
+    batches queries four at a time). See ``ref.fast_scan_terms_ref``; ``FastScan`` prepares
+    the codes once for many searches."""
+    _check_terms(len(qrs), blocked, centroids, mults, bits)
+    return FastScan(blocked, n, centroids, mults, add, bits, backend).search(qrs, k)
 
 
 def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,

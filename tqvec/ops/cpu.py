@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .ref import fast_scan_row_bytes, row_bytes
@@ -15,8 +16,9 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
-           "hadamard_rotate_cpu", "lut_scan_cpu", "block_codes_cpu", "fast_scan_cpu",
-           "fast_scan_terms_cpu", "ivf_fast_scan_cpu", "rescore_rows_cpu"]
+           "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "block_codes_cpu",
+           "fast_scan_cpu",
+           "fast_scan_terms_cpu", "fast_scan_np", "ivf_fast_scan_cpu", "rescore_rows_cpu"]
 
 
 def available() -> bool:
@@ -57,13 +59,18 @@ def quantize_pack_cpu(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Te
     return out
 
 
+def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p: int,
+                       inverse: bool = False) -> torch.Tensor:
+    """The kernel with the rotation's parameters already in numpy (``ops.HadamardRotate``)."""
+    out = np.empty(tuple(x.shape), dtype=np.float32)
+    if x.shape[0]:
+        _C.hadamard_rotate(x.numpy(), perms, signs, p, inverse, out, _threads())
+    return torch.from_numpy(out)
+
+
 def hadamard_rotate_cpu(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
                         inverse: bool = False) -> torch.Tensor:
-    out = torch.empty_like(x)
-    if x.shape[0]:
-        x_, perms_, signs_, out_ = _np(x, perms, signs, out)
-        _C.hadamard_rotate(x_, perms_, signs_, p, inverse, out_, _threads())
-    return out
+    return hadamard_rotate_np(x, perms.numpy(), signs.numpy(), p, inverse)
 
 
 def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
@@ -87,31 +94,43 @@ def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     return out
 
 
+def _topk_out(nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Empty top-k outputs (-inf, -1), made in numpy: half the cost of torch.full + .numpy()."""
+    return np.full((nq, k), -np.inf, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64)
+
+
+def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
+                 centroids: list[np.ndarray], mults: list[np.ndarray], add: np.ndarray,
+                 bits: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The fast-scan kernels on numpy arrays (``ops.FastScan`` calls this per search): one term
+    is ``fast_scan`` (four queries per pass), several ``fast_scan_terms``."""
+    nq = qrs[0].shape[0]
+    vals, pos = _topk_out(nq, k)
+    if nq and n:
+        if len(qrs) == 1:
+            _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k, vals,
+                         pos, _threads())
+        else:
+            _C.fast_scan_terms(qrs, blocked, centroids, mults, bits, n, add, k, vals, pos,
+                               _threads())
+    return vals, pos
+
+
 def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
                   mult: torch.Tensor, add: torch.Tensor, b: int, k: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    nq = qr.shape[0]
-    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
-    pos = torch.full((nq, k), -1, dtype=torch.int64)
-    if nq and n:
-        qr_, bl_, c_, mult_, add_, vals_, pos_ = _np(qr, blocked, centroids, mult, add, vals, pos)
-        _C.fast_scan(qr_, bl_, n, c_, mult_, add_, b, k, vals_, pos_, _threads())
-    return vals, pos
+    vals, pos = fast_scan_np(list(_np(qr)), list(_np(blocked)), n, list(_np(centroids)),
+                             list(_np(mult)), add.numpy(), [int(b)], k)
+    return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
 def fast_scan_terms_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,
                         centroids: list[torch.Tensor], mults: list[torch.Tensor],
                         add: torch.Tensor, bits: list[int], k: int
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    nq = qrs[0].shape[0]
-    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
-    pos = torch.full((nq, k), -1, dtype=torch.int64)
-    if nq and n:
-        add_, vals_, pos_ = _np(add, vals, pos)
-        _C.fast_scan_terms(list(_np(*qrs)), list(_np(*blocked)), list(_np(*centroids)),
-                           list(_np(*mults)), [int(b) for b in bits], n, add_, k, vals_, pos_,
-                           _threads())
-    return vals, pos
+    vals, pos = fast_scan_np(list(_np(*qrs)), list(_np(*blocked)), n, list(_np(*centroids)),
+                             list(_np(*mults)), add.numpy(), [int(b) for b in bits], k)
+    return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
 def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
@@ -119,12 +138,11 @@ def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
                       probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     nq = qr.shape[0]
-    vals = torch.full((nq, k), -float("inf"), dtype=torch.float32)
-    pos = torch.full((nq, k), -1, dtype=torch.int64)
+    vals, pos = _topk_out(nq, k)
     if nq and blocked.shape[0]:
-        arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, vals, pos)
-        _C.ivf_fast_scan(*arrays[:8], b, k, *arrays[8:], _threads())
-    return vals, pos
+        arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets)
+        _C.ivf_fast_scan(*arrays, b, k, vals, pos, _threads())
+    return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
 def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor

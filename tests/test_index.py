@@ -244,6 +244,32 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
         assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()
 
 
+@pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQprod2", "QJL64"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_numpy_fast_path_equals_general_path(spec, metric, rng):
+    """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy), torch
+    queries the general one: bit-identical results; bad input still gets the general errors."""
+    xb, xq = _data(rng, n=3000, d=48, nq=7)
+    index = tqvec.index_factory(48, spec, metric)
+    index.add_with_ids(xb, np.arange(3000) * 3 + 1)
+    for q in (xq[:1], xq):
+        assert index._search_fast_numpy(q, 10) is not None
+        D1, I1 = index.search(q, 10)
+        D2, I2 = index.search(torch.from_numpy(q), 10)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+    small = tqvec.index_factory(48, spec, metric)
+    small.add(xb[:40])
+    D1, I1 = small.search(xq, 50)  # 40 rows < k: padded (general path: too few rows per result)
+    assert (I1[:, 40:] == -1).all() and (I1[:, :40] >= 0).all()
+    bad = xq.copy()
+    bad[2, 5] = np.nan
+    with pytest.raises(ValueError, match="must be finite"):
+        index.search(bad, 10)
+    with pytest.raises(ValueError, match="48 columns"):
+        index.search(xq[:, :40], 10)
+
+
 @pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ3", "TQ4", "TQprod3", "QJL40"])
 def test_fast_scan_layout_follows_adds_and_removes(spec):
     """The blocked copy is extended on add (partial last block included) and rebuilt after a

@@ -303,6 +303,25 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums_avx2(
     for (int q = 0; q < NQ; ++q)
       for (int j = 0; j < NB; ++j) all[q][j] = odd[q][j] = _mm256_setzero_si256();
     for (int64_t p = p0; p < p1; ++p) {
+      if constexpr (NQ == 1) {
+        // One query: its two tables first, then each block's code byte split, looked up and
+        // added in turn - 2 NB accumulators + 2 tables + a few temporaries stay in the 16
+        // registers (splitting all NB blocks first spilled accumulators to the stack).
+        const __m256i t0 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q8[0] + 2 * p * 16)));
+        const __m256i t1 = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(q8[0] + (2 * p + 1) * 16)));
+        for (int j = 0; j < NB; ++j) {
+          const __m256i c = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(blk + (j * rb + p) * kRows));
+          const __m256i r = _mm256_add_epi8(
+              _mm256_shuffle_epi8(t0, _mm256_and_si256(c, low4)),
+              _mm256_shuffle_epi8(t1, _mm256_and_si256(_mm256_srli_epi16(c, 4), low4)));
+          all[0][j] = _mm256_add_epi16(all[0][j], r);
+          odd[0][j] = _mm256_add_epi16(odd[0][j], _mm256_srli_epi16(r, 8));
+        }
+        continue;
+      }
       __m256i lo[NB], hi[NB];
       for (int j = 0; j < NB; ++j) {
         const __m256i c = _mm256_loadu_si256(
@@ -348,6 +367,45 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums3_avx2(
     for (int q = 0; q < NQ; ++q)
       for (int j = 0; j < NB; ++j) all[q][j] = odd[q][j] = _mm256_setzero_si256();
     for (int64_t g = g0; g < g1; ++g) {
+      if constexpr (NQ == 1) {
+        // One query: pair by pair, its four tables, then each block's codes (re-read from L1)
+        // looked up in turn; keeping all blocks' code vectors live spilled to the stack.
+        for (int h = 0; h < 2; ++h) {
+          __m256i r[NB];
+          for (int s = 0; s < 2; ++s) {
+            const int P = 2 * h + s;
+            const __m128i sh0 = _mm_cvtsi32_si128(7 - 2 * P), sh1 = _mm_cvtsi32_si128(6 - 2 * P);
+            const uint8_t* t = q8[0] + (4 * g + P) * 64;
+            const __m256i t0 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
+            const __m256i t1 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
+            const __m256i t2 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32)));
+            const __m256i t3 = _mm256_broadcastsi128_si256(
+                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 48)));
+            for (int j = 0; j < NB; ++j) {
+              const uint8_t* src = blk + (j * rb + 3 * g) * kRows;
+              const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * kRows));
+              const __m256i cl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * kRows));
+              const __m256i hv = s == 0 ? _mm256_and_si256(c, low4)
+                                        : _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
+              const __m256i m0 = _mm256_sll_epi16(cl, sh0), m1 = _mm256_sll_epi16(cl, sh1);
+              const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(t0, hv),
+                                                   _mm256_shuffle_epi8(t1, hv), m0);
+              const __m256i b = _mm256_blendv_epi8(_mm256_shuffle_epi8(t2, hv),
+                                                   _mm256_shuffle_epi8(t3, hv), m0);
+              const __m256i v = _mm256_blendv_epi8(a, b, m1);
+              r[j] = s == 0 ? v : _mm256_add_epi8(r[j], v);
+            }
+          }
+          for (int j = 0; j < NB; ++j) {
+            all[0][j] = _mm256_add_epi16(all[0][j], r[j]);
+            odd[0][j] = _mm256_add_epi16(odd[0][j], _mm256_srli_epi16(r[j], 8));
+          }
+        }
+        continue;
+      }
       __m256i cb[NB][2], cl[NB];
       for (int j = 0; j < NB; ++j) {
         const uint8_t* src = blk + (j * rb + 3 * g) * kRows;
@@ -449,10 +507,14 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
                                                       Shortlist& sl) {
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[1] = {L.q8.data()};
+  // b = 3 holds 2 blocks per pass in registers, b = 1, 2, 4 four
+  const int wide = L.b == 3 ? 2 : 4;
   for (int64_t j = j0; j < j1;) {
-    const int nb = j + 3 < j1 ? 4 : 1;
+    const int nb = j + wide <= j1 ? wide : 1;
     if (nb == 4)
-      block_sums<4, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
+      block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    else if (nb == 2)
+      block_sums3_avx2<2, 1>(blocked + j * rb * kRows, rb, q8, tot);
     else
       block_sums<1, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
     for (int u = 0; u < nb; ++u, ++j)

@@ -270,6 +270,52 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
         index.search(xq[:, :40], 10)
 
 
+@pytest.mark.parametrize("spec", ["TQ2", "TQ3", "TQ4", "TQ6", "TQ8"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_sign_prefilter(spec, metric, rng, tmp_path):
+    """prefilter = P: the sign plane picks P * k candidates, their full codes rank them. With
+    P * k >= n every row is re-scored: the exact search's results. Small P keeps most of the
+    exact top k on clustered data; the sign plane follows adds and removes; it persists."""
+    centres = rng.standard_normal((30, 48)).astype(np.float32) * 3
+    xb = centres[rng.integers(0, 30, 3000)] + rng.standard_normal((3000, 48)).astype(np.float32)
+    xq = xb[rng.choice(3000, 20, replace=False)] + 0.3 * rng.standard_normal((20, 48)).astype(
+        np.float32)
+    index = tqvec.index_factory(48, spec, metric)
+    index.add(xb[:1000])
+    index.search(xq, 10)
+    index.add(xb[1000:])  # the exact scan state exists; the prefilter builds its own
+    D0, I0 = index.search(xq, 10)
+    index.prefilter = 300  # 3,000 candidates: all rows
+    D1, I1 = index.search(xq, 10)
+    assert index._scan["signs"] is not None and index._scan["blocked"] is None
+    np.testing.assert_array_equal(I1, I0)
+    np.testing.assert_allclose(D1, D0, rtol=1e-4, atol=1e-3)  # another summation order
+    D2, I2 = index.search(torch.from_numpy(xq), 10)  # general path == numpy path
+    np.testing.assert_array_equal(I2, I1)
+    index.prefilter = 10
+    _, I3 = index.search(xq, 10)
+    assert np.mean([len(set(I3[i]) & set(I0[i])) / 10 for i in range(20)]) > 0.8
+    index.remove_ids(np.arange(0, 3000, 2))
+    index.prefilter = 300
+    _, I4 = index.search(xq, 10)
+    assert (I4 % 2 == 1).all()
+    index.prefilter = 0
+    np.testing.assert_array_equal(I4, index.search(xq, 10)[1])
+    index.prefilter = 10
+    tqvec.write_index(index, str(tmp_path / "p.tqv"))
+    assert tqvec.read_index(str(tmp_path / "p.tqv")).prefilter == 10
+
+
+def test_prefilter_rejected_where_it_cannot_apply():
+    for spec in ("TQ1", "TQprod3", "QJL64", "Polar"):
+        with pytest.raises(ValueError, match="prefilter must be 0"):
+            tqvec.index_factory(64, spec).prefilter = 4
+    with pytest.raises(ValueError, match="prefilter must be >= 0"):
+        tqvec.index_factory(64, "TQ4").prefilter = -1
+    with pytest.raises(ValueError, match="prefilter must be 0 for an IVF index"):
+        tqvec.index_factory(64, "IVF8,TQ4").prefilter = 4
+
+
 @pytest.mark.parametrize("spec", ["TQ1", "TQ2", "TQ3", "TQ4", "TQprod3", "QJL40"])
 def test_fast_scan_layout_follows_adds_and_removes(spec):
     """The blocked copy is extended on add (partial last block included) and rebuilt after a

@@ -196,6 +196,49 @@ def test_fast_scan_terms_matches_reference(backend, terms, n, nq, k, rng):
     assert same.float().mean() > 0.95  # positions differ only at ties within rounding
 
 
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 8])
+def test_lut_rescore_matches_reference(backend, b, rng):
+    """Only the listed rows (-1 = none, -inf offsets excluded) are scored: the top k of them."""
+    if backend == "cuda":
+        pytest.skip("lut_rescore is a CPU kernel (the reference runs on GPUs)")
+    n, d, nq, r = 700, 37, 6, 50
+    qr, packed, c, mult, add = scan_case(rng, nq, n, d, b, excluded_every=9)
+    rows = torch.from_numpy(np.stack([rng.choice(n, r, replace=False) for _ in range(nq)]))
+    rows[:, -5:] = -1
+    v0, p0 = ops.ref.lut_rescore_ref(qr, packed, c, mult, add, rows, b, 10)
+    v1, p1 = ops.lut_rescore(qr, packed, c, mult, add, rows, b, 10, backend=backend)
+    torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5)
+    assert (p1 == p0).float().mean() > 0.95
+    assert all(set(p1[i][p1[i] >= 0].tolist()) <= set(rows[i].tolist()) for i in range(nq))
+    assert not torch.isin(p1[p1 >= 0], torch.arange(0, n, 9)).any()
+
+
+@pytest.mark.parametrize("b", [2, 3, 4, 8])
+def test_fast_scan_two_stage(backend, b, rng):
+    """With k1 >= n every row reaches the second stage: exactly lut_scan's top k. With a small
+    k1 the results are exact full-code scores of rows the sign pass ranked high."""
+    if backend == "cuda":
+        pytest.skip("fast_scan_two_stage is a CPU kernel")
+    n, d, nq, k = 3000, 64, 5, 10
+    qr, packed, c, mult, add = scan_case(rng, nq, n, d, b, excluded_every=11)
+    idx = ops.unpack_bits(packed, d, b)
+    signs = ops.block_codes(ops.pack_bits(idx >> (b - 1), 1), d, 1)
+    c1 = torch.tensor([-1.0, 1.0]) * c.abs().mean()
+    vx, px = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, n, k,
+                                   backend=backend)
+    torch.testing.assert_close(v, vx, rtol=1e-5, atol=1e-5)
+    assert (p == px).float().mean() > 0.95
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, 200, k,
+                                   backend=backend)
+    exact = torch.stack([ops.ref.lut_rescore_ref(qr[i:i + 1], packed, c, mult, add, p[i:i + 1],
+                                                 b, k)[0][0] for i in range(nq)])
+    torch.testing.assert_close(v, exact, rtol=1e-5, atol=1e-5)  # full-code scores, best first
+    assert not torch.isin(p, torch.arange(0, n, 11)).any()
+    _, cand = ops.ref.fast_scan_ref(qr, signs, n, c1, mult, add, 1, 200)
+    assert np.mean([len(set(p[i].tolist()) & set(cand[i].tolist())) / k for i in range(nq)]) > 0.9
+
+
 def test_fast_scan_terms_rejects_bad_terms(rng):
     qr, packed, c, mult, add = scan_case(rng, 2, 64, 16, 2, excluded_every=5)
     bl = ops.block_codes(packed, 16, 2)

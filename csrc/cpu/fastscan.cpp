@@ -42,6 +42,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "rescore_codes.h"
 #include "topk.h"
 
 namespace tqvec {
@@ -170,10 +171,16 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
   return L;
 }
 
-// Per query: a min-heap of the k best lower bounds (its top is the admission threshold) and the
-// rows admitted so far with their upper bounds.
+// Per query: the lower bounds of the rows admitted so far (at least the k best of them), the
+// admission threshold (the k-th best lower bound at the last compaction: it only lags behind,
+// which admits a few extra rows, never loses one), and the admitted rows with their upper
+// bounds. Admission is two appends; every k admissions a compaction (nth_element over <= 2k
+// bounds) raises the threshold and drops the rows it excludes - O(1) per admission where a
+// heap of k bounds cost O(log k) (at k = 100-200, the first pass of a two-stage scan, the
+// heap work had grown to half the scan).
 struct Shortlist {
   int64_t k;
+  float th = -std::numeric_limits<float>::infinity();
   std::vector<float> lbs;
   struct Cand {
     float ub;
@@ -181,21 +188,20 @@ struct Shortlist {
     float off;  // the row's range offset (ivf_fast_scan), added again at the exact re-score
   };
   std::vector<Cand> cand;
-  explicit Shortlist(int64_t kk) : k(kk) { lbs.reserve(static_cast<size_t>(kk)); }
-  float threshold() const {
-    return static_cast<int64_t>(lbs.size()) < k ? -std::numeric_limits<float>::infinity()
-                                                : lbs.front();
-  }
+  explicit Shortlist(int64_t kk) : k(kk) { lbs.reserve(static_cast<size_t>(2 * kk + 1)); }
+  float threshold() const { return th; }
   void admit(float lb, float ub, int64_t i, float off) {
     cand.push_back({ub, i, off});
-    if (static_cast<int64_t>(lbs.size()) < k) {
-      lbs.push_back(lb);
-      std::push_heap(lbs.begin(), lbs.end(), std::greater<float>());
-    } else if (lb > lbs.front()) {
-      std::pop_heap(lbs.begin(), lbs.end(), std::greater<float>());
-      lbs.back() = lb;
-      std::push_heap(lbs.begin(), lbs.end(), std::greater<float>());
-    }
+    lbs.push_back(lb);
+    if (static_cast<int64_t>(lbs.size()) >= 2 * k) compact();
+  }
+  void compact() {
+    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
+    th = std::max(th, lbs[static_cast<size_t>(k - 1)]);
+    lbs.resize(static_cast<size_t>(k));
+    const float t = th;
+    cand.erase(std::remove_if(cand.begin(), cand.end(), [t](const Cand& c) { return c.ub < t; }),
+               cand.end());
   }
 };
 
@@ -811,12 +817,24 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
   run_workers(t, [&](int64_t w) { work(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk)); });
 }
 
-void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
-               const float* centroids, const float* mult, const float* add, int64_t k,
-               float* out_vals, int64_t* out_idx, int nthreads) {
+namespace {
+
+// fast_scan's query/thread schedule with the shortlist length k_scan and a finisher
+// fin(qi, lut, shortlists) that writes query qi's results. approx: tables without the exact
+// float copy and with a zero error bound, so a shortlist holds the rows of the best
+// approximate (quantized-table) scores, each with that score as its bound.
+template <class Finish>
+void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
+                    int b, const float* centroids, const float* mult, const float* add,
+                    int64_t k_scan, bool approx, int nthreads, Finish&& fin) {
   const int64_t rb = fs_row_bytes(d, b);
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t t = std::max(1, nthreads);
+  auto lut = [&](int64_t qi) {
+    Lut L = build_lut(qr + qi * d, d, b, centroids, rb, !approx);
+    if (approx) L.err = 0.0f;
+    return L;
+  };
   if (nq >= t || nb < 64) {
     // Threads over queries. A chunk of blocks that fits in L2 is scanned for a group of queries
     // before moving on, so codes come from memory once per group, not once per query.
@@ -829,8 +847,8 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
         std::vector<Lut> luts;
         std::vector<Shortlist> sls;
         for (int64_t qi = g0; qi < g1; ++qi) {
-          luts.push_back(build_lut(qr + qi * d, d, b, centroids, rb, true));
-          sls.emplace_back(k);
+          luts.push_back(lut(qi));
+          sls.emplace_back(k_scan);
         }
         const size_t ng = luts.size();
         for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks) {
@@ -846,11 +864,8 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
           for (; g < ng; ++g)
             scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
         }
-        for (size_t g = 0; g < luts.size(); ++g) {
-          const int64_t qi = g0 + static_cast<int64_t>(g);
-          finish(luts[g], blocked, rb, mult, add, {&sls[g]}, k, out_vals + qi * k,
-                 out_idx + qi * k);
-        }
+        for (size_t g = 0; g < luts.size(); ++g)
+          fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<Shortlist*>{&sls[g]});
       }
     };
     run_workers(tq, work);
@@ -858,12 +873,65 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
   }
   // Few queries: split the blocks between threads, merge their shortlists.
   for (int64_t qi = 0; qi < nq; ++qi) {
-    const Lut L = build_lut(qr + qi * d, d, b, centroids, rb, true);
-    std::vector<Shortlist> sls = split_blocks(nb, t, k, [&](int64_t j0, int64_t j1, Shortlist& sl) {
+    const Lut L = lut(qi);
+    std::vector<Shortlist> sls = split_blocks(nb, t, k_scan, [&](int64_t j0, int64_t j1,
+                                                                 Shortlist& sl) {
       scan_blocks(L, blocked, rb, n, j0, j1, mult, add, 0.f, sl);
     });
-    finish(L, blocked, rb, mult, add, pointers(sls), k, out_vals + qi * k, out_idx + qi * k);
+    fin(qi, L, pointers(sls));
   }
+}
+
+}  // namespace
+
+void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
+               const float* centroids, const float* mult, const float* add, int64_t k,
+               float* out_vals, int64_t* out_idx, int nthreads) {
+  const int64_t rb = fs_row_bytes(d, b);
+  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, false, nthreads,
+                 [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
+                   finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
+                          out_idx + qi * k);
+                 });
+}
+
+void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
+                         const float* c1, const uint8_t* packed, int b, const float* centroids,
+                         const float* mult, const float* add, int64_t k1, int64_t k,
+                         float* out_vals, int64_t* out_idx, int nthreads) {
+  const int64_t rb = (d * b + 7) / 8;
+  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add, k1, true, nthreads,
+                 [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
+                   // the rows of the k1 best approximate sign scores (ties included), then
+                   // their exact full-code scores
+                   const float th = final_threshold(parts, k1);
+                   const float* q = qr + qi * d;
+                   thread_local std::vector<float> T;
+                   rescore_table(q, d, b, centroids, T);
+                   std::vector<int64_t> rows;
+                   for (auto* sl : parts)
+                     for (const auto& c : sl->cand)
+                       if (c.ub >= th) rows.push_back(c.row);
+                   // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
+                   // a few rows ahead of the one being scored, so the misses overlap.
+                   constexpr size_t kAhead = 8;
+                   auto fetch = [&](size_t r) {
+                     const uint8_t* p = packed + rows[r] * rb;
+                     for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
+                   };
+                   for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
+                   std::vector<Hit> hits;
+                   hits.reserve(rows.size());
+                   for (size_t r = 0; r < rows.size(); ++r) {
+                     if (r + kAhead < rows.size()) fetch(r + kAhead);
+                     const int64_t i = rows[r];
+                     hits.emplace_back(
+                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
+                             add[i],
+                         i);
+                   }
+                   write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+                 });
 }
 
 void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,

@@ -24,6 +24,12 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
 void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
               const float* centroids, const float* mult, const float* add, int64_t k,
               float* out_vals, int64_t* out_idx, int nthreads);
+// lut_scan's meaning over the listed rows only: query i scores rows[i, 0 .. r) (-1 = none;
+// the second stage after a coarse scan), top k of them as row positions.
+void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
+                 const float* centroids, const float* mult, const float* add,
+                 const int64_t* rows, int64_t r, int64_t k, float* out_vals, int64_t* out_idx,
+                 int nthreads);
 
 // Fast-scan (fastscan.cpp): bytes per row of the blocked layout — the packed row for b in
 // {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.cpp).
@@ -38,6 +44,13 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads);
+// Two stages: the approximate top k1 rows by the sign plane (signs: 1-bit codes of the top
+// bit of each index, blocked, centroids c1 (2)), then the exact top k of those by their full
+// b-bit packed codes (n, ceil(d b / 8)) and centroids (2^b); mult, add shared by both.
+void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
+                         const float* c1, const uint8_t* packed, int b, const float* centroids,
+                         const float* mult, const float* add, int64_t k1, int64_t k,
+                         float* out_vals, int64_t* out_idx, int nthreads);
 // fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
 // width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the

@@ -105,6 +105,25 @@ NB_MODULE(_C, m) {
                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
   });
 
+  m.def("lut_rescore", [](CArr<const float> qr, CArr<const uint8_t> packed,
+                          CArr<const float> centroids, CArr<const float> mult,
+                          CArr<const float> add, CArr<const int64_t> rows, int b, int64_t k,
+                          CArr<float> out_vals, CArr<int64_t> out_idx, int nthreads) {
+    check_bits(b);
+    require(qr.ndim() == 2 && packed.ndim() == 2 && rows.ndim() == 2 && out_vals.ndim() == 2 &&
+                out_idx.ndim() == 2, "lut_rescore: bad ranks");
+    const int64_t nq = qr.shape(0), d = qr.shape(1), n = packed.shape(0), r = rows.shape(1);
+    require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "lut_rescore: packed row size");
+    require(rows.shape(0) == static_cast<size_t>(nq), "lut_rescore: rows per query");
+    check_centroids(centroids, b, "lut_rescore");
+    require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+                add.shape(0) == static_cast<size_t>(n), "lut_rescore: mult/add length");
+    check_topk_out(out_vals, out_idx, nq, k, "lut_rescore");
+    nb::gil_scoped_release rel;
+    tqvec::lut_rescore(qr.data(), nq, d, packed.data(), n, b, centroids.data(), mult.data(),
+                       add.data(), rows.data(), r, k, out_vals.data(), out_idx.data(), nthreads);
+  });
+
   m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
                           int nthreads) {
     require(packed.ndim() == 2 && blocked.ndim() == 3, "block_codes: bad ranks");
@@ -138,6 +157,34 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release rel;
     tqvec::fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
                      add.data(), k, out_vals.data(), out_idx.data(), nthreads);
+  });
+
+  m.def("fast_scan_two_stage", [](CArr<const float> qr, CArr<const uint8_t> signs, int64_t n,
+                                  CArr<const float> c1, CArr<const uint8_t> packed, int b,
+                                  CArr<const float> centroids, CArr<const float> mult,
+                                  CArr<const float> add, int64_t k1, int64_t k,
+                                  CArr<float> out_vals, CArr<int64_t> out_idx, int nthreads) {
+    check_bits(b);
+    require(qr.ndim() == 2 && signs.ndim() == 3 && packed.ndim() == 2 && out_vals.ndim() == 2 &&
+                out_idx.ndim() == 2, "fast_scan_two_stage: bad ranks");
+    const int64_t nq = qr.shape(0), d = qr.shape(1);
+    require(n >= 0 && signs.shape(0) == static_cast<size_t>((n + 31) / 32) &&
+                signs.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, 1)) &&
+                signs.shape(2) == 32,
+            "fast_scan_two_stage: signs must be (ceil(n/32), ceil(d/8), 32)");
+    require(packed.shape(0) == static_cast<size_t>(n) &&
+                packed.shape(1) == static_cast<size_t>(rb(d, b)),
+            "fast_scan_two_stage: packed must be (n, ceil(d b / 8))");
+    check_centroids(c1, 1, "fast_scan_two_stage");
+    check_centroids(centroids, b, "fast_scan_two_stage");
+    require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+                add.shape(0) == static_cast<size_t>(n), "fast_scan_two_stage: mult/add length");
+    require(k1 >= 1, "fast_scan_two_stage: k1 must be >= 1");
+    check_topk_out(out_vals, out_idx, nq, k, "fast_scan_two_stage");
+    nb::gil_scoped_release rel;
+    tqvec::fast_scan_two_stage(qr.data(), nq, d, signs.data(), n, c1.data(), packed.data(), b,
+                               centroids.data(), mult.data(), add.data(), k1, k,
+                               out_vals.data(), out_idx.data(), nthreads);
   });
 
   m.def("fast_scan_terms", [](std::vector<CArr<const float>> qrs,

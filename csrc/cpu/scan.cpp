@@ -20,6 +20,7 @@
 #include "kernels.h"
 #include "parallel.h"
 #include "topk.h"
+#include "rescore_codes.h"
 
 namespace tqvec {
 namespace {
@@ -109,6 +110,30 @@ void scan_range(const Table& tab, const uint8_t* packed, int64_t lo, int64_t hi,
 }
 
 }  // namespace
+
+void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
+                 const float* centroids, const float* mult, const float* add,
+                 const int64_t* rows, int64_t r, int64_t k, float* out_vals, int64_t* out_idx,
+                 int nthreads) {
+  const int64_t rb = (d * b + 7) / 8;
+  // threads over queries; a query's candidates are few (a small multiple of k)
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nq * r / 256));
+  run_workers(t, [&](int64_t w) {
+    std::vector<float> T;
+    for (int64_t qi = w; qi < nq; qi += t) {
+      const float* q = qr + qi * d;
+      rescore_table(q, d, b, centroids, T);
+      TopK top(k);
+      for (int64_t c = 0; c < r; ++c) {
+        const int64_t i = rows[qi * r + c];
+        if (i < 0 || i >= n) continue;
+        top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids) * mult[i] + add[i],
+                 i);
+      }
+      write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);
+    }
+  });
+}
 
 void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
               const float* centroids, const float* mult, const float* add, int64_t k,

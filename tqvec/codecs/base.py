@@ -196,6 +196,16 @@ class Codec:
                                                    torch.Tensor]]:
         raise NotImplementedError(f"{type(self).__name__} has no lookup-table form of its codes")
 
+    def has_sign_term(self) -> bool:
+        """Whether ``sign_term`` gives a coarse first pass (an index's ``prefilter``)."""
+        return False
+
+    def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
+                                                torch.Tensor] | None:
+        """A 1-bit coarse version of the single ``lut_terms`` entry (paired with the same query
+        term) for a two-stage scan, or None when the codec has none."""
+        return None
+
     #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
     #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).
     unbiased_ip: bool = False

@@ -245,6 +245,28 @@ class TurboQuant(Codec):
     def lut_term_bits(self) -> list[int] | None:
         return ([self.mse_bits] if self.mse_bits else []) + ([1] if self.variant == "prod" else [])
 
+    def has_sign_term(self) -> bool:
+        return self.variant == "mse" and self.mse_bits >= 2
+
+    def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
+                                                torch.Tensor] | None:
+        """The mse codes cut to their top bit, as a ``lut_terms`` entry (packed 1-bit codes, d,
+        1, centroids, multiplier): the coarse first pass of a two-stage scan. The codebook is
+        symmetric with a threshold at 0, so the top bit of an index is the sign of the rotated
+        coordinate, and the 1-bit Lloyd-Max centroids +-E[|u_j|] are exactly the probability-
+        weighted means of the finer cells on each side. None below 2 mse bits or for prod."""
+        if not self.has_sign_term():
+            return None
+        b, dev = self.mse_bits, codes.device
+        payload = codes.payload[:, : self._mse_bytes]
+        parts = [ops.pack_bits(ops.unpack_bits(payload[s:s + 65536], self.dim, b, self.backend)
+                               >> (b - 1), 1, self.backend)
+                 for s in range(0, payload.shape[0], 65536)]
+        packed = torch.cat(parts) if parts else torch.empty(
+            (0, ops.row_bytes(self.dim, 1)), dtype=torch.uint8, device=dev)
+        c1 = torch.from_numpy(sphere_codebook(self.dim, 1).centroids.astype(np.float32))
+        return packed, self.dim, 1, c1.to(dev), self._multiplier(codes).to(torch.float32)
+
     def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
                                                    torch.Tensor]]:
         """code_terms over the packed codes (no unpacking): the mse indices with the codebook,

@@ -50,7 +50,7 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
     meta = {"type": "flat", "params": index.codec.params,
             "fingerprint": index.codec.fingerprint(), "metric": metric_name(index.metric_type),
             "ntotal": index.ntotal, "next_id": index._next_id, "refine": refine,
-            "k_factor": index.k_factor}
+            "k_factor": index.k_factor, "prefilter": index.prefilter}
     if isinstance(index, IVFIndex):
         meta.update(type="ivf", nlist=index.nlist, nprobe=index.nprobe, seed=index.seed,
                     niter=index.niter, trained=index.is_trained)
@@ -75,7 +75,7 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
                              seed=meta["seed"], niter=meta["niter"])
         elif meta["type"] == "flat":
             index = FlatIndex(codec, meta["metric"], refine=ref_codec,
-                              k_factor=meta["k_factor"])
+                              k_factor=meta["k_factor"], prefilter=meta.get("prefilter", 0))
         else:
             raise ValueError(f"type must be 'flat' or 'ivf', got {meta['type']!r}")
         ntotal = int(meta["ntotal"])

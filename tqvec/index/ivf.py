@@ -185,6 +185,14 @@ class IVFIndex(FlatIndex):
         sizes = torch.bincount(self._lists, minlength=self.nlist).double()
         return float(self.nlist * (sizes * sizes).sum() / self._n ** 2)
 
+    def _set_prefilter(self, value: int) -> None:
+        if value:
+            raise ValueError(f"prefilter must be 0 for an IVF index (its probed lists are "
+                             f"scanned in full), got {value!r}")
+        FlatIndex.prefilter.fset(self, value)
+
+    prefilter = property(FlatIndex.prefilter.fget, _set_prefilter)
+
     # -- search -------------------------------------------------------------------------------
     def _fast_ok(self) -> bool:  # residual TurboQuant-mse codes only (ops.ivf_fast_scan)
         return self._lut_ok() and self._fast_scan_ok()

@@ -22,9 +22,10 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "hadamard_rotate", "HadamardRotate", "lut_scan", "block_codes", "fast_scan",
-           "fast_scan_terms", "FastScan", "ivf_fast_scan", "rescore_rows", "decode_attention",
-           "row_bytes", "fast_scan_row_bytes", "FAST_SCAN_BITS"]
+           "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
+           "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
+           "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
+           "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -150,6 +151,18 @@ def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mu
         add.contiguous(), b, k)
 
 
+def lut_rescore(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                mult: torch.Tensor, add: torch.Tensor, rows: torch.Tensor, b: int, k: int,
+                backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """``lut_scan`` over the listed rows only (rows (nq, r) int64, -1 = none): the exact second
+    stage after a coarse scan; see ``ref.lut_rescore_ref``."""
+    if rows.dim() != 2 or rows.shape[0] != qr.shape[0]:
+        raise ValueError(f"rows must be ({qr.shape[0]}, r), got {tuple(rows.shape)}")
+    return _pick("lut_rescore", qr.device, backend)(
+        qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
+        add.contiguous(), rows.to(torch.int64).contiguous(), b, k)
+
+
 def block_codes(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> torch.Tensor:
     """(n, ceil(d b / 8)) packed rows -> (ceil(n/32), fast_scan_row_bytes(d, b), 32) fast-scan
     layout; see ``ref.block_codes_ref``."""
@@ -189,29 +202,55 @@ class FastScan:
     state of its rows; the arrays must not change while it is in use.
 
     ``search(qrs, k, add=None) -> (vals, pos)`` as ``fast_scan_terms``; ``add`` replaces the
-    prepared offsets for one search (e.g. -inf outside an allowed set)."""
+    prepared offsets for one search (e.g. -inf outside an allowed set).
+
+    ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
+    is then the sign plane of those b-bit codes, and ``search(..., k1=...)`` re-scores its k1
+    best rows with the full codes."""
 
     def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
                  mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
-                 backend: str = "auto"):
+                 backend: str = "auto",
+                 full: tuple[torch.Tensor, int, torch.Tensor] | None = None):
         _check_terms(len(blocked), blocked, centroids, mults, bits)
+        if full is not None and bits != [1]:
+            raise ValueError(f"a two-stage scan needs one 1-bit term (the signs), got bits {bits}")
         self.n, self.bits, self.backend = int(n), [int(b) for b in bits], backend
         self.blocked = [t.contiguous() for t in blocked]
         self.centroids = [t.contiguous() for t in centroids]
         self.mults = [t.contiguous() for t in mults]
         self.add = add.contiguous()
-        name = "fast_scan" if len(blocked) == 1 else "fast_scan_terms"
+        self.full = None if full is None else (full[0].contiguous(), int(full[1]),
+                                               full[2].contiguous())
+        name = ("fast_scan_two_stage" if full is not None
+                else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
         impl = _pick(name, self.add.device, backend)
         # the compiled CPU kernel, called on numpy views made once (~1 us each per call)
         self._np = None
-        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu):
+        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu, _cpu.fast_scan_two_stage_cpu):
             self._np = ([t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
                         [t.numpy() for t in self.mults], self.add.numpy())
+            if self.full is not None:
+                self._full_np = (self.full[0].numpy(), self.full[1], self.full[2].numpy())
 
-    def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
+               k1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if len(qrs) != len(self.bits):
             raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
+        if self.full is not None:
+            if k1 is None or k1 < 1:
+                raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
+            if self._np is not None and qrs[0].device.type == "cpu":
+                blocked, cents, mults, add_np = self._np
+                packed, b, full_c = self._full_np
+                vals, pos = _cpu.fast_scan_two_stage_np(
+                    qrs[0].contiguous().numpy(), blocked[0], self.n, cents[0], packed, b,
+                    full_c, mults[0], add_np if add is None else add.contiguous().numpy(),
+                    int(k1), int(k))
+                return torch.from_numpy(vals), torch.from_numpy(pos)
+            return fast_scan_two_stage(qrs[0], self.blocked[0], self.n, self.centroids[0],
+                                       *self.full, self.mults[0],
+                                       self.add if add is None else add, k1, k, self.backend)
         if self._np is not None and qrs[0].device.type == "cpu":
             blocked, cents, mults, add_np = self._np
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
@@ -226,6 +265,19 @@ class FastScan:
         return _pick("fast_scan_terms", qrs[0].device, self.backend)(
             [t.contiguous() for t in qrs], self.blocked, self.n, self.centroids, self.mults,
             add.contiguous(), self.bits, k)
+
+
+def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
+                        packed: torch.Tensor, b: int, centroids: torch.Tensor, mult: torch.Tensor,
+                        add: torch.Tensor, k1: int, k: int, backend: str = "auto"
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top k by the full b-bit codes ``packed`` among the k1 best rows of a first pass over
+    their sign plane ``signs`` (1-bit codes, fast-scan layout, centroids c1): a two-stage scan
+    that reads b times fewer bytes per row in its first pass. Heuristic: a row outside the
+    sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``."""
+    return _pick("fast_scan_two_stage", qr.device, backend)(
+        qr.contiguous(), signs.contiguous(), int(n), c1.contiguous(), packed.contiguous(),
+        int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), int(k1), int(k))
 
 
 def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,

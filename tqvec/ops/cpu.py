@@ -16,9 +16,10 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
-           "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "block_codes_cpu",
-           "fast_scan_cpu",
-           "fast_scan_terms_cpu", "fast_scan_np", "ivf_fast_scan_cpu", "rescore_rows_cpu"]
+           "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
+           "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
+           "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_cpu",
+           "rescore_rows_cpu"]
 
 
 def available() -> bool:
@@ -86,6 +87,15 @@ def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     return vals, pos
 
 
+def lut_rescore_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                    mult: torch.Tensor, add: torch.Tensor, rows: torch.Tensor, b: int, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, pos = _topk_out(qr.shape[0], k)
+    if qr.shape[0] and rows.shape[1]:
+        _C.lut_rescore(*_np(qr, packed, centroids, mult, add, rows), b, k, vals, pos, _threads())
+    return torch.from_numpy(vals), torch.from_numpy(pos)
+
+
 def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     n = packed.shape[0]
     out = torch.empty((-(-n // 32), fast_scan_row_bytes(d, b), 32), dtype=torch.uint8)
@@ -114,6 +124,25 @@ def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
             _C.fast_scan_terms(qrs, blocked, centroids, mults, bits, n, add, k, vals, pos,
                                _threads())
     return vals, pos
+
+
+def fast_scan_two_stage_np(qr: np.ndarray, signs: np.ndarray, n: int, c1: np.ndarray,
+                           packed: np.ndarray, b: int, centroids: np.ndarray, mult: np.ndarray,
+                           add: np.ndarray, k1: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    vals, pos = _topk_out(qr.shape[0], k)
+    if qr.shape[0] and n:
+        _C.fast_scan_two_stage(qr, signs, n, c1, packed, b, centroids, mult, add, k1, k, vals,
+                               pos, _threads())
+    return vals, pos
+
+
+def fast_scan_two_stage_cpu(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
+                            packed: torch.Tensor, b: int, centroids: torch.Tensor,
+                            mult: torch.Tensor, add: torch.Tensor, k1: int, k: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, pos = fast_scan_two_stage_np(*_np(qr, signs), n, c1.numpy(), packed.numpy(), b,
+                                       *_np(centroids, mult, add), k1, k)
+    return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
 def fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
-           "lut_scan_ref", "block_codes_ref", "fast_scan_ref", "fast_scan_terms_ref",
-           "decode_attention_ref", "row_bytes"]
+           "lut_scan_ref", "lut_rescore_ref", "fast_scan_two_stage_ref", "block_codes_ref",
+           "fast_scan_ref", "fast_scan_terms_ref", "decode_attention_ref", "row_bytes"]
 
 FAST_SCAN_BITS = (1, 2, 3, 4)  # widths with a fast-scan layout (3 bits: pairs, see block_codes_ref)
 BLOCK_ROWS = 32
@@ -110,6 +110,36 @@ def lut_scan_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     """
     yhat = centroids[unpack_bits_ref(packed, qr.shape[1], b).long()]  # (n, d)
     return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :], k)
+
+
+def lut_rescore_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+                    mult: torch.Tensor, add: torch.Tensor, rows: torch.Tensor, b: int, k: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``lut_scan_ref`` restricted to listed rows: query i scores only rows[i, :] ((nq, r)
+    int64, -1 = no row) and returns the top k of them as row positions (the second stage of a
+    coarse-then-exact scan)."""
+    nq, r = rows.shape
+    ok = rows >= 0
+    safe = torch.where(ok, rows, torch.zeros_like(rows))
+    yhat = centroids[unpack_bits_ref(packed[safe.reshape(-1)], qr.shape[1], b).long()]
+    s = (yhat.reshape(nq, r, -1) * qr[:, None, :]).sum(-1) * mult[safe] + add[safe]
+    s = torch.where(ok, s, torch.full_like(s, -float("inf")))
+    vals, j = _topk_padded(s, k)
+    pos = torch.where(j >= 0, torch.gather(safe, 1, j.clamp_min(0)), j)
+    return vals, pos
+
+
+def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
+                            packed: torch.Tensor, b: int, centroids: torch.Tensor,
+                            mult: torch.Tensor, add: torch.Tensor, k1: int, k: int
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top k by the full b-bit codes among the top k1 by the sign plane: stage 1 is
+    ``fast_scan_ref`` over ``signs`` (1-bit codes in the fast-scan layout, centroids c1), stage
+    2 ``lut_rescore_ref`` over ``packed``. The CPU kernel ranks stage 1 by its 7-bit tables
+    (no exact re-score), so its candidate set may differ at the k1-th place: a heuristic
+    first pass, which is what it is for (the exact scan is ``fast_scan``)."""
+    _, cand = fast_scan_ref(qr, signs, n, c1, mult, add, 1, min(k1, n) if n else k1)
+    return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
 
 
 def _topk_padded(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -225,17 +225,18 @@ def test_fast_scan_two_stage(backend, b, rng):
     signs = ops.block_codes(ops.pack_bits(idx >> (b - 1), 1), d, 1)
     c1 = torch.tensor([-1.0, 1.0]) * c.abs().mean()
     vx, px = ops.lut_scan(qr, packed, c, mult, add, b, k, backend="ref")
-    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, n, k,
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, add, n, k,
                                    backend=backend)
     torch.testing.assert_close(v, vx, rtol=1e-5, atol=1e-5)
     assert (p == px).float().mean() > 0.95
-    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, 200, k,
+    add1 = torch.where(torch.isinf(add), add, torch.zeros_like(add))  # its own offsets
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, add1, 200, k,
                                    backend=backend)
     exact = torch.stack([ops.ref.lut_rescore_ref(qr[i:i + 1], packed, c, mult, add, p[i:i + 1],
                                                  b, k)[0][0] for i in range(nq)])
     torch.testing.assert_close(v, exact, rtol=1e-5, atol=1e-5)  # full-code scores, best first
     assert not torch.isin(p, torch.arange(0, n, 11)).any()
-    _, cand = ops.ref.fast_scan_ref(qr, signs, n, c1, mult, add, 1, 200)
+    _, cand = ops.ref.fast_scan_ref(qr, signs, n, c1, mult, add1, 1, 200)
     assert np.mean([len(set(p[i].tolist()) & set(cand[i].tolist())) / k for i in range(nq)]) > 0.9
 
 

@@ -897,10 +897,10 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
 
 void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
                          const float* c1, const uint8_t* packed, int b, const float* centroids,
-                         const float* mult, const float* add, int64_t k1, int64_t k,
-                         float* out_vals, int64_t* out_idx, int nthreads) {
+                         const float* mult, const float* add, const float* add1, int64_t k1,
+                         int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = (d * b + 7) / 8;
-  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add, k1, true, nthreads,
+  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
                  [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
                    // the rows of the k1 best approximate sign scores (ties included), then
                    // their exact full-code scores

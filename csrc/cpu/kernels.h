@@ -45,11 +45,13 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                const float* centroids, const float* mult, const float* add, int64_t k,
                float* out_vals, int64_t* out_idx, int nthreads);
 // Two stages: the approximate top k1 rows by the sign plane (signs: 1-bit codes of the top
-// bit of each index, blocked, centroids c1 (2)), then the exact top k of those by their full
-// b-bit packed codes (n, ceil(d b / 8)) and centroids (2^b); mult, add shared by both.
+// bit of each index, blocked, centroids c1 (2), offsets add1), then the exact top k of those by
+// their full b-bit packed codes (n, ceil(d b / 8)), centroids (2^b) and offsets add; mult is
+// shared (a row's scale). add1 = -inf must hold wherever add = -inf.
 void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
                          const float* c1, const uint8_t* packed, int b, const float* centroids,
-                         const float* mult, const float* add, int64_t k1, int64_t k,
+                         const float* mult, const float* add, const float* add1, int64_t k1,
+                         int64_t k,
                          float* out_vals, int64_t* out_idx, int nthreads);
 // fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),

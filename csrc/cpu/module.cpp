@@ -162,7 +162,8 @@ NB_MODULE(_C, m) {
   m.def("fast_scan_two_stage", [](CArr<const float> qr, CArr<const uint8_t> signs, int64_t n,
                                   CArr<const float> c1, CArr<const uint8_t> packed, int b,
                                   CArr<const float> centroids, CArr<const float> mult,
-                                  CArr<const float> add, int64_t k1, int64_t k,
+                                  CArr<const float> add, CArr<const float> add1, int64_t k1,
+                                  int64_t k,
                                   CArr<float> out_vals, CArr<int64_t> out_idx, int nthreads) {
     check_bits(b);
     require(qr.ndim() == 2 && signs.ndim() == 3 && packed.ndim() == 2 && out_vals.ndim() == 2 &&
@@ -178,12 +179,14 @@ NB_MODULE(_C, m) {
     check_centroids(c1, 1, "fast_scan_two_stage");
     check_centroids(centroids, b, "fast_scan_two_stage");
     require(mult.ndim() == 1 && add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
-                add.shape(0) == static_cast<size_t>(n), "fast_scan_two_stage: mult/add length");
+                add.shape(0) == static_cast<size_t>(n) && add1.ndim() == 1 &&
+                add1.shape(0) == static_cast<size_t>(n),
+            "fast_scan_two_stage: mult/add/add1 length");
     require(k1 >= 1, "fast_scan_two_stage: k1 must be >= 1");
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan_two_stage");
     nb::gil_scoped_release rel;
     tqvec::fast_scan_two_stage(qr.data(), nq, d, signs.data(), n, c1.data(), packed.data(), b,
-                               centroids.data(), mult.data(), add.data(), k1, k,
+                               centroids.data(), mult.data(), add.data(), add1.data(), k1, k,
                                out_vals.data(), out_idx.data(), nthreads);
   });
 

@@ -205,13 +205,14 @@ class FastScan:
     prepared offsets for one search (e.g. -inf outside an allowed set).
 
     ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
-    is then the sign plane of those b-bit codes, and ``search(..., k1=...)`` re-scores its k1
-    best rows with the full codes."""
+    is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``), and
+    ``search(..., k1=...)`` re-scores its k1 best rows with the full codes."""
 
     def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
                  mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
                  backend: str = "auto",
-                 full: tuple[torch.Tensor, int, torch.Tensor] | None = None):
+                 full: tuple[torch.Tensor, int, torch.Tensor] | None = None,
+                 add1: torch.Tensor | None = None):
         _check_terms(len(blocked), blocked, centroids, mults, bits)
         if full is not None and bits != [1]:
             raise ValueError(f"a two-stage scan needs one 1-bit term (the signs), got bits {bits}")
@@ -222,6 +223,7 @@ class FastScan:
         self.add = add.contiguous()
         self.full = None if full is None else (full[0].contiguous(), int(full[1]),
                                                full[2].contiguous())
+        self.add1 = (self.add if add1 is None else add1.contiguous())
         name = ("fast_scan_two_stage" if full is not None
                 else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
         impl = _pick(name, self.add.device, backend)
@@ -231,7 +233,8 @@ class FastScan:
             self._np = ([t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
                         [t.numpy() for t in self.mults], self.add.numpy())
             if self.full is not None:
-                self._full_np = (self.full[0].numpy(), self.full[1], self.full[2].numpy())
+                self._full_np = (self.full[0].numpy(), self.full[1], self.full[2].numpy(),
+                                 self.add1.numpy())
 
     def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
                k1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,17 +243,22 @@ class FastScan:
         if self.full is not None:
             if k1 is None or k1 < 1:
                 raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
+            add1 = None  # an override excludes its -inf rows from the first stage too
+            if add is not None:
+                add = add.contiguous()
+                add1 = torch.where(torch.isinf(add) & (add < 0), add, self.add1)
             if self._np is not None and qrs[0].device.type == "cpu":
                 blocked, cents, mults, add_np = self._np
-                packed, b, full_c = self._full_np
+                packed, b, full_c, add1_np = self._full_np
                 vals, pos = _cpu.fast_scan_two_stage_np(
                     qrs[0].contiguous().numpy(), blocked[0], self.n, cents[0], packed, b,
-                    full_c, mults[0], add_np if add is None else add.contiguous().numpy(),
-                    int(k1), int(k))
+                    full_c, mults[0], add_np if add is None else add.numpy(),
+                    add1_np if add1 is None else add1.numpy(), int(k1), int(k))
                 return torch.from_numpy(vals), torch.from_numpy(pos)
             return fast_scan_two_stage(qrs[0], self.blocked[0], self.n, self.centroids[0],
                                        *self.full, self.mults[0],
-                                       self.add if add is None else add, k1, k, self.backend)
+                                       self.add if add is None else add,
+                                       self.add1 if add1 is None else add1, k1, k, self.backend)
         if self._np is not None and qrs[0].device.type == "cpu":
             blocked, cents, mults, add_np = self._np
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
@@ -269,15 +277,17 @@ class FastScan:
 
 def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                         packed: torch.Tensor, b: int, centroids: torch.Tensor, mult: torch.Tensor,
-                        add: torch.Tensor, k1: int, k: int, backend: str = "auto"
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        add: torch.Tensor, add1: torch.Tensor, k1: int, k: int,
+                        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Top k by the full b-bit codes ``packed`` among the k1 best rows of a first pass over
-    their sign plane ``signs`` (1-bit codes, fast-scan layout, centroids c1): a two-stage scan
+    their sign plane ``signs`` (1-bit codes, fast-scan layout, centroids c1, row offsets add1;
+    add is the full codes'): a two-stage scan
     that reads b times fewer bytes per row in its first pass. Heuristic: a row outside the
     sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``."""
     return _pick("fast_scan_two_stage", qr.device, backend)(
         qr.contiguous(), signs.contiguous(), int(n), c1.contiguous(), packed.contiguous(),
-        int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), int(k1), int(k))
+        int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), add1.contiguous(),
+        int(k1), int(k))
 
 
 def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,

@@ -36,6 +36,13 @@ def test_wrapper_follows_base_ann(metric, rng):
     algo.done()
     with pytest.raises(ValueError, match="metric must be one of"):
         mod.TQVec("hamming", "TQ4")
+    plain = mod.TQVec(metric, "TQ4")
+    plain.fit(x)
+    plain.set_query_arguments(10)  # no Refine: the sign-bit prefilter
+    assert plain.index.prefilter == 10 and "prefilter=10" in str(plain)
+    assert len(plain.query(x[3], 5)) == 5
+    with pytest.raises(ValueError, match="query arguments must be"):
+        plain.set_query_arguments(4, 10)
 
 
 def test_config_run_groups_build():

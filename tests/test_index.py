@@ -310,6 +310,13 @@ def test_sign_prefilter(spec, metric, rng, tmp_path):
     assert tqvec.read_index(str(tmp_path / "p.tqv")).prefilter == 10
 
 
+def test_prefilter_factory_string():
+    index = tqvec.index_factory(64, "TQ3,Prefilter(12),Refine(Flat)", "l2")
+    assert index.prefilter == 12 and index.refine == "flat" and index.code_size == 24 + 4 + 256
+    with pytest.raises(ValueError, match="must not combine IVF with Prefilter"):
+        tqvec.index_factory(64, "IVF8,TQ4,Prefilter(4)")
+
+
 def test_prefilter_rejected_where_it_cannot_apply():
     for spec in ("TQ1", "TQprod3", "QJL64", "Polar"):
         with pytest.raises(ValueError, match="prefilter must be 0"):

@@ -46,6 +46,8 @@ def faiss_specs(d: int, b: int) -> list[str]:
 
 def tqvec_specs(b: int) -> list[str]:
     out = [f"TQ{b}", f"TQ{b}u", f"TQprod{b}"]
+    if b >= 2:
+        out.append(f"TQ{b},Prefilter(10)")  # sign-bit first pass, the same bytes as TQ{b}
     if b <= 2:
         out.append(f"TQ{b},Refine(TQ8)")
     return out

@@ -38,7 +38,6 @@ class TQVec(BaseANN):
             raise ValueError(f"metric must be one of {sorted(_METRICS)}, got {metric!r}")
         self._metric = _METRICS[metric]
         self._spec = spec
-        self._k_factor = 4
         self.index = None
         self.name = f"tqvec({spec})"
 
@@ -47,11 +46,18 @@ class TQVec(BaseANN):
         self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
         self.index.add(X)
 
-    def set_query_arguments(self, k_factor: int = 4) -> None:
-        self._k_factor = int(k_factor)
-        self.index.k_factor = self._k_factor
-        self.name = (f"tqvec({self._spec},k_factor={k_factor})" if "Refine" in self._spec
-                     else f"tqvec({self._spec})")
+    def set_query_arguments(self, *args: int) -> None:
+        """``Refine`` specs: (k_factor[, prefilter]); other specs: (prefilter,) - candidates
+        per result of the sign-bit first pass (``FlatIndex.prefilter``, 0 = exact scan)."""
+        refine = "Refine" in self._spec
+        names = ("k_factor", "prefilter") if refine else ("prefilter",)
+        if len(args) > len(names):
+            raise ValueError(f"query arguments must be {names} for {self._spec!r}, got {args}")
+        parts = [self._spec]
+        for name, value in zip(names[:len(args)], args, strict=True):
+            setattr(self.index, name, int(value))
+            parts.append(f"{name}={int(value)}")
+        self.name = f"tqvec({','.join(parts)})"
 
     def query(self, v: np.ndarray, n: int) -> np.ndarray:
         _, I = self.index.search(np.asarray(v, dtype=np.float32)[None, :], n)

@@ -1,6 +1,6 @@
 """``index_factory(d, spec, metric)``: build an index from a faiss-style string.
 
-Grammar: ``CODE[,Refine(CODE|Flat)]`` where CODE is one of
+Grammar: ``CODE[,Prefilter(P)][,Refine(CODE|Flat)]`` where CODE is one of
 
 ==================  =======================================================  ==================
 spec                codec                                                    bytes / vector
@@ -15,6 +15,9 @@ spec                codec                                                    byt
 ==================  =======================================================  ==================
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes.
+``TQ4,Prefilter(10)`` (TurboQuant-mse, 2-8 bits, CPU) scans only the sign bits of the codes
+first and ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra
+bytes: the sign plane is the top bit of each index).
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
 are those of the codes (plus nlist * d * 4 bytes of centroids per index).
@@ -32,7 +35,8 @@ from .ivf import IVFIndex
 
 __all__ = ["index_factory", "parse_codec"]
 
-_REFINE = re.compile(r"^(?P<base>[^,]+)(,Refine\((?P<ref>[^)]+)\))?$")
+_REFINE = re.compile(r"^(?P<base>[^,]+)(,Prefilter\((?P<pf>\d+)\))?"
+                     r"(,Refine\((?P<ref>[^)]+)\))?$")
 
 
 def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
@@ -70,14 +74,18 @@ def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
         body = body[ivf.end():]
     m = _REFINE.fullmatch(body)
     if not m:
-        raise ValueError(f"spec must look like 'TQ4', 'TQ2,Refine(TQ8)' or 'IVF1024,TQ4', got "
-                         f"{spec!r}")
+        raise ValueError(f"spec must look like 'TQ4', 'TQ2,Refine(TQ8)', 'TQ4,Prefilter(10)' or "
+                         f"'IVF1024,TQ4', got {spec!r}")
     base = parse_codec(d, m["base"], seed)
     if base == "flat":
         raise ValueError("spec must start with a codec (Flat is only a refinement), got "
                          f"{spec!r}")
     ref = parse_codec(d, m["ref"], seed + 1) if m["ref"] else None
+    pf = int(m["pf"]) if m["pf"] else 0
     if ivf:
+        if pf:
+            raise ValueError(f"spec must not combine IVF with Prefilter (the probed lists are "
+                             f"scanned in full), got {spec!r}")
         return IVFIndex(base, int(ivf[1]), metric, refine=ref, k_factor=k_factor, seed=seed,
                         device=device)
-    return FlatIndex(base, metric, refine=ref, k_factor=k_factor, device=device)
+    return FlatIndex(base, metric, refine=ref, k_factor=k_factor, prefilter=pf, device=device)

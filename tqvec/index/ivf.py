@@ -75,7 +75,7 @@ class IVFIndex(FlatIndex):
             raise ValueError(f"device must be 'cpu' for an IVF index (the GPU IVF scan is not "
                              f"built yet), got {device!r}")
         self.nprobe = nprobe
-        self.centroids: torch.Tensor | None = None
+        self.centroids = None
         self.is_trained = False
 
     @property
@@ -92,6 +92,18 @@ class IVFIndex(FlatIndex):
         self._lists = torch.empty(0, dtype=torch.int64)   # list of each row, add order
         self._rowterm = torch.empty(0, dtype=torch.float32)  # -2 est<c, r> - N(r); 0 for ip
         self._ivf: dict[str, Any] | None = None
+
+    @property
+    def centroids(self) -> torch.Tensor | None:
+        """(nlist, d) float32 k-means centroids (None before ``train``)."""
+        return self._centroids
+
+    @centroids.setter
+    def centroids(self, c: torch.Tensor | None) -> None:
+        self._centroids = c
+        # ||c||^2, needed by every L2/cosine probe (recomputing it cost ~100 us per query at
+        # nlist 256, d 784: a third of a one-query search)
+        self._centroid_sqn = None if c is None else (c * c).sum(1)
 
     # -- training and adding --------------------------------------------------------------------
     def train(self, x: Any) -> None:
@@ -117,8 +129,7 @@ class IVFIndex(FlatIndex):
 
     def _assign(self, x: torch.Tensor) -> torch.Tensor:
         """Nearest centroid (L2) of each row: the residual it leaves is the smallest."""
-        c = self.centroids
-        cn = (c * c).sum(1)
+        c, cn = self.centroids, self._centroid_sqn
         out = torch.empty(x.shape[0], dtype=torch.int64)
         for s in range(0, x.shape[0], _ASSIGN_BLOCK):
             xb = x[s:s + _ASSIGN_BLOCK]
@@ -233,13 +244,14 @@ class IVFIndex(FlatIndex):
         snap = super()._snapshot()
         snap["scan"] = None  # the flat LUT state is not used here
         snap.update(lists=self._lists, rowterm=self._rowterm, ivf=self._ivf_state(),
-                    centroids=self.centroids, nprobe=self._nprobe)
+                    centroids=self.centroids, centroid_sqn=self._centroid_sqn,
+                    nprobe=self._nprobe)
         return snap
 
     def _scan_state(self):  # the flat index's per-row state does not apply to residual codes
         return None
 
-    def _probe(self, q: torch.Tensor, centroids: torch.Tensor, nprobe: int
+    def _probe(self, q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, nprobe: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """(probes (nq, P) int64, offsets (nq, P) float32): the nearest lists and the exact
         centroid part of each score (-||q - c||^2 for l2/cosine, <q, c> for ip)."""
@@ -247,8 +259,7 @@ class IVFIndex(FlatIndex):
         if self.metric_type == METRIC_INNER_PRODUCT:
             score = ip
         else:
-            score = 2 * ip - (centroids * centroids).sum(1)[None, :] - (q * q).sum(1,
-                                                                                   keepdim=True)
+            score = 2 * ip - csq[None, :] - (q * q).sum(1, keepdim=True)
         top = torch.topk(score, min(nprobe, centroids.shape[0]), dim=1)
         return top.indices, top.values.contiguous()
 
@@ -258,7 +269,8 @@ class IVFIndex(FlatIndex):
 
     def _search_block(self, q: torch.Tensor, snap: dict[str, Any], mask: torch.Tensor | None,
                       kk: int, nq_total: int) -> tuple[torch.Tensor, torch.Tensor]:
-        probes, offsets = self._probe(q, snap["centroids"], snap["nprobe"])
+        probes, offsets = self._probe(q, snap["centroids"], snap["centroid_sqn"],
+                                      snap["nprobe"])
         st = snap["ivf"]
         if "blocked" in st:
             add = st["add"]
@@ -266,8 +278,9 @@ class IVFIndex(FlatIndex):
                 add = add.masked_fill(~mask[st["pos"].clamp_min(0)], -float("inf"))
             vals, padded = self.codec.ivf_scan_topk(q, st["blocked"], st["mult"], add,
                                                     st["list_blocks"], probes, offsets, kk)
-            pos = torch.where(padded >= 0, st["pos"][padded.clamp_min(0)], padded)
-            return self._to_metric(vals), pos
+            pad = padded.numpy()  # CPU (the fast path); numpy: ~4x cheaper at one query
+            pos = np.where(pad >= 0, st["pos"].numpy()[np.maximum(pad, 0)], pad)
+            return self._to_metric(vals), torch.from_numpy(pos)
         return self._list_search(q, snap, probes, offsets, mask, kk)
 
     def _per_list_scores(self, q: torch.Tensor, snap: dict[str, Any], probes: torch.Tensor,
@@ -312,7 +325,8 @@ class IVFIndex(FlatIndex):
         nq = q.shape[0]
         per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(nq)]
         if snap["n"] and nq:
-            probes, offsets = self._probe(q, snap["centroids"], snap["nprobe"])
+            probes, offsets = self._probe(q, snap["centroids"], snap["centroid_sqn"],
+                                          snap["nprobe"])
             ids = snap["ids"]
             for rows, qsel, s in self._per_list_scores(q, snap, probes, offsets):
                 s = self._to_metric(s)

@@ -70,6 +70,30 @@ def test_attention_from_codes_matches_decode_then_sdpa(make, keys):
     torch.testing.assert_close(codes, decoded, atol=2e-4, rtol=2e-4)
 
 
+@pytest.mark.parametrize("make", [llama, gemma3])
+@pytest.mark.parametrize("kw", [dict(calibrate=False), dict(calibrate=True),
+                                dict(calibrate=True, norm_bits=8, key_bits=4, value_bits=2)])
+def test_fused_codes_attention_matches_segment_path(make, kw, monkeypatch):
+    """The code segment through ops.decode_attention (the CUDA kernel's op; on the CPU its
+    reference) merged with the exact segments == the per-segment path, prefill and decode,
+    channel scales and log-coded norms included; sliding layers (Gemma) too."""
+    from tqvec import ops
+    from tqvec.kv import attention
+
+    model = make()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(3))
+    kw = dict(dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2), **kw)
+    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    calls = []
+    real = ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(attention, "CODES_KERNEL", "always")
+    fused = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    assert len(calls) >= 18 * model.config.num_hidden_layers // 2
+    torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+
+
 def test_calibrated_cache_tracks_full_precision():
     from transformers import DynamicCache
     model = llama()

@@ -151,6 +151,7 @@ class FlatIndex:
         self.device = _device(device)
         self.is_trained = True  # data-oblivious: nothing to train
         self._lock = threading.Lock()
+        self._prefilter = 0
         self.reset()
         self.prefilter = prefilter
 
@@ -217,7 +218,7 @@ class FlatIndex:
         if not (self.device.type == "cpu" and self.codec.backend in ("auto", "cpu")
                 and ops_cpu_available()):
             return False
-        if getattr(self, "_prefilter", 0):
+        if self._prefilter:
             return True  # the setter checked has_sign_term()
         bits = self.codec.lut_term_bits()
         return bool(bits) and all(b in ops.FAST_SCAN_BITS for b in bits)
@@ -258,6 +259,7 @@ class FlatIndex:
             new = ops.block_codes(packed1, d1, 1)
             old = self._signs[: start // 32] if self._signs is not None else None
             self._signs, self._signs_n = (new if old is None else torch.cat([old, new])), n
+            self._blocked, self._blocked_n = None, 0  # RAM holds one search-time copy
             add1 = state["add"]
             if self.metric_type == METRIC_L2:
                 # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign]
@@ -279,6 +281,7 @@ class FlatIndex:
                 old = self._blocked[ti][: start // 32] if self._blocked is not None else None
                 blocked.append(new if old is None else torch.cat([old, new]))
             self._blocked, self._blocked_n = blocked, n
+            self._signs, self._signs_n = None, 0
             state["blocked"] = blocked
             state["scanner"] = ops.FastScan(blocked, n, state["cents"], state["mults"],
                                             state["add"], state["bits"], self.codec.backend)

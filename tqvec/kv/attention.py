@@ -12,6 +12,14 @@ is what keeps sliding windows, padding and BalanceKV's sparse token sets right. 
 attention function alone makes transformers build *no* mask for it, so the sdpa mask builder
 is registered under the same name.
 
+On CUDA tensors the code segment goes through the fused decode-attention op
+(``ops.decode_attention``: csrc/cuda/attention.cu, flash-decoding over the packed codes) when the
+layer allows it - TurboQuant-mse keys and values (optionally channel-scaled), one code segment
+that every current query may see in full, no BalanceKV weights, no softcap - and its softmax
+state (max, sum, rotated-domain accumulator) is merged with the exact segments' scores here.
+``CODES_KERNEL`` chooses: "auto" (CUDA only), "always" (the CPU runs the op's torch reference:
+the tests compare it with the per-segment path), "never".
+
 Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
 "tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which
 makes a cache whose window covers the sequence reproduce DynamicCache's logits bit for bit.
@@ -26,9 +34,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTENTION_NAME", "register", "tqvec_attention", "attend"]
+__all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "attend"]
 
 ATTENTION_NAME = "tqvec"
+CODES_KERNEL = "auto"  # "auto" (CUDA tensors) | "always" | "never": see the module docstring
 _QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
 
 
@@ -129,8 +138,104 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
     return out.reshape(B, Hq, Q, D).to(query.dtype)
 
 
+def _mse_parts(quantizer):
+    """(CodecQuantizer over TurboQuant-mse, its ChannelScale or None), or None."""
+    from ..codecs.turbo import TurboQuant
+    from .quant import ChannelScale, CodecQuantizer
+
+    scale = quantizer if isinstance(quantizer, ChannelScale) else None
+    inner = quantizer.inner if scale is not None else quantizer
+    if not (isinstance(inner, CodecQuantizer) and isinstance(inner.codec, TurboQuant)
+            and inner.codec.variant == "mse" and inner.codec.scale == "norm"):
+        return None
+    if scale is not None and scale.scale is None:
+        return None
+    return inner, scale
+
+
+def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
+    """The fused op's inputs' sources when it applies to this call (module docstring)."""
+    if CODES_KERNEL == "never" or (CODES_KERNEL == "auto" and not q.is_cuda):
+        return None
+    if softcap is not None or layer.mr is not None:
+        return None
+    codes = [s for s in segs if s[0] == "codes"]
+    if len(codes) != 1 or not isinstance(codes[0][3], tuple) or codes[0][4]:
+        return None
+    kp, vp = _mse_parts(layer.kq), _mse_parts(layer.vq)
+    if kp is None or vp is None:
+        return None
+    if mask is not None:  # every current query must see every code (decode, no padding)
+        a, b = codes[0][3][0] - kv_offset, codes[0][3][1] - kv_offset
+        if a < 0 or b > mask.shape[-1]:
+            return None
+        m = mask[..., a:b]
+        if not bool(m.all() if m.dtype == torch.bool else (m == 0).all()):
+            return None
+    return kp, vp
+
+
+def _field_norms(quantizer, data: dict) -> torch.Tensor:
+    """float32 norms of a whole buffer (its zero-filled spare capacity gives 0)."""
+    nrm = data["norm"]
+    if "norm" in quantizer.log_fields:
+        return quantizer._unlog8(nrm).float()
+    return nrm.float()
+
+
+def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling):
+    """``_attend_rows`` with the code segment through ``ops.decode_attention``."""
+    from .. import ops
+
+    (kq, ks), (vq, vs) = plan
+    B, H, R, D = q.shape
+    qk, qbias = q, torch.zeros((B, H, R), dtype=torch.float32, device=q.device)
+    if ks is not None:  # <q, k> = <q, mu> + <q s, (k - mu) / s>
+        mu, sc = ks._stats(q.device)
+        qk, qbias = q * sc, scaling * (q * mu).sum(-1)
+    qr = kq.codec.query_terms(qk.reshape(-1, D))[0].reshape(B * H, R, D)
+    kd, vd = layer.kbuf.data, layer.vbuf.data
+    cap = kd["payload"].shape[2]
+    lo = torch.full((B * H,), layer.kbuf.start, dtype=torch.int32, device=q.device)
+    hi = torch.full((B * H,), layer.kbuf.stop, dtype=torch.int32, device=q.device)
+    m, l, acc = ops.decode_attention(
+        qr.contiguous(), qbias.reshape(B * H, R).contiguous(),
+        kd["payload"].reshape(B * H, cap, -1), _field_norms(kq, kd).reshape(B * H, cap),
+        kq.codec._arr.get("centroids", q.device), kq.codec.bits,
+        vd["payload"].reshape(B * H, cap, -1), _field_norms(vq, vd).reshape(B * H, cap),
+        vq.codec._arr.get("centroids", q.device), vq.codec.bits, lo, hi, scaling)
+    m, l = m.reshape(B, H, R), l.reshape(B, H, R)
+    acc = vq.codec.unrotate(acc.reshape(-1, D)).reshape(B, H, R, D)
+    if vs is not None:  # sum_t p_t (s y_t + mu) = s sum_t p_t y_t + mu sum_t p_t
+        mu, sc = vs._stats(q.device)
+        acc = acc * sc + l[..., None] * mu
+    exact = []
+    for kind, k, v, pos, _ in segs:
+        if kind == "codes":
+            continue
+        s = (q @ k.float().transpose(-1, -2)) * scaling
+        bias = _bias(mask, pos, qpos, kv_offset, B, H, G)
+        exact.append((s + bias if bias is not None else s, v))
+    top = m
+    for s, _ in exact:
+        if s.shape[-1]:
+            top = torch.maximum(top, s.amax(-1))
+    ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None]
+    w = torch.exp(m[..., None] - ref)  # 0 where the codes are all masked (m = -inf)
+    total, out = l[..., None] * w, acc * w
+    for s, v in exact:
+        p = torch.exp(s - ref)
+        total = total + p.sum(-1, keepdim=True)
+        out = out + p @ v.float()
+    # a row with no visible key (left padding) gives 0, as in _attend_rows
+    return torch.where(total > 0, out / total.clamp_min(1e-38), torch.zeros_like(out))
+
+
 def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
     """q: (B, H, G*Q, D) float32 rows for queries at positions qpos (Q,)."""
+    plan = _kernel_plan(layer, segs, q, mask, kv_offset, softcap)
+    if plan is not None:
+        return _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
     B, H = q.shape[:2]
     scores = []
     for kind, k, _, pos, logw in segs:

@@ -59,15 +59,17 @@ class _Buffer:
 
     def append(self, f: Fields) -> None:
         n = next(iter(f.values())).shape[2]
+        # Spare capacity is zero-filled: the fused decode-attention op reads whole buffers
+        # (tokens [start, stop) count), so no slot may hold NaN/Inf garbage.
         if not self.data:
-            self.data = {k: v.new_empty((*v.shape[:2], max(64, 2 * n), *v.shape[3:]))
+            self.data = {k: v.new_zeros((*v.shape[:2], max(64, 2 * n), *v.shape[3:]))
                          for k, v in f.items()}
         cap = next(iter(self.data.values())).shape[2]
         if self.stop + n > cap:
             live = len(self)
             new_cap = max(2 * (live + n), 64)
             self.data = {k: torch.cat([v[:, :, self.start: self.stop],
-                                       v.new_empty((*v.shape[:2], new_cap - live, *v.shape[3:]))],
+                                       v.new_zeros((*v.shape[:2], new_cap - live, *v.shape[3:]))],
                                       dim=2) for k, v in self.data.items()}
             self.start, self.stop = 0, live
         for k, v in f.items():

@@ -666,17 +666,48 @@ float final_threshold(const std::vector<Shortlist*>& parts, int64_t k) {
   return lbs[static_cast<size_t>(k - 1)];
 }
 
-// Re-scores the admitted rows whose upper bound reaches the final threshold; writes the top k.
-void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult, const float* add,
-            std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
+// The admitted rows whose upper bound reaches the final threshold, highest bound first, are
+// re-scored by score(row) until k exact scores exceed every remaining bound (a row's exact
+// score never exceeds its bound, so the rest cannot enter). IVF's short lists keep bounds loose
+// next to the score gaps: re-scoring every admitted row was 36 % of a batched IVF search.
+// Writes the top k.
+template <class Score>
+void rescore_best_first(const std::vector<Shortlist*>& parts, int64_t k, Score&& score,
+                        float* vals, int64_t* idx) {
   const float th = final_threshold(parts, k);
-  std::vector<Hit> hits;
+  std::vector<const Shortlist::Cand*> order;
   for (auto* s : parts)
     for (const auto& c : s->cand)
-      if (c.ub >= th)
-        hits.emplace_back(mult[c.row] * exact_score(L, blocked, rb, c.row) + add[c.row] + c.off,
-                          c.row);
+      if (c.ub >= th) order.push_back(&c);
+  std::sort(order.begin(), order.end(), [](const Shortlist::Cand* a, const Shortlist::Cand* b) {
+    return a->ub > b->ub || (a->ub == b->ub && a->row < b->row);
+  });
+  std::vector<Hit> hits;
+  std::vector<float> best;  // min-heap of the k best exact scores so far
+  best.reserve(static_cast<size_t>(k));
+  for (const auto* c : order) {
+    // strictly greater: a row whose bound equals the k-th score could still tie it
+    if (static_cast<int64_t>(best.size()) == k && best.front() > c->ub) break;
+    const float v = score(*c);
+    hits.emplace_back(v, c->row);
+    if (!(v > -std::numeric_limits<float>::infinity())) continue;
+    if (static_cast<int64_t>(best.size()) < k) {
+      best.push_back(v);
+      std::push_heap(best.begin(), best.end(), std::greater<float>());
+    } else if (v > best.front()) {
+      std::pop_heap(best.begin(), best.end(), std::greater<float>());
+      best.back() = v;
+      std::push_heap(best.begin(), best.end(), std::greater<float>());
+    }
+  }
   write_topk(hits, k, vals, idx);
+}
+
+void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult, const float* add,
+            std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
+  rescore_best_first(parts, k, [&](const Shortlist::Cand& c) {
+    return mult[c.row] * exact_score(L, blocked, rb, c.row) + add[c.row] + c.off;
+  }, vals, idx);
 }
 
 // ---- several terms per row (fast_scan_terms) ------------------------------------------------
@@ -783,16 +814,11 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
 
 void finish_terms(const std::vector<TermScan>& ts, const float* add,
                   std::vector<Shortlist*> parts, int64_t k, float* vals, int64_t* idx) {
-  const float th = final_threshold(parts, k);
-  std::vector<Hit> hits;
-  for (auto* s : parts)
-    for (const auto& c : s->cand)
-      if (c.ub >= th) {
-        float v = 0.0f;
-        for (const auto& T : ts) v += T.mult[c.row] * exact_score(T.L, T.blocked, T.rb, c.row);
-        hits.emplace_back(v + add[c.row], c.row);
-      }
-  write_topk(hits, k, vals, idx);
+  rescore_best_first(parts, k, [&](const Shortlist::Cand& c) {
+    float v = 0.0f;
+    for (const auto& T : ts) v += T.mult[c.row] * exact_score(T.L, T.blocked, T.rb, c.row);
+    return v + add[c.row];
+  }, vals, idx);
 }
 
 }  // namespace

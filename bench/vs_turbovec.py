@@ -91,7 +91,8 @@ def methods(d: int, b: int) -> list[tuple[str, str]]:
     # turbovec scans a 1-bit plane first and re-scores a shortlist; tqvec's Prefilter(10) is
     # the same idea (the sign plane, 10 k candidates), shown next to the exact scan.
     out = [("tqvec", f"TQ{b} cosine"), ("tqvec", f"TQ{b},Prefilter(10) cosine"),
-           ("tqvec", f"TQ{b} ip"), ("tqvec", f"TQ{b}u ip"), ("turbovec", f"{b}"), ("turbovec", f"{b} calibrated"), ("faiss", f"RR,RaBitQfs{b}")]
+           ("tqvec", f"TQ{b} ip"), ("tqvec", f"TQ{b}u ip"), ("turbovec", f"{b}"),
+           ("turbovec", f"{b} calibrated"), ("faiss", f"RR,RaBitQfs{b}")]
     if b == 2:
         out += [("tqvec", "TQ2,Refine(TQ8) cosine"), ("faiss", f"PQ{d // 2}x4fs")]
     return out

@@ -69,3 +69,26 @@ def rng():
 def unit_rows(rng, n, d):
     x = rng.standard_normal((n, d)).astype(np.float32)
     return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def attn_case(rng, bh, g, d, t, kb, vb):
+    """Arguments of ops.decode_attention: random codes, norms and sorted centroids, token
+    ranges [lo, hi) per head (one full, one empty when bh > 2), scale 1/sqrt(d)."""
+    from tqvec import ops
+
+    qr = torch.from_numpy(rng.standard_normal((bh, g, d)).astype(np.float32))
+    qbias = torch.from_numpy(rng.standard_normal((bh, g)).astype(np.float32))
+    kp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << kb, (bh * t, d)).astype(np.uint8)),
+                       kb, backend="ref").reshape(bh, t, -1)
+    vp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << vb, (bh * t, d)).astype(np.uint8)),
+                       vb, backend="ref").reshape(bh, t, -1)
+    kn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
+    vn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
+    kc = torch.from_numpy(np.sort(rng.standard_normal(1 << kb)).astype(np.float32))
+    vc = torch.from_numpy(np.sort(rng.standard_normal(1 << vb)).astype(np.float32))
+    lo = torch.from_numpy(rng.integers(0, max(1, t // 3), bh).astype(np.int32))
+    hi = torch.from_numpy(rng.integers(t // 2, t + 1, bh).astype(np.int32))
+    hi[0] = t                       # one full row
+    if bh > 2:
+        lo[1], hi[1] = 5, 5         # an empty range: m = -inf, l = 0, acc = 0
+    return qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, 1.0 / np.sqrt(d)

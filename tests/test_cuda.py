@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import tqvec
-from tests.conftest import scan_case
+from tests.conftest import attn_case, scan_case
 from tqvec import ops
 from tqvec.ops import cuda as C
 from tqvec.random import make_rotation
@@ -198,25 +198,6 @@ def test_emulated_lut_scan_large_k_takes_the_gemm_path(emulated, rng):
     _assert_same_topk(got, ops.lut_scan(*case, 4, 300, backend="ref"))
 
 
-def _attn_case(rng, bh, g, d, t, kb, vb):
-    qr = torch.from_numpy(rng.standard_normal((bh, g, d)).astype(np.float32))
-    qbias = torch.from_numpy(rng.standard_normal((bh, g)).astype(np.float32))
-    kp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << kb, (bh * t, d)).astype(np.uint8)),
-                       kb, backend="ref").reshape(bh, t, -1)
-    vp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << vb, (bh * t, d)).astype(np.uint8)),
-                       vb, backend="ref").reshape(bh, t, -1)
-    kn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
-    vn = torch.from_numpy(rng.uniform(0.5, 2, (bh, t)).astype(np.float32))
-    kc = torch.from_numpy(np.sort(rng.standard_normal(1 << kb)).astype(np.float32))
-    vc = torch.from_numpy(np.sort(rng.standard_normal(1 << vb)).astype(np.float32))
-    lo = torch.from_numpy(rng.integers(0, max(1, t // 3), bh).astype(np.int32))
-    hi = torch.from_numpy(rng.integers(t // 2, t + 1, bh).astype(np.int32))
-    hi[0] = t                       # one full row
-    if bh > 2:
-        lo[1], hi[1] = 5, 5         # an empty range: m = -inf, l = 0, acc = 0
-    return qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, 1.0 / np.sqrt(d)
-
-
 @pytest.mark.parametrize("bh,g,d,t,kb,vb,splits", [
     (3, 4, 128, 700, 3, 3, None),   # GQA 4, several splits, d = 128
     (2, 1, 64, 300, 4, 2, 1),       # MQA-like single query, one split
@@ -225,7 +206,7 @@ def _attn_case(rng, bh, g, d, t, kb, vb):
     (2, 3, 100, 40, 3, 2, 7),       # more splits than tiles: empty splits
 ])
 def test_emulated_decode_attention_matches_reference(emulated, bh, g, d, t, kb, vb, splits, rng):
-    case = _attn_case(rng, bh, g, d, t, kb, vb)
+    case = attn_case(rng, bh, g, d, t, kb, vb)
     m0, l0, a0 = ops.decode_attention(*case, backend="ref")
     m1, l1, a1 = emulated.decode_attention_cuda(*case, splits=splits)
     assert torch.equal(torch.isfinite(m1), torch.isfinite(m0))
@@ -267,7 +248,7 @@ def test_kv_adapter_through_the_emulated_kernel(emulated, monkeypatch):
 
 def test_decode_attention_reference_is_softmax_attention(rng):
     """The reference against a direct decode-then-softmax computation."""
-    qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale = _attn_case(rng, 3, 2, 32, 50, 3, 2)
+    qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale = attn_case(rng, 3, 2, 32, 50, 3, 2)
     m, l, acc = ops.decode_attention(qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale)
     for b in range(3):
         if lo[b] >= hi[b]:
@@ -346,7 +327,7 @@ def test_gpu_index_matches_cpu_index(metric, d, n, nq, rng):
                                             (4, 1, 256, 3000, 2, 2), (1, 4, 128, 1, 3, 3)])
 def test_gpu_decode_attention_matches_reference(bh, g, d, t, kb, vb, rng):
     case = [c.cuda() if isinstance(c, torch.Tensor) else c
-            for c in _attn_case(rng, bh, g, d, t, kb, vb)]
+            for c in attn_case(rng, bh, g, d, t, kb, vb)]
     m0, l0, a0 = ops.decode_attention(*case, backend="ref")
     m1, l1, a1 = ops.decode_attention(*case, backend="cuda")
     fin = torch.isfinite(m0)

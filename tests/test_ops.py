@@ -7,7 +7,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.conftest import on, scan_case
+from tests.conftest import attn_case, on, scan_case
 from tqvec import ops
 from tqvec.random import make_rotation
 
@@ -238,6 +238,23 @@ def test_fast_scan_two_stage(backend, b, rng):
     assert not torch.isin(p, torch.arange(0, n, 11)).any()
     _, cand = ops.ref.fast_scan_ref(qr, signs, n, c1, mult, add1, 1, 200)
     assert np.mean([len(set(p[i].tolist()) & set(cand[i].tolist())) / k for i in range(nq)]) > 0.9
+
+
+@pytest.mark.parametrize("bh,g,d,t,kb,vb", [(3, 4, 128, 700, 3, 3), (2, 1, 64, 300, 4, 2),
+                                            (4, 8, 96, 257, 2, 4), (3, 3, 64, 50, 8, 1)])
+def test_decode_attention_matches_reference(backend, bh, g, d, t, kb, vb, rng):
+    """The softmax state (max, sum, rotated accumulator) of decode attention over codes; an
+    empty token range gives (-inf, 0, 0)."""
+    case = list(attn_case(rng, bh, g, d, t, kb, vb))
+    m0, l0, a0 = ops.decode_attention(*case, backend="ref")
+    m1, l1, a1 = ops.decode_attention(*on(backend, *case[:5]), kb, *on(backend, *case[6:9]), vb,
+                                      *on(backend, *case[10:12]), case[12], backend=backend)
+    m1, l1, a1 = m1.cpu(), l1.cpu(), a1.cpu()
+    fin = torch.isfinite(m0)
+    assert torch.equal(torch.isfinite(m1), fin)
+    torch.testing.assert_close(m1[fin], m0[fin], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-4)
 
 
 def test_fast_scan_terms_rejects_bad_terms(rng):

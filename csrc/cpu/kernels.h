@@ -77,6 +77,14 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
                    const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
                    int64_t* out_idx, int nthreads);
 
+// Decode attention over TurboQuant-mse key/value codes (attention.cpp; decode_attention_ref):
+// softmax state (m, l, acc) per (KV head, query row), tokens [lo, hi) of T per head.
+void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
+                      const uint8_t* kpacked, const float* knorm, const float* kcent, int kb,
+                      const uint8_t* vpacked, const float* vnorm, const float* vcent, int vb,
+                      int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
+                      float* l, float* acc, int nthreads);
+
 // Exact re-scoring of candidates (rescore.cpp): for query i and candidate r with row
 // j = rows[i, r] of x (n, d) float32: dot[i, r] = <q_i, x_j>, sqn[i, r] = ||x_j||^2; j = -1 gives
 // 0 and 0 (the caller masks it).

@@ -124,6 +124,40 @@ NB_MODULE(_C, m) {
                        add.data(), rows.data(), r, k, out_vals.data(), out_idx.data(), nthreads);
   });
 
+  m.def("decode_attention", [](CArr<const float> qr, CArr<const float> qbias,
+                               CArr<const uint8_t> kpacked, CArr<const float> knorm,
+                               CArr<const float> kcent, int kb, CArr<const uint8_t> vpacked,
+                               CArr<const float> vnorm, CArr<const float> vcent, int vb,
+                               CArr<const int32_t> lo, CArr<const int32_t> hi, float scale,
+                               CArr<float> m, CArr<float> l, CArr<float> acc, int nthreads) {
+    check_bits(kb);
+    check_bits(vb);
+    require(qr.ndim() == 3 && qbias.ndim() == 2 && kpacked.ndim() == 3 && vpacked.ndim() == 3 &&
+                knorm.ndim() == 2 && vnorm.ndim() == 2 && lo.ndim() == 1 && hi.ndim() == 1 &&
+                m.ndim() == 2 && l.ndim() == 2 && acc.ndim() == 3,
+            "decode_attention: bad ranks");
+    const int64_t bh = qr.shape(0), g = qr.shape(1), d = qr.shape(2), t = kpacked.shape(1);
+    const auto B = static_cast<size_t>(bh), G = static_cast<size_t>(g), T = static_cast<size_t>(t);
+    require(qbias.shape(0) == B && qbias.shape(1) == G, "decode_attention: qbias shape");
+    require(kpacked.shape(0) == B && kpacked.shape(2) == static_cast<size_t>(rb(d, kb)) &&
+                vpacked.shape(0) == B && vpacked.shape(1) == T &&
+                vpacked.shape(2) == static_cast<size_t>(rb(d, vb)),
+            "decode_attention: packed codes shape");
+    require(knorm.shape(0) == B && knorm.shape(1) == T && vnorm.shape(0) == B &&
+                vnorm.shape(1) == T, "decode_attention: norms shape");
+    check_centroids(kcent, kb, "decode_attention");
+    check_centroids(vcent, vb, "decode_attention");
+    require(lo.shape(0) == B && hi.shape(0) == B, "decode_attention: lo/hi length");
+    require(m.shape(0) == B && m.shape(1) == G && l.shape(0) == B && l.shape(1) == G &&
+                acc.shape(0) == B && acc.shape(1) == G && acc.shape(2) == static_cast<size_t>(d),
+            "decode_attention: outputs");
+    nb::gil_scoped_release rel;
+    tqvec::decode_attention(qr.data(), qbias.data(), bh, g, d, kpacked.data(), knorm.data(),
+                            kcent.data(), kb, vpacked.data(), vnorm.data(), vcent.data(), vb, t,
+                            lo.data(), hi.data(), scale, m.data(), l.data(), acc.data(),
+                            nthreads);
+  });
+
   m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
                           int nthreads) {
     require(packed.ndim() == 2 && blocked.ndim() == 3, "block_codes: bad ranks");

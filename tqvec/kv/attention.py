@@ -12,13 +12,14 @@ is what keeps sliding windows, padding and BalanceKV's sparse token sets right. 
 attention function alone makes transformers build *no* mask for it, so the sdpa mask builder
 is registered under the same name.
 
-On CUDA tensors the code segment goes through the fused decode-attention op
-(``ops.decode_attention``: csrc/cuda/attention.cu, flash-decoding over the packed codes) when the
-layer allows it - TurboQuant-mse keys and values (optionally channel-scaled), one code segment
-that every current query may see in full, no BalanceKV weights, no softcap - and its softmax
-state (max, sum, rotated-domain accumulator) is merged with the exact segments' scores here.
-``CODES_KERNEL`` chooses: "auto" (CUDA only), "always" (the CPU runs the op's torch reference:
-the tests compare it with the per-segment path), "never".
+The code segment goes through the fused decode-attention op (``ops.decode_attention``:
+csrc/cuda/attention.cu on GPUs, flash-decoding over the packed codes; csrc/cpu/attention.cpp on
+the CPU) when the layer allows it - TurboQuant-mse keys and values (optionally channel-scaled),
+one code segment that every current query may see in full, no BalanceKV weights, no softcap -
+and its softmax state (max, sum, rotated-domain accumulator) is merged with the exact segments'
+scores here. ``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also
+the op's torch reference), "never" (the per-segment torch path below, which the tests compare
+with).
 
 Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
 "tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which
@@ -37,7 +38,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 __all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "attend"]
 
 ATTENTION_NAME = "tqvec"
-CODES_KERNEL = "auto"  # "auto" (CUDA tensors) | "always" | "never": see the module docstring
+CODES_KERNEL = "auto"  # "auto" | "always" | "never": see the module docstring
 _QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
 
 
@@ -155,8 +156,12 @@ def _mse_parts(quantizer):
 
 def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
     """The fused op's inputs' sources when it applies to this call (module docstring)."""
-    if CODES_KERNEL == "never" or (CODES_KERNEL == "auto" and not q.is_cuda):
+    if CODES_KERNEL == "never":
         return None
+    if CODES_KERNEL == "auto" and not q.is_cuda:
+        from ..ops.cpu import available
+        if not available():  # the CPU kernel (csrc/cpu/attention.cpp) is not built
+            return None
     if softcap is not None or layer.mr is not None:
         return None
     codes = [s for s in segs if s[0] == "codes"]

@@ -332,8 +332,7 @@ def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tenso
                      hi: torch.Tensor, scale: float, backend: str = "auto"
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(m, l, acc) softmax state of decode attention over key/value codes; see
-    ``ref.decode_attention_ref``. CPU tensors use the reference (the CPU cache computes the
-    same thing per segment in tqvec.kv.attention)."""
+    ``ref.decode_attention_ref``: the CUDA kernel on GPUs, the compiled kernel on the CPU."""
     f = _pick("decode_attention", qr.device, backend)
     return f(qr.contiguous(), qbias.contiguous(), kpacked.contiguous(), knorm.contiguous(),
              kcent.contiguous(), kb, vpacked.contiguous(), vnorm.contiguous(),

@@ -19,7 +19,7 @@ __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_cpu",
-           "rescore_rows_cpu"]
+           "decode_attention_cpu", "rescore_rows_cpu"]
 
 
 def available() -> bool:
@@ -173,6 +173,22 @@ def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
         arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets)
         _C.ivf_fast_scan(*arrays, b, k, vals, pos, _threads())
     return torch.from_numpy(vals), torch.from_numpy(pos)
+
+
+def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
+                         knorm: torch.Tensor, kcent: torch.Tensor, kb: int,
+                         vpacked: torch.Tensor, vnorm: torch.Tensor, vcent: torch.Tensor, vb: int,
+                         lo: torch.Tensor, hi: torch.Tensor, scale: float
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    bh, g, d = qr.shape
+    m = np.empty((bh, g), dtype=np.float32)
+    l = np.empty((bh, g), dtype=np.float32)
+    acc = np.empty((bh, g, d), dtype=np.float32)
+    if bh and g:
+        _C.decode_attention(*_np(qr, qbias, kpacked, knorm, kcent), kb,
+                            *_np(vpacked, vnorm, vcent), vb, *_np(lo, hi), float(scale), m, l,
+                            acc, _threads())
+    return torch.from_numpy(m), torch.from_numpy(l), torch.from_numpy(acc)
 
 
 def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor

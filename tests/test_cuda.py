@@ -224,25 +224,14 @@ def test_kv_adapter_through_the_emulated_kernel(emulated, monkeypatch):
     """#5's adapter path with the CUDA kernel's own code (CPU emulation): a tiny Llama decoding
     from a compressed cache gives the per-segment path's logits."""
     pytest.importorskip("transformers")
-    import tqvec.kv as kv
-    from tests.test_kv import llama, run
-    from tqvec.kv import attention
+    from tests.test_kv import fused_and_plain, llama
 
     model = llama()
     ids = torch.randint(0, 97, (2, 26), generator=torch.Generator().manual_seed(4))
     cfg = dict(key_bits=3, value_bits=2, residual_length=3, sink_length=2)
-    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
-    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-    calls = []
-
-    def kernel(*args, **kw):
-        calls.append(1)
-        return emulated.decode_attention_cuda(*args)
-
-    monkeypatch.setattr(ops, "decode_attention", kernel)
-    monkeypatch.setattr(attention, "CODES_KERNEL", "always")
-    fused = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-    assert len(calls) >= 2 * 14
+    plain, fused, calls = fused_and_plain(model, ids, cfg, 12, "always", monkeypatch,
+                                          kernel=lambda *a, **k: emulated.decode_attention_cuda(*a))
+    assert calls >= 2 * 14
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
 
 
@@ -344,20 +333,12 @@ def test_gpu_kv_adapter_uses_the_kernel(dtype, monkeypatch):
     """On a CUDA model the adapter runs the code segment through the CUDA kernel ("auto") and
     matches the per-segment torch path."""
     pytest.importorskip("transformers")
-    import tqvec.kv as kv
-    from tests.test_kv import llama, run
-    from tqvec.kv import attention
+    from tests.test_kv import fused_and_plain, llama
 
     model = llama().to("cuda", dtype)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()
     cfg = dict(key_bits=3, value_bits=3, residual_length=4, sink_length=2)
-    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
-    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 16)
-    calls = []
-    real = ops.decode_attention
-    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(attention, "CODES_KERNEL", "auto")
-    fused = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 16)
+    plain, fused, calls = fused_and_plain(model, ids, cfg, 16, "auto", monkeypatch)
     assert calls
     tol = 1e-3 if dtype == torch.float32 else 5e-2
     torch.testing.assert_close(fused.float(), plain.float(), atol=tol, rtol=tol)

@@ -42,6 +42,23 @@ def run(model, ids, cache, prefill):
     return torch.cat(out, dim=1)
 
 
+def fused_and_plain(model, ids, cfg, prefill, mode, monkeypatch, kernel=None):
+    """Logits of ``run`` with the per-segment attention path and with the fused op
+    (``CODES_KERNEL = mode``, ``kernel`` replacing ops.decode_attention), and how many times
+    the op ran."""
+    from tqvec import ops
+    from tqvec.kv import attention
+
+    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), prefill)
+    calls = []
+    real = kernel or ops.decode_attention
+    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(attention, "CODES_KERNEL", mode)
+    fused = run(model, ids, kv.TurboQuantCache(model.config, **cfg), prefill)
+    return plain, fused, len(calls)
+
+
 @pytest.mark.parametrize("make", [llama, gemma3])
 def test_window_covering_sequence_reproduces_dynamic_cache_exactly(make):
     from transformers import DynamicCache
@@ -77,20 +94,11 @@ def test_fused_codes_attention_matches_segment_path(make, kw, monkeypatch):
     """The code segment through ops.decode_attention (the CUDA kernel's op; on the CPU its
     reference) merged with the exact segments == the per-segment path, prefill and decode,
     channel scales and log-coded norms included; sliding layers (Gemma) too."""
-    from tqvec import ops
-    from tqvec.kv import attention
-
     model = make()
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(3))
     kw = dict(dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2), **kw)
-    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
-    plain = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
-    calls = []
-    real = ops.decode_attention
-    monkeypatch.setattr(ops, "decode_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    monkeypatch.setattr(attention, "CODES_KERNEL", "always")
-    fused = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
-    assert len(calls) >= 18 * model.config.num_hidden_layers // 2
+    plain, fused, calls = fused_and_plain(model, ids, kw, 12, "always", monkeypatch)
+    assert calls >= 18 * model.config.num_hidden_layers // 2
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
 
 

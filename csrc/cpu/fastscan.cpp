@@ -373,6 +373,25 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums_avx2(
   store_totals<NB, NQ>(tt, tot);
 }
 
+// The four 16-entry quarters of a pair's 64-entry table, each broadcast to both lanes.
+__attribute__((target("avx2"), always_inline)) inline void load_pair_tables(const uint8_t* t,
+                                                                             __m256i (&tt)[4]) {
+  for (int u = 0; u < 4; ++u)
+    tt[u] = _mm256_broadcastsi128_si256(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * u)));
+}
+
+// A pair's table value for 32 rows: hi nibbles hv pick within each quarter, bits of lo (moved to
+// bit 7 of each byte in m0 / m1) pick the quarter.
+__attribute__((target("avx2"), always_inline)) inline __m256i pair_lookup(
+    const __m256i (&tt)[4], __m256i hv, __m256i m0, __m256i m1) {
+  const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(tt[0], hv),
+                                       _mm256_shuffle_epi8(tt[1], hv), m0);
+  const __m256i c = _mm256_blendv_epi8(_mm256_shuffle_epi8(tt[2], hv),
+                                       _mm256_shuffle_epi8(tt[3], hv), m0);
+  return _mm256_blendv_epi8(a, c, m1);
+}
+
 // b = 3 (pair layout): per group of 8 coordinates, pair P's value is a 64-entry table looked
 // up as four 16-entry shuffles on its hi nibble, merged by two byte blends on its lo bits
 // (bit 2P of the lo byte selects within each pair of tables, bit 2P+1 between the pairs); the
@@ -401,27 +420,16 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums3_avx2(
           for (int s = 0; s < 2; ++s) {
             const int P = 2 * h + s;
             const __m128i sh0 = _mm_cvtsi32_si128(7 - 2 * P), sh1 = _mm_cvtsi32_si128(6 - 2 * P);
-            const uint8_t* t = q8[0] + (4 * g + P) * 64;
-            const __m256i t0 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-            const __m256i t1 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
-            const __m256i t2 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32)));
-            const __m256i t3 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 48)));
+            __m256i tt[4];
+            load_pair_tables(q8[0] + (4 * g + P) * 64, tt);
             for (int j = 0; j < NB; ++j) {
               const uint8_t* src = blk + (j * rb + 3 * g) * kRows;
               const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + h * kRows));
               const __m256i cl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 2 * kRows));
               const __m256i hv = s == 0 ? _mm256_and_si256(c, low4)
                                         : _mm256_and_si256(_mm256_srli_epi16(c, 4), low4);
-              const __m256i m0 = _mm256_sll_epi16(cl, sh0), m1 = _mm256_sll_epi16(cl, sh1);
-              const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(t0, hv),
-                                                   _mm256_shuffle_epi8(t1, hv), m0);
-              const __m256i b = _mm256_blendv_epi8(_mm256_shuffle_epi8(t2, hv),
-                                                   _mm256_shuffle_epi8(t3, hv), m0);
-              const __m256i v = _mm256_blendv_epi8(a, b, m1);
+              const __m256i v = pair_lookup(tt, hv, _mm256_sll_epi16(cl, sh0),
+                                            _mm256_sll_epi16(cl, sh1));
               r[j] = s == 0 ? v : _mm256_add_epi8(r[j], v);
             }
           }
@@ -453,21 +461,10 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums3_avx2(
             m1[j] = _mm256_sll_epi16(cl[j], sh1);
           }
           for (int q = 0; q < NQ; ++q) {
-            const uint8_t* t = q8[q] + (4 * g + P) * 64;
-            const __m256i t0 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-            const __m256i t1 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16)));
-            const __m256i t2 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32)));
-            const __m256i t3 = _mm256_broadcastsi128_si256(
-                _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 48)));
+            __m256i tt[4];
+            load_pair_tables(q8[q] + (4 * g + P) * 64, tt);
             for (int j = 0; j < NB; ++j) {
-              const __m256i a = _mm256_blendv_epi8(_mm256_shuffle_epi8(t0, hv[j]),
-                                                   _mm256_shuffle_epi8(t1, hv[j]), m0[j]);
-              const __m256i c = _mm256_blendv_epi8(_mm256_shuffle_epi8(t2, hv[j]),
-                                                   _mm256_shuffle_epi8(t3, hv[j]), m0[j]);
-              const __m256i v = _mm256_blendv_epi8(a, c, m1[j]);
+              const __m256i v = pair_lookup(tt, hv[j], m0[j], m1[j]);
               r[q][j] = s == 0 ? v : _mm256_add_epi8(r[q][j], v);
             }
           }

@@ -310,6 +310,72 @@ def test_sign_prefilter(spec, metric, rng, tmp_path):
     assert tqvec.read_index(str(tmp_path / "p.tqv")).prefilter == 10
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_centering(metric, rng, tmp_path):
+    """Center,: codes of x - mu (mu fitted by train). Far from the origin it keeps more of the
+    exact L2 neighbours; distances and similarities stay those of the original vectors (exact
+    with Refine(Flat)); both query paths agree; the center survives write/read."""
+    offset = 8.0 * np.abs(rng.standard_normal(48)).astype(np.float32)
+    xb = rng.standard_normal((3000, 48)).astype(np.float32) + offset
+    xq = rng.standard_normal((20, 48)).astype(np.float32) + offset
+    index = tqvec.index_factory(48, "Center,TQ2", metric)
+    assert not index.is_trained
+    with pytest.raises(ValueError, match="must be trained before add"):
+        index.add(xb)
+    with pytest.raises(ValueError, match="must be trained before search"):
+        index.search(xq, 5)
+    index.train(xb)
+    index.add(xb)
+    plain = tqvec.index_factory(48, "TQ2", metric)
+    plain.add(xb)
+    exact = tqvec.index_factory(48, "TQ8,Refine(Flat)", metric)
+    exact.add(xb)
+    _, It = exact.search(xq, 10)
+    hit = lambda I: np.mean([len(set(I[i]) & set(It[i])) / 10 for i in range(len(I))])  # noqa
+    D, I = index.search(xq, 10)
+    if metric == "l2":  # (ip / cosine neighbours of offset Gaussian data say little)
+        assert hit(I) > hit(plain.search(xq, 10)[1]) + 0.05
+    D2, I2 = index.search(torch.from_numpy(xq), 10)
+    np.testing.assert_array_equal(I, I2)
+    np.testing.assert_allclose(D, D2, rtol=1e-5, atol=1e-4)
+    ref = tqvec.index_factory(48, "Center,TQ8,Refine(Flat)", metric)
+    ref.train(xb)
+    ref.add(xb)
+    D, I = ref.search(xq[:3], 5)
+    x, q = xb[I], xq[:3, None, :]
+    true = {"l2": ((x - q) ** 2).sum(-1), "ip": (x * q).sum(-1),
+            "cosine": (x * q).sum(-1) / np.linalg.norm(x, axis=-1) / np.linalg.norm(q, axis=-1)}
+    np.testing.assert_allclose(D, true[metric], rtol=2e-3, atol=2e-3)
+    tqvec.write_index(index, str(tmp_path / "c.tqv"))
+    back = tqvec.read_index(str(tmp_path / "c.tqv"))
+    np.testing.assert_array_equal(back.center, index.center)
+    np.testing.assert_array_equal(back.search(xq, 10)[1], I2)
+    with pytest.raises(ValueError, match="index must be empty to fit"):
+        index.train(xb)
+
+
+def test_center_vector_and_rejections(rng):
+    x = rng.standard_normal((500, 16)).astype(np.float32) + 5
+    mu = x.mean(0)
+    given = tqvec.FlatIndex(tqvec.TurboQuant(16, 3), "l2", center=mu)
+    fitted = tqvec.index_factory(16, "Center,TQ3", "l2")
+    fitted.train(x)
+    given.add(x)
+    fitted.add(x)
+    np.testing.assert_allclose(given.center, fitted.center, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(given.reconstruct(3), x[3], atol=1.0)
+    lims, D, I = given.range_search(x[:2], 30.0)
+    assert lims[-1] > 0 and (D < 30.0).all()
+    with pytest.raises(ValueError, match="must not combine Center with IVF"):
+        tqvec.index_factory(16, "Center,IVF4,TQ3")
+    with pytest.raises(ValueError, match="center must be None, 'fit'"):
+        tqvec.FlatIndex(tqvec.TurboQuant(16, 3), "l2", center="mean")
+    with pytest.raises(ValueError, match="center must have 16 columns"):
+        tqvec.FlatIndex(tqvec.TurboQuant(16, 3), "l2", center=np.zeros(8))
+    with pytest.raises(ValueError, match="without center"):
+        given.to_faiss()
+
+
 def test_prefilter_factory_string():
     index = tqvec.index_factory(64, "TQ3,Prefilter(12),Refine(Flat)", "l2")
     assert index.prefilter == 12 and index.refine == "flat" and index.code_size == 24 + 4 + 256

@@ -45,7 +45,7 @@ def faiss_specs(d: int, b: int) -> list[str]:
 
 
 def tqvec_specs(b: int) -> list[str]:
-    out = [f"TQ{b}", f"TQ{b}u", f"TQprod{b}"]
+    out = [f"TQ{b}", f"TQ{b}u", f"TQprod{b}", f"Center,TQ{b}"]  # Center: mu fitted by train
     if b >= 2:
         out.append(f"TQ{b},Prefilter(10)")  # sign-bit first pass, the same bytes as TQ{b}
     if b <= 2:
@@ -85,6 +85,8 @@ def run_method(kind: str, spec: str, d: int, metric: str, xb, xq, gt, single: in
     t0 = time.perf_counter()
     if kind == "tqvec":
         index = tqvec.index_factory(d, spec, metric)
+        if not index.is_trained:  # Center: the mean of the base rows (timed in build_s)
+            index.train(xb)
         index.add(xb)
         code_size = index.code_size
     else:

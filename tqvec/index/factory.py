@@ -18,6 +18,8 @@ spec                codec                                                    byt
 ``TQ4,Prefilter(10)`` (TurboQuant-mse, 2-8 bits, CPU) scans only the sign bits of the codes
 first and ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra
 bytes: the sign plane is the top bit of each index).
+``Center,`` in front (``Center,TQ2``) codes x - mu with mu the mean of the rows passed to
+``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``).
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
 are those of the codes (plus nlist * d * 4 bytes of centroids per index).
@@ -67,6 +69,9 @@ def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     body = spec.replace(" ", "")
+    center = body.startswith("Center,")
+    if center:
+        body = body[len("Center,"):]
     ivf = re.match(r"IVF(\d+),", body)
     if body.startswith("IVF") and not ivf:
         raise ValueError(f"spec must look like 'IVF1024,TQ4' for an IVF index, got {spec!r}")
@@ -83,9 +88,13 @@ def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
     ref = parse_codec(d, m["ref"], seed + 1) if m["ref"] else None
     pf = int(m["pf"]) if m["pf"] else 0
     if ivf:
+        if center:
+            raise ValueError(f"spec must not combine Center with IVF (the lists' residuals are "
+                             f"already centred, each on its centroid), got {spec!r}")
         if pf:
             raise ValueError(f"spec must not combine IVF with Prefilter (the probed lists are "
                              f"scanned in full), got {spec!r}")
         return IVFIndex(base, int(ivf[1]), metric, refine=ref, k_factor=k_factor, seed=seed,
                         device=device)
-    return FlatIndex(base, metric, refine=ref, k_factor=k_factor, prefilter=pf, device=device)
+    return FlatIndex(base, metric, refine=ref, k_factor=k_factor, prefilter=pf,
+                     center="fit" if center else None, device=device)

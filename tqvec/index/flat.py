@@ -128,6 +128,14 @@ class FlatIndex:
         their full codes. That first pass reads b times fewer bytes; on MiniLM-384 (60k, 1,000
         queries) prefilter 10 kept 99.6-99.9 % of the exact 4/3/2-bit top-10 and recall@10
         within 0.001. An attribute, like faiss's ``nprobe``: may change between searches.
+    center: ``None`` (default), ``"fit"`` or a (d,) vector mu: codes of x - mu instead of x (for
+        cosine: of x / ||x|| - mu). A fit of one vector, so the index then needs ``train`` when
+        ``"fit"`` (mu = the training rows' mean). The codec's error scales with the norm it
+        codes, so on data far from the origin (pixels: Fashion-MNIST recall@10 at 1 / 2 / 4
+        bits 0.677 / 0.798 / 0.928 -> 0.734 / 0.841 / 0.945) it buys recall for no bytes per
+        vector; on embeddings near the origin (MiniLM, ||mu|| = 0.23) nothing. L2 distances are
+        translation-invariant; inner products add <q, mu> exactly; cosine becomes the inner
+        product of unit vectors (the reconstruction's norm is then not divided out).
     device: where the codes live and are scanned (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         On a GPU, adds encode with the CUDA kernels and searches run the CUDA LUT scan
         (TurboQuant-mse) or the codec's blocked GEMM; results come back as numpy, as in faiss.
@@ -135,7 +143,7 @@ class FlatIndex:
     """
 
     def __init__(self, codec: Codec, metric: Any = "ip", *, refine: Codec | str | None = None,
-                 k_factor: int = 4, prefilter: int = 0,
+                 k_factor: int = 4, prefilter: int = 0, center: Any = None,
                  device: str | torch.device | None = None):
         if not isinstance(codec, Codec):
             raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
@@ -149,7 +157,24 @@ class FlatIndex:
         self.refine = refine
         self.k_factor = V.positive_int(k_factor, "k_factor")
         self.device = _device(device)
-        self.is_trained = True  # data-oblivious: nothing to train
+        self.is_trained = True  # data-oblivious: nothing to train (unless center="fit")
+        self._center: torch.Tensor | None = None
+        self.centered = center is not None
+        self._fit_center = isinstance(center, str)
+        if isinstance(center, str):
+            if center != "fit":
+                raise ValueError(f"center must be None, 'fit' or a ({self.d},) vector, got "
+                                 f"{center!r}")
+            self.is_trained = False
+        elif center is not None:
+            cv = center if isinstance(center, torch.Tensor) else torch.from_numpy(
+                np.array(center, dtype=np.float32))
+            c, _ = V.float_matrix(cv.reshape(1, -1), "center", self.d)
+            self._center = c[0].to(device=self.device, dtype=torch.float32).contiguous()
+        # the metric the codes are scored with: centred cosine is the inner product of unit
+        # vectors (see ``center``)
+        self._scoring = (METRIC_INNER_PRODUCT if self.centered and
+                         self.metric_type == METRIC_COSINE else self.metric_type)
         self._lock = threading.Lock()
         self._prefilter = 0
         self.reset()
@@ -186,8 +211,37 @@ class FlatIndex:
         return self.codec.code_size + extra
 
     def train(self, x: Any) -> None:
-        """No-op (data-oblivious); kept for faiss compatibility."""
-        V.float_matrix(x, "x", self.d)
+        """No-op (data-oblivious; kept for faiss compatibility), except with ``center="fit"``:
+        mu = the mean of x's rows (of x / ||x|| for cosine), once, on an empty index."""
+        t, _ = V.float_matrix(x, "x", self.d, allow_empty=not (self.centered and
+                                                               self._center is None))
+        if not self._fit_center:
+            return
+        if self._n:
+            raise ValueError(f"index must be empty to fit its center, got ntotal={self._n} "
+                             "(call reset() first)")
+        t = t.to(torch.float64)
+        if self.metric_type == METRIC_COSINE:
+            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-300)
+        self._center = t.mean(0).to(device=self.device, dtype=torch.float32).contiguous()
+        self.is_trained = True
+
+    @property
+    def center(self) -> np.ndarray | None:
+        """The (d,) vector mu subtracted before coding (None without centering)."""
+        return None if self._center is None else self._center.cpu().numpy().copy()
+
+    def _to_stored(self, t: torch.Tensor) -> torch.Tensor:
+        """Rows as the codes hold them: x, or x - mu (cosine: x / ||x|| - mu)."""
+        if not self.centered:
+            return t
+        if self._center is None:
+            raise ValueError("index must be trained before add: center='fit' needs train(x) "
+                             "to fit its center")
+        t = t.to(device=self.device, dtype=torch.float32)
+        if self.metric_type == METRIC_COSINE:
+            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
+        return t - self._center
 
     def reset(self) -> None:
         self._n = 0
@@ -237,10 +291,10 @@ class FlatIndex:
             return None
         n, dev = self._n, self.device
         add = torch.zeros(n, dtype=torch.float32, device=dev)
-        if self.metric_type == METRIC_L2:
+        if self._scoring == METRIC_L2:
             weight = torch.full((n,), 2.0, device=dev)
             add = -self._sqnorms
-        elif self.metric_type == METRIC_COSINE or self._sqnorms.numel():
+        elif self._scoring == METRIC_COSINE or self._sqnorms.numel():
             weight = 1.0 / torch.sqrt(self._sqnorms.clamp_min(1e-30))
         else:
             weight = torch.ones(n, device=dev)
@@ -261,7 +315,7 @@ class FlatIndex:
             self._signs, self._signs_n = (new if old is None else torch.cat([old, new])), n
             self._blocked, self._blocked_n = None, 0  # RAM holds one search-time copy
             add1 = state["add"]
-            if self.metric_type == METRIC_L2:
+            if self._scoring == METRIC_L2:
                 # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign]
                 # (norm^2 = m^2 d c1^2), not with the full code's ||x_hat||^2: its inner
                 # products are ~2/pi smaller, and mixing the two scales ranks short vectors
@@ -322,7 +376,7 @@ class FlatIndex:
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if t.shape[0] == 0:
             return
-        codes, ref, per_row = self._encode(t)
+        codes, ref, per_row = self._encode(self._to_stored(t))
         with self._lock:
             self._codes = _append_rows(self._codes, codes)
             if ref is not None:
@@ -337,7 +391,7 @@ class FlatIndex:
     def _sqnorms_of(self, codec: Codec, codes: Codes) -> torch.Tensor:
         """N(x) of the module docstring, cached at add time; empty for an inner product that
         is used unscaled (unbiased codecs, codecs that store no norm)."""
-        if self.metric_type == METRIC_INNER_PRODUCT:
+        if self._scoring == METRIC_INNER_PRODUCT:
             if codec.unbiased_ip:
                 return torch.empty(0, dtype=torch.float32, device=self.device)
             try:
@@ -387,13 +441,17 @@ class FlatIndex:
     def reconstruct(self, key: int) -> np.ndarray:
         """Decode the vector with id ``key`` -> (d,) float32."""
         p = self._position(key)
-        return self.codec.decode(self._codes[p], like=np.empty(0))[0]
+        return self._from_stored(self.codec.decode(self._codes[p], like=np.empty(0)))[0]
 
     def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
         """Decode the vectors at positions i0 .. i0+n-1 -> (n, d) float32."""
         if not 0 <= i0 <= i0 + n <= self._n:
             raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
-        return self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0))
+        return self._from_stored(self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0)))
+
+    def _from_stored(self, rows: np.ndarray) -> np.ndarray:
+        """Decoded rows back from the stored space: + mu (cosine: the unit-vector direction)."""
+        return rows if self._center is None else rows + self._center.cpu().numpy()
 
     def to_faiss(self, *, faiss_estimator: bool = False) -> Any:
         """The same codes in a faiss index (``IndexPreTransform`` over faiss's ``SQtqmse{b}``
@@ -401,6 +459,9 @@ class FlatIndex:
         unit-norm vectors (same results), ip over unit-norm vectors or cosine with
         ``faiss_estimator=True`` (faiss's <q, x_hat>, lower recall); ``Refine(Flat)`` and custom
         ids carry over. See ``tqvec.index.faiss_export`` for what maps and what cannot."""
+        if self.centered:
+            raise ValueError("to_faiss() needs an index without center (faiss's SQtqmse codes "
+                             "hold x itself)")
         from .faiss_export import to_faiss
         return to_faiss(self, faiss_estimator=faiss_estimator)
 
@@ -409,9 +470,9 @@ class FlatIndex:
         """(nq, B) similarities (larger is better; for L2 the negated squared distance).
         ``sqn`` is the N(x) slice of these codes (empty for inner product)."""
         s = self.codec.score(q, codes)
-        if self.metric_type == METRIC_L2:
+        if self._scoring == METRIC_L2:
             return 2 * s - sqn[None, :] - (q * q).sum(1, keepdim=True)
-        if self.metric_type == METRIC_COSINE or sqn.numel():
+        if self._scoring == METRIC_COSINE or sqn.numel():
             return s / torch.sqrt(sqn.clamp_min(1e-30))[None, :]
         return s
 
@@ -423,7 +484,15 @@ class FlatIndex:
                 q = torch.from_numpy(_unit_rows(q.numpy()))
             else:
                 q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
+        if self.centered and self._scoring == METRIC_L2 and self._center is not None:
+            q = q - self._center  # ||q - x|| = ||(q - mu) - (x - mu)||
         return q, was_numpy
+
+    def _offsets(self, q: torch.Tensor) -> np.ndarray | None:
+        """<q, mu> per query, added to inner-product scores of centred codes (None else)."""
+        if not self.centered or self._scoring == METRIC_L2 or self._center is None:
+            return None
+        return (q @ self._center).cpu().numpy().astype(np.float32)
 
     def _allowed_mask(self, allowed_ids: Any, ids: torch.Tensor) -> torch.Tensor | None:
         if allowed_ids is None:
@@ -441,11 +510,15 @@ class FlatIndex:
         object with ``is_member``; prefer ``allowed_ids``.
         """
         k = V.positive_int(k, "k")
+        if not self.is_trained:
+            raise ValueError("index must be trained before search: center='fit' needs "
+                             "train(x) to fit its center")
         if allowed_ids is None and params is None:
             out = self._search_fast_numpy(x, k)
             if out is not None:
                 return out
         q, was_numpy = self._prepare(x)
+        offsets = self._offsets(q)
         if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
             sel = params.sel
             allowed_ids = [int(i) for i in self._ids.tolist() if sel.is_member(int(i))]
@@ -471,6 +544,8 @@ class FlatIndex:
             m = vals.shape[1]
             if self.metric_type == METRIC_L2:
                 vals = -vals
+            if offsets is not None:
+                vals = vals + offsets[qs:qe, None]
             valid = np.isfinite(vals)
             if valid.all():  # the common case: k results per query
                 D[qs:qe, :m] = vals
@@ -498,10 +573,18 @@ class FlatIndex:
             return None
         q = np.ascontiguousarray(x)
         qt = torch.from_numpy(_unit_rows(q) if self.metric_type == METRIC_COSINE else q)
+        offsets = None
+        if self.centered:  # the same operations as _prepare and _offsets
+            if self._scoring == METRIC_L2:
+                qt = qt - self._center
+            else:
+                offsets = self._offsets(qt)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
             vals = -(vals - (qt * qt).sum(1, keepdim=True))
         vals, pos = vals.numpy(), pos.numpy()
+        if offsets is not None:
+            vals = vals + offsets[:, None]
         nq = q.shape[0]
         D = np.full((nq, k), _FLT_MAX if self.metric_type == METRIC_L2 else -_FLT_MAX,
                     dtype=np.float32)
@@ -594,9 +677,9 @@ class FlatIndex:
         else:  # exact vectors: each candidate row read once, no (nq, kk, d) gather
             ip, sqn = ops.rescore_rows(q.cpu(), ref, p.cpu())
             ip, sqn = ip.to(q.device), sqn.to(q.device)
-        if self.metric_type == METRIC_L2:
+        if self._scoring == METRIC_L2:
             new = 2 * ip - sqn - (q * q).sum(1, keepdim=True)
-        elif self.metric_type == METRIC_COSINE:
+        elif self._scoring == METRIC_COSINE:
             new = ip / torch.sqrt(sqn).clamp_min(1e-30)
         else:
             new = ip
@@ -609,7 +692,12 @@ class FlatIndex:
 
         Returns faiss's ``(lims, D, I)``: results of query i are D[lims[i]:lims[i+1]].
         """
+        if not self.is_trained:
+            raise ValueError("index must be trained before range_search: center='fit' needs "
+                             "train(x) to fit its center")
         q, _ = self._prepare(x)
+        off = self._offsets(q)
+        off_t = None if off is None else torch.from_numpy(off).to(q.device)[:, None]
         with self._lock:
             codes, ids, sqn, n = self._codes, self._ids, self._sqnorms, self._n
         lims = np.zeros(q.shape[0] + 1, dtype=np.int64)
@@ -619,6 +707,8 @@ class FlatIndex:
         for cs in range(0, n, _CODE_BLOCK):
             ce = min(n, cs + _CODE_BLOCK)
             s = self._scores(q, codes[cs:ce], sqn[cs:ce])
+            if off_t is not None:
+                s = s + off_t
             if self.metric_type == METRIC_L2:
                 s = -s
                 hit = s < radius

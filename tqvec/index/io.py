@@ -50,7 +50,13 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
     meta = {"type": "flat", "params": index.codec.params,
             "fingerprint": index.codec.fingerprint(), "metric": metric_name(index.metric_type),
             "ntotal": index.ntotal, "next_id": index._next_id, "refine": refine,
-            "k_factor": index.k_factor, "prefilter": index.prefilter}
+            "k_factor": index.k_factor, "prefilter": index.prefilter,
+            "centered": bool(getattr(index, "centered", False))}
+    if meta["centered"]:
+        if index.center is None:
+            raise ValueError("index must be trained before it is written (center='fit' has no "
+                             "center yet)")
+        arrays["center"] = index.center
     if isinstance(index, IVFIndex):
         meta.update(type="ivf", nlist=index.nlist, nprobe=index.nprobe, seed=index.seed,
                     niter=index.niter, trained=index.is_trained)
@@ -74,8 +80,14 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
                              k_factor=meta["k_factor"], nprobe=meta["nprobe"],
                              seed=meta["seed"], niter=meta["niter"])
         elif meta["type"] == "flat":
+            center = None
+            if meta.get("centered"):
+                if "center" not in arrays:
+                    raise ValueError("arrays must hold 'center' for a centred index")
+                center = np.array(arrays["center"], dtype=np.float32)
             index = FlatIndex(codec, meta["metric"], refine=ref_codec,
-                              k_factor=meta["k_factor"], prefilter=meta.get("prefilter", 0))
+                              k_factor=meta["k_factor"], prefilter=meta.get("prefilter", 0),
+                              center=center)
         else:
             raise ValueError(f"type must be 'flat' or 'ivf', got {meta['type']!r}")
         ntotal = int(meta["ntotal"])

@@ -43,6 +43,9 @@ def test_wrapper_follows_base_ann(metric, rng):
     assert len(plain.query(x[3], 5)) == 5
     with pytest.raises(ValueError, match="query arguments must be"):
         plain.set_query_arguments(4, 10)
+    centred = mod.TQVec(metric, "Center,TQ4")
+    centred.fit(x)  # trains (the mean) before adding
+    assert centred.index.is_trained and len(centred.query(x[3], 5)) == 5
 
 
 def test_config_run_groups_build():

@@ -44,6 +44,8 @@ class TQVec(BaseANN):
     def fit(self, X: np.ndarray) -> None:
         X = np.ascontiguousarray(X, dtype=np.float32)
         self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
+        if not self.index.is_trained:  # "Center,": the mean of the base set
+            self.index.train(X)
         self.index.add(X)
 
     def set_query_arguments(self, *args: int) -> None:

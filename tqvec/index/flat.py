@@ -212,7 +212,8 @@ class FlatIndex:
 
     def train(self, x: Any) -> None:
         """No-op (data-oblivious; kept for faiss compatibility), except with ``center="fit"``:
-        mu = the mean of x's rows (of x / ||x|| for cosine), once, on an empty index."""
+        mu = the mean of x's rows (of x / ||x|| for cosine), on an empty index (it may be
+        refitted while it is empty; ``reset`` keeps it, as faiss keeps training)."""
         t, _ = V.float_matrix(x, "x", self.d, allow_empty=not (self.centered and
                                                                self._center is None))
         if not self._fit_center:

@@ -75,6 +75,11 @@ def _unit_rows(q: np.ndarray) -> np.ndarray:
     return q / np.maximum(nrm, np.float32(1e-30))
 
 
+def _normalized(x: torch.Tensor) -> torch.Tensor:
+    """Rows scaled to unit norm (torch, any device; zero rows stay zero)."""
+    return x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-30)
+
+
 def _append_rows(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
                  ) -> Codes | torch.Tensor:
     if old is None:
@@ -223,7 +228,7 @@ class FlatIndex:
                              "(call reset() first)")
         t = t.to(torch.float64)
         if self.metric_type == METRIC_COSINE:
-            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-300)
+            t = _normalized(t)
         self._center = t.mean(0).to(device=self.device, dtype=torch.float32).contiguous()
         self.is_trained = True
 
@@ -241,7 +246,7 @@ class FlatIndex:
                              "to fit its center")
         t = t.to(device=self.device, dtype=torch.float32)
         if self.metric_type == METRIC_COSINE:
-            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
+            t = _normalized(t)
         return t - self._center
 
     def reset(self) -> None:
@@ -484,16 +489,36 @@ class FlatIndex:
             if q.device.type == "cpu":  # numpy: ~3 us against torch's ~7 for one query
                 q = torch.from_numpy(_unit_rows(q.numpy()))
             else:
-                q = q / torch.linalg.vector_norm(q, dim=1, keepdim=True).clamp_min(1e-30)
-        if self.centered and self._scoring == METRIC_L2 and self._center is not None:
-            q = q - self._center  # ||q - x|| = ||(q - mu) - (x - mu)||
+                q = _normalized(q)
         return q, was_numpy
 
-    def _offsets(self, q: torch.Tensor) -> np.ndarray | None:
-        """<q, mu> per query, added to inner-product scores of centred codes (None else)."""
-        if not self.centered or self._scoring == METRIC_L2 or self._center is None:
-            return None
-        return (q @ self._center).cpu().numpy().astype(np.float32)
+    def _centre(self, q: torch.Tensor) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Prepared queries against centred codes: (q - mu, None) for L2, since
+        ||q - x|| = ||(q - mu) - (x - mu)||; else (q, <q, mu> per query), the offset added to
+        the inner-product scores. (q, None) without centering."""
+        if not self.centered or self._center is None:
+            return q, None
+        if self._scoring == METRIC_L2:
+            return q - self._center, None
+        return q, (q @ self._center).cpu().numpy().astype(np.float32)
+
+    def _empty_results(self, nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """faiss's padding: D = -FLT_MAX (similarities) or +FLT_MAX (L2), I = -1."""
+        fill = _FLT_MAX if self.metric_type == METRIC_L2 else -_FLT_MAX
+        return (np.full((nq, k), fill, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64))
+
+    @staticmethod
+    def _put_results(D: np.ndarray, I: np.ndarray, vals: np.ndarray, pos: np.ndarray,
+                     ids: np.ndarray) -> None:
+        """Write the first columns of D, I (row views) from best-first (vals, pos); non-finite
+        values (fewer results than asked) keep the padding."""
+        m = vals.shape[1]
+        valid = np.isfinite(vals)
+        if valid.all():  # the common case: k results per query
+            D[:, :m], I[:, :m] = vals, ids[pos]
+        else:
+            D[:, :m] = np.where(valid, vals, D[:, :m])
+            I[:, :m] = np.where(valid, ids[np.where(valid, pos, 0)], -1)
 
     def _allowed_mask(self, allowed_ids: Any, ids: torch.Tensor) -> torch.Tensor | None:
         if allowed_ids is None:
@@ -518,15 +543,13 @@ class FlatIndex:
             out = self._search_fast_numpy(x, k)
             if out is not None:
                 return out
-        q, was_numpy = self._prepare(x)
-        offsets = self._offsets(q)
+        q, _ = self._prepare(x)
+        q, offsets = self._centre(q)
         if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
             sel = params.sel
             allowed_ids = [int(i) for i in self._ids.tolist() if sel.is_member(int(i))]
         nq = q.shape[0]
-        D = np.full((nq, k), -_FLT_MAX if self.metric_type != METRIC_L2 else _FLT_MAX,
-                    dtype=np.float32)
-        I = np.full((nq, k), -1, dtype=np.int64)
+        D, I = self._empty_results(nq, k)
         with self._lock:  # a consistent snapshot; searching itself needs no lock
             snap = self._snapshot()
         n, ref = snap["n"], snap["ref"]
@@ -542,18 +565,11 @@ class FlatIndex:
             if ref is not None:
                 best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
             vals, pos = best_s.cpu().numpy(), best_p.cpu().numpy()
-            m = vals.shape[1]
             if self.metric_type == METRIC_L2:
                 vals = -vals
             if offsets is not None:
                 vals = vals + offsets[qs:qe, None]
-            valid = np.isfinite(vals)
-            if valid.all():  # the common case: k results per query
-                D[qs:qe, :m] = vals
-                I[qs:qe, :m] = ids_np[pos]
-            else:
-                D[qs:qe, :m] = np.where(valid, vals, D[qs:qe, :m])
-                I[qs:qe, :m] = np.where(valid, ids_np[np.where(valid, pos, 0)], -1)
+            self._put_results(D[qs:qe], I[qs:qe], vals, pos, ids_np)
         return D, I
 
     def _search_fast_numpy(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -574,28 +590,15 @@ class FlatIndex:
             return None
         q = np.ascontiguousarray(x)
         qt = torch.from_numpy(_unit_rows(q) if self.metric_type == METRIC_COSINE else q)
-        offsets = None
-        if self.centered:  # the same operations as _prepare and _offsets
-            if self._scoring == METRIC_L2:
-                qt = qt - self._center
-            else:
-                offsets = self._offsets(qt)
+        qt, offsets = self._centre(qt)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
             vals = -(vals - (qt * qt).sum(1, keepdim=True))
         vals, pos = vals.numpy(), pos.numpy()
         if offsets is not None:
             vals = vals + offsets[:, None]
-        nq = q.shape[0]
-        D = np.full((nq, k), _FLT_MAX if self.metric_type == METRIC_L2 else -_FLT_MAX,
-                    dtype=np.float32)
-        I = np.full((nq, k), -1, dtype=np.int64)
-        valid = np.isfinite(vals)
-        if valid.all():
-            D[:, :kk], I[:, :kk] = vals, ids.numpy()[pos]
-        else:
-            D[:, :kk] = np.where(valid, vals, D[:, :kk])
-            I[:, :kk] = np.where(valid, ids.numpy()[np.where(valid, pos, 0)], -1)
+        D, I = self._empty_results(q.shape[0], k)
+        self._put_results(D, I, vals, pos, ids.numpy())
         return D, I
 
     def _fast_rows_ok(self, n: int, kk: int) -> bool:
@@ -697,7 +700,7 @@ class FlatIndex:
             raise ValueError("index must be trained before range_search: center='fit' needs "
                              "train(x) to fit its center")
         q, _ = self._prepare(x)
-        off = self._offsets(q)
+        q, off = self._centre(q)
         off_t = None if off is None else torch.from_numpy(off).to(q.device)[:, None]
         with self._lock:
             codes, ids, sqn, n = self._codes, self._ids, self._sqnorms, self._n

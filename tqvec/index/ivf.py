@@ -39,6 +39,7 @@ from .flat import (
     METRIC_INNER_PRODUCT,
     METRIC_L2,
     FlatIndex,
+    _normalized,
     metric_name,
 )
 
@@ -46,10 +47,6 @@ __all__ = ["IVFIndex"]
 
 _ROWS = 32  # rows per fast-scan block: every list starts on a block boundary
 _ASSIGN_BLOCK = 16384
-
-
-def _normalized(x: torch.Tensor) -> torch.Tensor:
-    return x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-30)
 
 
 class IVFIndex(FlatIndex):

@@ -35,6 +35,11 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from .. import ops
+from ..codecs.turbo import TurboQuant
+from ..ops.cpu import available as cpu_kernels_available
+from .quant import ChannelScale, CodecQuantizer
+
 __all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "attend"]
 
 ATTENTION_NAME = "tqvec"
@@ -141,9 +146,6 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
 
 def _mse_parts(quantizer):
     """(CodecQuantizer over TurboQuant-mse, its ChannelScale or None), or None."""
-    from ..codecs.turbo import TurboQuant
-    from .quant import ChannelScale, CodecQuantizer
-
     scale = quantizer if isinstance(quantizer, ChannelScale) else None
     inner = quantizer.inner if scale is not None else quantizer
     if not (isinstance(inner, CodecQuantizer) and isinstance(inner.codec, TurboQuant)
@@ -159,8 +161,7 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
     if CODES_KERNEL == "never":
         return None
     if CODES_KERNEL == "auto" and not q.is_cuda:
-        from ..ops.cpu import available
-        if not available():  # the CPU kernel (csrc/cpu/attention.cpp) is not built
+        if not cpu_kernels_available():  # the CPU kernel (csrc/cpu/attention.cpp) is not built
             return None
     if softcap is not None or layer.mr is not None:
         return None
@@ -190,8 +191,6 @@ def _field_norms(quantizer, data: dict) -> torch.Tensor:
 
 def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling):
     """``_attend_rows`` with the code segment through ``ops.decode_attention``."""
-    from .. import ops
-
     (kq, ks), (vq, vs) = plan
     B, H, R, D = q.shape
     qk, qbias = q, torch.zeros((B, H, R), dtype=torch.float32, device=q.device)

@@ -282,8 +282,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
-    """The portable loop (TQVEC_SIMD=scalar, chosen once per process) gives the same results,
-    flat and IVF scans."""
+    """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
+    flat and IVF scans, and the exact re-score of Refine(Flat)."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -311,6 +311,9 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    v, p = ops.ivf_fast_scan(qr, bl, c, torch.ones(32 * bl.shape[0]),\n"
         "                             torch.zeros(32 * bl.shape[0]), lb, probes, off, b, 10)\n"
         "    out += [v.numpy(), p.numpy()]\n"
+        "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
+        "    out += [t.numpy() for t in ops.rescore_rows(qr, qr.new_tensor(\n"
+        "        rng.standard_normal((n, d)).astype(np.float32)), rows)]\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}

@@ -560,16 +560,17 @@ __attribute__((target("avx2"))) void scan_blocks4_avx2(const Lut* const* L, cons
   }
 }
 
-bool forced_scalar() {
-  const char* v = std::getenv("TQVEC_SIMD");
-  return v != nullptr && std::string(v) == "scalar";
-}
+}  // namespace
 
-// TQVEC_SIMD=scalar forces the portable loops (the tests compare both paths).
 bool simd_avx2() {
-  static const bool avx2 = __builtin_cpu_supports("avx2") && !forced_scalar();
+  static const bool avx2 = [] {
+    const char* v = std::getenv("TQVEC_SIMD");
+    return __builtin_cpu_supports("avx2") && !(v != nullptr && std::string(v) == "scalar");
+  }();
   return avx2;
 }
+
+namespace {
 
 void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                  int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {

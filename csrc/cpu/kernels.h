@@ -13,6 +13,10 @@
 
 namespace tqvec {
 
+// Whether the AVX2 loops run: the CPU has AVX2 and TQVEC_SIMD is not "scalar" (which forces the
+// portable loops; the tests compare both paths). Read once per process.
+bool simd_avx2();
+
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void quantize_pack(const float* y, const float* scale, int64_t n, int64_t d, const float* thr,

@@ -6,7 +6,9 @@
 //   dot, sqn (nq, kk) float32 <q_i, x_j> and ||x_j||^2 (0 for -1)
 // Gathering the candidates into a (nq, kk, d) tensor first (what torch indexing does) writes and
 // re-reads kk * d * 4 bytes per query; here each candidate row is read once, both sums from the
-// same load. Eight independent partial sums per row vectorize without reassociation flags.
+// same load, and the next candidate's row is prefetched while this one is summed.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -17,9 +19,37 @@
 namespace tqvec {
 namespace {
 
-__attribute__((target_clones("avx2", "default")))
-void dot_and_sqnorm(const float* __restrict q, const float* __restrict x, int64_t d, float* dot,
-                    float* sqn) {
+// Lane l of each accumulator sums the terms j = l (mod 8), then the tail and the lanes are added
+// in order: the same float operations in the AVX2 and the portable version. (GCC left the
+// portable loop scalar even in an AVX2 clone: 40 ms for 1,000 x 40 rows at d = 784, 10 ms here.)
+__attribute__((target("avx2"))) void dot_and_sqnorm_avx2(const float* __restrict q,
+                                                         const float* __restrict x, int64_t d,
+                                                         float* dot, float* sqn) {
+  __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + j);
+    a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + j), xv));
+    b = _mm256_add_ps(b, _mm256_mul_ps(xv, xv));
+  }
+  alignas(32) float la[8], lb[8];
+  _mm256_store_ps(la, a);
+  _mm256_store_ps(lb, b);
+  float sa = 0.f, sb = 0.f;
+  for (; j < d; ++j) {
+    sa += q[j] * x[j];
+    sb += x[j] * x[j];
+  }
+  for (int l = 0; l < 8; ++l) {
+    sa += la[l];
+    sb += lb[l];
+  }
+  *dot = sa;
+  *sqn = sb;
+}
+
+void dot_and_sqnorm_portable(const float* __restrict q, const float* __restrict x, int64_t d,
+                             float* dot, float* sqn) {
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0}, b[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
   for (; j + 8 <= d; j += 8)
@@ -44,15 +74,25 @@ void dot_and_sqnorm(const float* __restrict q, const float* __restrict x, int64_
 
 void rescore_rows(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, float* dot, float* sqn, int nthreads) {
+  const bool avx2 = simd_avx2();
   auto work = [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo; i < hi; ++i)
       for (int64_t r = 0; r < kk; ++r) {
         const int64_t j = rows[i * kk + r];
+        // The candidates are scattered rows: without a prefetch each one starts with a cache
+        // miss the hardware prefetcher cannot foresee (2.9 GB/s on one thread at d = 784).
+        // Request the next candidate's whole row while this one is summed.
+        const int64_t nxt = i * kk + r + 1 < hi * kk ? rows[i * kk + r + 1] : -1;
+        if (nxt >= 0) {
+          const char* p = reinterpret_cast<const char*>(x + nxt * d);
+          for (int64_t off = 0; off < d * 4; off += 64) __builtin_prefetch(p + off);
+        }
         if (j < 0) {
           dot[i * kk + r] = 0.f;
           sqn[i * kk + r] = 0.f;
         } else {
-          dot_and_sqnorm(q + i * d, x + j * d, d, dot + i * kk + r, sqn + i * kk + r);
+          (avx2 ? dot_and_sqnorm_avx2 : dot_and_sqnorm_portable)(
+              q + i * d, x + j * d, d, dot + i * kk + r, sqn + i * kk + r);
         }
       }
   };

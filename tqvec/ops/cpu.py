@@ -18,7 +18,8 @@ else:
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
-           "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_cpu",
+           "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
+           "ivf_fast_scan_cpu",
            "decode_attention_cpu", "rescore_rows_cpu"]
 
 
@@ -163,15 +164,25 @@ def fast_scan_terms_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n:
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
+def ivf_fast_scan_np(qr: np.ndarray, blocked: np.ndarray, centroids: np.ndarray,
+                     mult: np.ndarray, add: np.ndarray, list_blocks: np.ndarray,
+                     probes: np.ndarray, offsets: np.ndarray, b: int, k: int
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel on numpy arrays (``ops.IVFFastScan`` keeps the codes' views)."""
+    nq = qr.shape[0]
+    vals, pos = _topk_out(nq, k)
+    if nq and blocked.shape[0]:
+        _C.ivf_fast_scan(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, b, k,
+                         vals, pos, _threads())
+    return vals, pos
+
+
 def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
                       mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
                       probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    nq = qr.shape[0]
-    vals, pos = _topk_out(nq, k)
-    if nq and blocked.shape[0]:
-        arrays = _np(qr, blocked, centroids, mult, add, list_blocks, probes, offsets)
-        _C.ivf_fast_scan(*arrays, b, k, vals, pos, _threads())
+    vals, pos = ivf_fast_scan_np(*_np(qr, blocked, centroids, mult, add, list_blocks, probes,
+                                      offsets), b, k)
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
@@ -193,8 +204,8 @@ def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.T
 
 def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    dot = torch.zeros(rows.shape, dtype=torch.float32)
-    sqn = torch.zeros(rows.shape, dtype=torch.float32)
+    dot = np.zeros(tuple(rows.shape), dtype=np.float32)
+    sqn = np.zeros(tuple(rows.shape), dtype=np.float32)
     if rows.numel():
-        _C.rescore_rows(*_np(q, x, rows, dot, sqn), _threads())
-    return dot, sqn
+        _C.rescore_rows(*_np(q, x, rows), dot, sqn, _threads())
+    return torch.from_numpy(dot), torch.from_numpy(sqn)

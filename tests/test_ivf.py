@@ -76,10 +76,37 @@ def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):
     for kw in ({}, {"allowed_ids": allowed}):
         D1, I1 = fast.search(xq, 20, **kw)
         D2, I2 = slow.search(xq, 20, **kw)
-        assert "blocked" in fast._ivf and "blocked" not in slow._ivf
+        assert "scanner" in fast._ivf and "scanner" not in slow._ivf
         np.testing.assert_array_equal(I1, I2)
         np.testing.assert_allclose(D1, D2, rtol=1e-5, atol=1e-3)
     assert set(I1[I1 >= 0].tolist()) <= set(allowed.tolist())
+
+
+@pytest.mark.parametrize("spec", ["IVF16,TQ1", "IVF16,TQ3", "IVF16,TQ2,Refine(Flat)"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_numpy_fast_path_equals_general_path(spec, metric, rng):
+    """float32 numpy queries take IVFIndex._search_fast_numpy, torch queries the general path:
+    bit-identical results (one probe function, one re-rank); filters and bad input take the
+    general path."""
+    xb, xq = _clustered(rng, n=2000, d=48, nq=9)
+    index = _trained(spec, metric, xb, nprobe=3)
+    index.remove_ids(np.arange(0, 2000, 7))
+    for q in (xq[:1], xq):
+        assert index._search_fast_numpy(q, 10) is not None
+        D1, I1 = index.search(q, 10)
+        D2, I2 = index.search(torch.from_numpy(q), 10)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+        assert (I1 >= 0).all() and not np.isin(I1, np.arange(0, 2000, 7)).any()
+    D1, I1 = index.search(xq, 3000)  # more than the probed lists hold: padded
+    assert (I1 == -1).any() and (D1[I1 == -1] == (3.4028235e38 if metric == "l2"
+                                                  else -3.4028235e38)).all()
+    np.testing.assert_array_equal(I1, index.search(torch.from_numpy(xq), 3000)[1])
+    assert index._search_fast_numpy(xq.astype(np.float64), 10) is None
+    bad = xq.copy()
+    bad[2, 5] = np.inf
+    with pytest.raises(ValueError, match="must be finite"):
+        index.search(bad, 10)
 
 
 def test_residual_codes_beat_flat_codes_at_equal_bits(rng):

@@ -673,23 +673,37 @@ class FlatIndex:
     def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, ref: Any, k: int
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-score the candidates p (nq, kk) with the refinement and keep the best k."""
+        vals, pos = self._rerank_np(q, s.cpu().numpy(), p.cpu().numpy(), ref, k)
+        return torch.from_numpy(vals).to(q.device), torch.from_numpy(pos).to(q.device)
+
+    def _rerank_np(self, q: torch.Tensor, s: np.ndarray, p: np.ndarray, ref: Any, k: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``_rerank`` on the host: the (nq, kk) steps after the re-score in numpy (one query:
+        ~25 us instead of ~100 for the same dozen steps in torch; every path calls this one)."""
         nq, kk = p.shape
         if isinstance(ref, Codes):
-            flat = p.reshape(-1).clamp_min(0)  # -1 (no candidate) rows are masked out below
-            cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)
-            ip, sqn = torch.einsum("qd,qkd->qk", q, cand), (cand * cand).sum(-1)
+            flat = torch.from_numpy(p.reshape(-1)).clamp_min(0).to(ref.device)
+            cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)  # -1 rows masked below
+            qd = q.to(cand.device)
+            ip = torch.einsum("qd,qkd->qk", qd, cand).cpu().numpy()
+            sqn = (cand * cand).sum(-1).cpu().numpy()
+            qn = q.cpu().numpy()
         else:  # exact vectors: each candidate row read once, no (nq, kk, d) gather
-            ip, sqn = ops.rescore_rows(q.cpu(), ref, p.cpu())
-            ip, sqn = ip.to(q.device), sqn.to(q.device)
+            qc = q.cpu()
+            ip, sqn = (t.numpy() for t in ops.rescore_rows(qc, ref, torch.from_numpy(p)))
+            qn = qc.numpy()
         if self._scoring == METRIC_L2:
-            new = 2 * ip - sqn - (q * q).sum(1, keepdim=True)
+            new = 2 * ip - sqn - (qn * qn).sum(1, keepdims=True)
         elif self._scoring == METRIC_COSINE:
-            new = ip / torch.sqrt(sqn).clamp_min(1e-30)
+            new = ip / np.maximum(np.sqrt(sqn), np.float32(1e-30))
         else:
             new = ip
-        new = torch.where(torch.isfinite(s), new, torch.full_like(new, -float("inf")))
-        top = torch.topk(new, min(k, kk), dim=1)
-        return top.values, torch.gather(p, 1, top.indices)
+        new[~np.isfinite(s)] = -np.inf
+        # a full stable sort of kk (= k_factor * k) values is cheaper here than numpy's
+        # partition-then-gather steps (~10 us each at one query)
+        order = np.argsort(-new, axis=1, kind="stable")[:, :k]
+        rows = np.arange(nq)[:, None]
+        return new[rows, order], p[rows, order]
 
     def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """All results within ``radius``: L2 distance < radius, or similarity > radius.

@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from ..errors import BackendUnavailable
@@ -24,7 +25,7 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
-           "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
+           "IVFFastScan", "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
            "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
@@ -315,6 +316,44 @@ def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tens
         qr.contiguous(), blocked.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), list_blocks.to(torch.int64).contiguous(),
         probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k)
+
+
+class IVFFastScan:
+    """``ivf_fast_scan`` over fixed inverted lists, prepared once like ``FastScan``: on the
+    compiled CPU kernel the lists' numpy views are made here, so a one-query search is one
+    kernel call. ``search(qr, probes, offsets, k, add=None) -> (vals, pos)`` takes and returns
+    numpy arrays (float32 qr, int64 probes, float32 offsets) — the IVF index computes its
+    probes in numpy — and ``add`` replaces the prepared row offsets for one search."""
+
+    def __init__(self, blocked: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
+                 add: torch.Tensor, list_blocks: torch.Tensor, b: int, backend: str = "auto"):
+        if b not in FAST_SCAN_BITS:
+            raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for ivf_fast_scan, "
+                             f"got {b}")
+        self.blocked, self.centroids = blocked.contiguous(), centroids.float().contiguous()
+        self.mult, self.add = mult.float().contiguous(), add.float().contiguous()
+        self.list_blocks = list_blocks.to(torch.int64).contiguous()
+        self.b, self.backend = int(b), backend
+        self._np = None
+        if _pick("ivf_fast_scan", self.add.device, backend) is _cpu.ivf_fast_scan_cpu:
+            self._np = _cpu._np(self.blocked, self.centroids, self.mult, self.add,
+                                self.list_blocks)
+
+    def search(self, qr: np.ndarray, probes: np.ndarray, offsets: np.ndarray, k: int,
+               add: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+        if self._np is not None:
+            blocked, cents, mult, add_np, lb = self._np
+            return _cpu.ivf_fast_scan_np(
+                np.ascontiguousarray(qr, np.float32), blocked, cents, mult,
+                add_np if add is None else add.float().contiguous().numpy(), lb,
+                np.ascontiguousarray(probes, np.int64),
+                np.ascontiguousarray(offsets, np.float32), self.b, int(k))
+        vals, pos = ivf_fast_scan(torch.from_numpy(np.asarray(qr, np.float32)), self.blocked,
+                                  self.centroids, self.mult, self.add if add is None else add,
+                                  self.list_blocks, torch.from_numpy(np.asarray(probes)),
+                                  torch.from_numpy(np.asarray(offsets)), self.b, k,
+                                  self.backend)
+        return vals.cpu().numpy(), pos.cpu().numpy()
 
 
 def rescore_rows(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, backend: str = "auto"

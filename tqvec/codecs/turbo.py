@@ -283,19 +283,3 @@ class TurboQuant(Codec):
                           (nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)).float()))
         return terms
 
-    def ivf_scan_topk(self, q: torch.Tensor, blocked: torch.Tensor, mult: torch.Tensor,
-                      add: torch.Tensor, list_blocks: torch.Tensor, probes: torch.Tensor,
-                      offsets: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k over inverted lists of mse codes in the fast-scan layout (bits 1-4): query i
-        scores the rows of the lists ``probes[i]`` as mult_j <Pi q_i, c[idx_j]> + add_j +
-        offsets[i, r] (see ``ops.ivf_fast_scan``); positions index the blocked rows."""
-        if self.variant != "mse":
-            raise ValueError("ivf_scan_topk needs variant='mse'")
-        return ops.ivf_fast_scan(self._rot.apply(q), blocked, self._arr.get("centroids", q.device),
-                                 mult, add, list_blocks, probes, offsets, self.bits, k,
-                                 self.backend)
-
-    def scan_multiplier(self, codes: Codes) -> torch.Tensor:
-        """(n,) float32 m_i with <q, x_hat_i> = m_i <Pi q, c[idx_i]> (the stored norm, times the
-        unbiased scale for ``scale="unbiased"``)."""
-        return self._multiplier(codes).to(torch.float32)

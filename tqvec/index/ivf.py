@@ -18,10 +18,11 @@ flat index's estimators with the centroid part computed exactly (Jegou et al. 20
 
 The row term -2 est<c, r> - N(r) is computed once at add time, so a query's score of row j in
 list l is ``w est<q, r_j> + row_j + offset(q, l)`` with offset = -||q - c_l||^2 (l2) or <q, c_l>
-(ip): TurboQuant-mse codes at 1, 2, 3 and 4 bits on CPU are scanned by ``ops.ivf_fast_scan`` over a
-list-major blocked copy (built at the first search after a change, like the flat index's), every
-other codec by the codec's own scorer list by list. Filtered search (``allowed_ids``) only sees
-the probed lists, as in faiss.
+(ip): TurboQuant-mse codes at 1, 2, 3 and 4 bits on CPU are scanned by ``ops.IVFFastScan`` over
+a list-major blocked copy (built at the first search after a change, like the flat index's), every
+other codec by the codec's own scorer list by list. Float32 numpy queries without a filter take a
+short path (``_search_fast_numpy``) with the same results bit for bit. Filtered search
+(``allowed_ids``) only sees the probed lists, as in faiss.
 """
 
 from __future__ import annotations

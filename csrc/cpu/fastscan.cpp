@@ -708,6 +708,17 @@ void finish(const Lut& L, const uint8_t* blocked, int64_t rb, const float* mult,
   }, vals, idx);
 }
 
+// Approximate results (tables with a zero error bound: lb = ub = the table score): the top k
+// admitted rows by that score, written as it is.
+void finish_approx(const std::vector<Shortlist*>& parts, int64_t k, float* vals, int64_t* idx) {
+  const float th = final_threshold(parts, k);
+  std::vector<Hit> hits;
+  for (auto* s : parts)
+    for (const auto& c : s->cand)
+      if (c.ub >= th) hits.emplace_back(c.ub, c.row);
+  write_topk(hits, k, vals, idx);
+}
+
 // ---- several terms per row (fast_scan_terms) ------------------------------------------------
 // score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>: each term has its own codes, width,
 // table and multiplier; a row's bound is the sum of the terms' bounds.
@@ -981,8 +992,8 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
 void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
                    int b, const float* centroids, const float* mult, const float* add,
                    const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
-                   const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
-                   int64_t* out_idx, int nthreads) {
+                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
+                   float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = fs_row_bytes(d, b);
   // Queries are handled in batches whose tables (5 bytes * 16 * 2 rb each) stay within 64 MB;
   // within a batch the probes are inverted so that each probed list is read once for all the
@@ -1024,12 +1035,18 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
     // multiply-adds with index arithmetic (one query, Fashion-MNIST 4 bits, nprobe 4: the
     // re-score was most of the kernel's 115 us). Thousands of queries drop them (160 rb bytes
     // each, written and read once).
-    const bool keep_float = m <= 64;
+    // approx (a first stage before a refinement): no float tables and a zero error bound, so
+    // the shortlists hold the rows of the best table scores and nothing is re-scored exactly
+    // (the exact re-score was 2.4x the scan itself at 1 bit, k = 40: the 1-bit tables' bounds
+    // are loose).
+    const bool keep_float = m <= 64 && !approx;
     std::atomic<int64_t> next_lut{0}, next_list{0};
     auto build = [&] {
-      for (int64_t qi; (qi = next_lut.fetch_add(1)) < m;)
-        luts[static_cast<size_t>(qi)] = build_lut(qr + (q0 + qi) * d, d, b, centroids, rb,
-                                                  keep_float);
+      for (int64_t qi; (qi = next_lut.fetch_add(1)) < m;) {
+        Lut& L = luts[static_cast<size_t>(qi)];
+        L = build_lut(qr + (q0 + qi) * d, d, b, centroids, rb, keep_float);
+        if (approx) L.err = 0.0f;
+      }
     };
     auto scan = [&](int64_t w) {
       auto& mine = sls[static_cast<size_t>(w)];
@@ -1059,8 +1076,11 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
       for (int64_t qi = w; qi < m; qi += t) {
         std::vector<Shortlist*> parts;
         for (auto& v : sls) parts.push_back(&v[static_cast<size_t>(qi)]);
-        finish(luts[static_cast<size_t>(qi)], blocked, rb, mult, add, parts, k,
-               out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
+        if (approx)
+          finish_approx(parts, k, out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
+        else
+          finish(luts[static_cast<size_t>(qi)], blocked, rb, mult, add, parts, k,
+                 out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
       }
     };
     run_workers(t, [&](int64_t) { build(); });

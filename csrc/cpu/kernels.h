@@ -74,12 +74,13 @@ void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, c
 // fast_scan over inverted lists stored as consecutive block ranges of one blocked array (rows
 // past a list's end padded with add = -inf): query i scans the lists probes[i, :] (-1 = none),
 // list_blocks[l] .. list_blocks[l + 1], adding offsets[i, r] to the scores of list probes[i, r].
-// n = 32 * nb rows; out_idx holds row positions of that array.
+// n = 32 * nb rows; out_idx holds row positions of that array. approx: the top k by the 8-bit
+// table scores and those scores, with no exact re-score (a first stage before a refinement).
 void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
                    int b, const float* centroids, const float* mult, const float* add,
                    const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
-                   const float* offsets, int64_t nprobe, int64_t k, float* out_vals,
-                   int64_t* out_idx, int nthreads);
+                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
+                   float* out_vals, int64_t* out_idx, int nthreads);
 
 // Decode attention over TurboQuant-mse key/value codes (attention.cpp; decode_attention_ref):
 // softmax state (m, l, acc) per (KV head, query row), tokens [lo, hi) of T per head.

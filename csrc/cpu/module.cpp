@@ -266,7 +266,7 @@ NB_MODULE(_C, m) {
                             CArr<const float> centroids, CArr<const float> mult,
                             CArr<const float> add, CArr<const int64_t> list_blocks,
                             CArr<const int64_t> probes, CArr<const float> offsets, int b,
-                            int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
+                            int64_t k, bool approx, CArr<float> out_vals, CArr<int64_t> out_idx,
                             int nthreads) {
     require(b >= 1 && b <= 4, "ivf_fast_scan: bits must be 1, 2, 3 or 4");
     require(qr.ndim() == 2 && blocked.ndim() == 3 && probes.ndim() == 2 && offsets.ndim() == 2 &&
@@ -290,7 +290,7 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release rel;
     tqvec::ivf_fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
                          add.data(), list_blocks.data(), nlist, probes.data(), offsets.data(),
-                         static_cast<int64_t>(probes.shape(1)), k, out_vals.data(),
+                         static_cast<int64_t>(probes.shape(1)), k, approx, out_vals.data(),
                          out_idx.data(), nthreads);
   });
 

@@ -307,15 +307,19 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
 def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
                   mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
                   probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int,
-                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str = "auto", approx: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """``fast_scan`` over inverted lists (consecutive block ranges) with a score offset per
-    (query, probed list); see ``ref.ivf_fast_scan_ref``."""
+    (query, probed list); see ``ref.ivf_fast_scan_ref``. ``approx=True``: the CPU kernel ranks
+    by its 8-bit tables and returns those scores, re-scoring nothing exactly (for a first
+    stage that a refinement re-ranks; the scores are within the tables' error of the exact)."""
     if b not in FAST_SCAN_BITS:
         raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for ivf_fast_scan, got {b}")
     return _pick("ivf_fast_scan", qr.device, backend)(
         qr.contiguous(), blocked.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), list_blocks.to(torch.int64).contiguous(),
-        probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k)
+        probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k,
+        approx)
 
 
 class IVFFastScan:
@@ -323,7 +327,8 @@ class IVFFastScan:
     compiled CPU kernel the lists' numpy views are made here, so a one-query search is one
     kernel call. ``search(qr, probes, offsets, k, add=None) -> (vals, pos)`` takes and returns
     numpy arrays (float32 qr, int64 probes, float32 offsets) — the IVF index computes its
-    probes in numpy — and ``add`` replaces the prepared row offsets for one search."""
+    probes in numpy —, ``add`` replaces the prepared row offsets for one search, ``approx`` as
+    in ``ivf_fast_scan``."""
 
     def __init__(self, blocked: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
                  add: torch.Tensor, list_blocks: torch.Tensor, b: int, backend: str = "auto"):
@@ -340,19 +345,20 @@ class IVFFastScan:
                                 self.list_blocks)
 
     def search(self, qr: np.ndarray, probes: np.ndarray, offsets: np.ndarray, k: int,
-               add: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+               add: torch.Tensor | None = None, approx: bool = False
+               ) -> tuple[np.ndarray, np.ndarray]:
         if self._np is not None:
             blocked, cents, mult, add_np, lb = self._np
             return _cpu.ivf_fast_scan_np(
                 np.ascontiguousarray(qr, np.float32), blocked, cents, mult,
                 add_np if add is None else add.float().contiguous().numpy(), lb,
                 np.ascontiguousarray(probes, np.int64),
-                np.ascontiguousarray(offsets, np.float32), self.b, int(k))
+                np.ascontiguousarray(offsets, np.float32), self.b, int(k), approx)
         vals, pos = ivf_fast_scan(torch.from_numpy(np.asarray(qr, np.float32)), self.blocked,
                                   self.centroids, self.mult, self.add if add is None else add,
                                   self.list_blocks, torch.from_numpy(np.asarray(probes)),
                                   torch.from_numpy(np.asarray(offsets)), self.b, k,
-                                  self.backend)
+                                  self.backend, approx)
         return vals.cpu().numpy(), pos.cpu().numpy()
 
 

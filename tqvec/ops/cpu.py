@@ -166,23 +166,23 @@ def fast_scan_terms_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n:
 
 def ivf_fast_scan_np(qr: np.ndarray, blocked: np.ndarray, centroids: np.ndarray,
                      mult: np.ndarray, add: np.ndarray, list_blocks: np.ndarray,
-                     probes: np.ndarray, offsets: np.ndarray, b: int, k: int
-                     ) -> tuple[np.ndarray, np.ndarray]:
+                     probes: np.ndarray, offsets: np.ndarray, b: int, k: int,
+                     approx: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The kernel on numpy arrays (``ops.IVFFastScan`` keeps the codes' views)."""
     nq = qr.shape[0]
     vals, pos = _topk_out(nq, k)
     if nq and blocked.shape[0]:
         _C.ivf_fast_scan(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, b, k,
-                         vals, pos, _threads())
+                         bool(approx), vals, pos, _threads())
     return vals, pos
 
 
 def ivf_fast_scan_cpu(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
                       mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
-                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int,
+                      approx: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     vals, pos = ivf_fast_scan_np(*_np(qr, blocked, centroids, mult, add, list_blocks, probes,
-                                      offsets), b, k)
+                                      offsets), b, k, approx)
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 

@@ -237,8 +237,8 @@ def fast_scan_terms_ref(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n:
 
 def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,
                       mult: torch.Tensor, add: torch.Tensor, list_blocks: torch.Tensor,
-                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      probes: torch.Tensor, offsets: torch.Tensor, b: int, k: int,
+                      approx: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``fast_scan_ref`` restricted to inverted lists, with a score offset per (query, list).
 
     blocked (nb, fb, 32) holds the lists one after another, list l in blocks
@@ -248,6 +248,10 @@ def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
     ``mult_j <qr_i, centroids[idx_j]> + add_j + offsets[i, r]``. Returns the top k as
     ``lut_scan_ref`` does, positions into the 32 nb rows. (With a residual code the offset is
     the query's exact score against the list's centroid: IVF-ADC, Jegou et al. 2011.)
+
+    ``approx=True`` lets a kernel rank by its quantized tables and return those scores (a first
+    stage before a refinement re-ranks the list): what it approximates is this exact result,
+    which the reference returns either way.
     """
     nb = blocked.shape[0]
     n = nb * BLOCK_ROWS

@@ -152,6 +152,32 @@ def test_refinement_improves_recall(rng):
     assert tqvec.index_factory(32, "TQ2,Refine(TQ8)").code_size == (8 + 4) + (32 + 4)
 
 
+@pytest.mark.parametrize("spec", ["TQ1,Refine(TQ8)", "TQ2,Refine(TQ4)", "Center,TQ2,Refine(TQ8)",
+                                  "IVF8,TQ2,Refine(TQ8)"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_codec_refinement_rescored_in_the_rotated_domain(spec, metric, rng):
+    """A TurboQuant-mse refinement re-scores candidates with ops.lut_rescore (rotated-domain
+    tables); the same results as decoding them (the similarity to the reconstruction), and
+    D is that similarity computed from the decoded refinement codes."""
+    xb, xq = _data(rng, n=2000, d=48, nq=12)
+    if metric == "ip":
+        xb *= rng.uniform(0.5, 2.0, (len(xb), 1)).astype(np.float32)
+    index = tqvec.index_factory(48, spec, metric)
+    if not index.is_trained:
+        index.train(xb)
+    index.add(xb)
+    D1, I1 = index.search(xq, 10)
+    assert index._refine_lut is not None
+    with index._lock:
+        index._refine_lut = None
+    index._refine_lut_state = lambda: None  # the decode path
+    D2, I2 = index.search(xq, 10)
+    np.testing.assert_allclose(D1, D2, rtol=1e-4, atol=1e-4)
+    assert (I1 == I2).mean() > 0.97
+    D3, I3 = index.search(torch.from_numpy(xq), 10)  # general path, decode
+    np.testing.assert_allclose(D1, D3, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("spec", ["TQ3", "TQ2,Refine(TQ8)", "QJL64,Refine(Flat)"])
 @pytest.mark.parametrize("mmap", [False, True])
 def test_write_read_round_trip(tmp_path, spec, mmap, rng):

@@ -941,12 +941,15 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
 
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
-               float* out_vals, int64_t* out_idx, int nthreads) {
+               bool approx, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = fs_row_bytes(d, b);
-  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, false, nthreads,
+  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
                  [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
-                   finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
-                          out_idx + qi * k);
+                   if (approx)
+                     finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
+                   else
+                     finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
+                            out_idx + qi * k);
                  });
 }
 

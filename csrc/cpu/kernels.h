@@ -44,10 +44,11 @@ inline int64_t fs_row_bytes(int64_t d, int b) {
 // is transposed as is, except b = 3, which is re-laid out in pairs.
 void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
                  int nthreads);
-// lut_scan's meaning over the blocked layout, b in {1, 2, 3, 4}.
+// lut_scan's meaning over the blocked layout, b in {1, 2, 3, 4}; approx: the top k by the 8-bit
+// table scores and those scores, no exact re-score (a first stage before a refinement).
 void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
                const float* centroids, const float* mult, const float* add, int64_t k,
-               float* out_vals, int64_t* out_idx, int nthreads);
+               bool approx, float* out_vals, int64_t* out_idx, int nthreads);
 // Two stages: the approximate top k1 rows by the sign plane (signs: 1-bit codes of the top
 // bit of each index, blocked, centroids c1 (2), offsets add1), then the exact top k of those by
 // their full b-bit packed codes (n, ceil(d b / 8)), centroids (2^b) and offsets add; mult is

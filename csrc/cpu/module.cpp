@@ -174,8 +174,8 @@ NB_MODULE(_C, m) {
 
   m.def("fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked, int64_t n,
                         CArr<const float> centroids, CArr<const float> mult,
-                        CArr<const float> add, int b, int64_t k, CArr<float> out_vals,
-                        CArr<int64_t> out_idx, int nthreads) {
+                        CArr<const float> add, int b, int64_t k, bool approx,
+                        CArr<float> out_vals, CArr<int64_t> out_idx, int nthreads) {
     require(b >= 1 && b <= 4, "fast_scan: bits must be 1, 2, 3 or 4");
     require(qr.ndim() == 2 && blocked.ndim() == 3 && out_vals.ndim() == 2 &&
                 out_idx.ndim() == 2, "fast_scan: bad ranks");
@@ -190,7 +190,7 @@ NB_MODULE(_C, m) {
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan");
     nb::gil_scoped_release rel;
     tqvec::fast_scan(qr.data(), nq, d, blocked.data(), n, b, centroids.data(), mult.data(),
-                     add.data(), k, out_vals.data(), out_idx.data(), nthreads);
+                     add.data(), k, approx, out_vals.data(), out_idx.data(), nthreads);
   });
 
   m.def("fast_scan_two_stage", [](CArr<const float> qr, CArr<const uint8_t> signs, int64_t n,

@@ -266,6 +266,7 @@ class FlatIndex:
         self._blocked_n = 0
         self._signs: torch.Tensor | None = None  # the sign plane in the fast-scan layout
         self._signs_n = 0
+        self._refine_lut: dict[str, Any] | None = None  # _refine_lut_state's, likewise
 
     def _lut_ok(self) -> bool:
         """TurboQuant-mse codes: scanned with per-query tables on any device (``ops.lut_scan``)."""
@@ -378,6 +379,7 @@ class FlatIndex:
         """Drop the search-time state derived from the rows (lock held)."""
         self._pos = None
         self._scan = None
+        self._refine_lut = None
 
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if t.shape[0] == 0:
@@ -563,7 +565,7 @@ class FlatIndex:
             qb = q if nq <= _QUERY_BLOCK else q[qs:qe]
             best_s, best_p = self._search_block(qb, snap, mask, kk, nq)
             if ref is not None:
-                best_s, best_p = self._rerank(qb, best_s, best_p, ref, k)
+                best_s, best_p = self._rerank(qb, best_s, best_p, snap, k)
             vals, pos = best_s.cpu().numpy(), best_p.cpu().numpy()
             if self.metric_type == METRIC_L2:
                 vals = -vals
@@ -611,14 +613,38 @@ class FlatIndex:
         """Top kk (similarities, positions) by the CPU fast-scan kernels: all terms of every
         row, or with a prefilter the sign plane first and the full codes of its best
         ``prefilter * kk`` rows (``ops.lut_rescore``). ``add`` overrides the row offsets."""
-        if scan["signs"] is None:
-            return scan["scanner"].search(qts, kk, add)
+        if scan["signs"] is None:  # with a refinement, which re-ranks them: table scores only
+            return scan["scanner"].search(qts, kk, add, approx=self.refine is not None)
         return scan["signs"].search(qts[:1], kk, add, k1=self._prefilter * kk)
 
     def _snapshot(self) -> dict[str, Any]:
         """What a search reads, taken together under the lock (call with it held)."""
         return {"codes": self._codes, "ids": self._ids, "sqn": self._sqnorms, "ref": self._ref,
-                "n": self._n, "scan": self._scan_state()}
+                "n": self._n, "scan": self._scan_state(), "ref_lut": self._refine_lut_state()}
+
+    def _refine_lut_state(self) -> dict[str, Any] | None:
+        """A TurboQuant-mse refinement on the CPU re-scores its candidates in the rotated
+        domain, ``ops.lut_rescore``: score = mult_j <Pi q, c[idx_j]> + add_j is the metric's
+        similarity to the reconstruction (l2 without ||q||^2). Decoding them instead (an inverse
+        rotation per candidate) was 2/3 of a TQ1,Refine(TQ8) search. None where it does not
+        apply (call with the lock held; built once per change of the rows)."""
+        if not (isinstance(self.refine, TurboQuant) and self.refine.variant == "mse"
+                and self.device.type == "cpu" and self._ref is not None):
+            return None
+        if self._refine_lut is None:
+            packed, _, bits, cents, nrm = self.refine.lut_terms(self._ref)[0]
+            rec = self.refine.reconstruction_sqnorms(self._ref).float()
+            add = torch.zeros_like(rec)
+            if self._scoring == METRIC_L2:  # 2 <q, x_hat> - ||x_hat||^2
+                mult, add = 2 * nrm, -rec
+            elif self._scoring == METRIC_COSINE:  # <q, x_hat> / ||x_hat||
+                mult = nrm / torch.sqrt(rec).clamp_min(1e-30)
+            else:
+                mult = nrm
+            self._refine_lut = {"packed": packed.contiguous(), "cents": cents.float().contiguous(),
+                                "mult": mult.float().contiguous(), "add": add.contiguous(),
+                                "bits": bits}
+        return self._refine_lut
 
     def _search_block(self, q: torch.Tensor, snap: dict[str, Any], mask: torch.Tensor | None,
                       kk: int, nq_total: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -670,17 +696,29 @@ class FlatIndex:
             vals = vals - (q * q).sum(1, keepdim=True)
         return vals, pos
 
-    def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, ref: Any, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, snap: dict[str, Any],
+                k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Re-score the candidates p (nq, kk) with the refinement and keep the best k."""
-        vals, pos = self._rerank_np(q, s.cpu().numpy(), p.cpu().numpy(), ref, k)
+        vals, pos = self._rerank_np(q, s.cpu().numpy(), p.cpu().numpy(), snap, k)
         return torch.from_numpy(vals).to(q.device), torch.from_numpy(pos).to(q.device)
 
-    def _rerank_np(self, q: torch.Tensor, s: np.ndarray, p: np.ndarray, ref: Any, k: int
-                   ) -> tuple[np.ndarray, np.ndarray]:
+    def _rerank_np(self, q: torch.Tensor, s: np.ndarray, p: np.ndarray, snap: dict[str, Any],
+                   k: int) -> tuple[np.ndarray, np.ndarray]:
         """``_rerank`` on the host: the (nq, kk) steps after the re-score in numpy (one query:
         ~25 us instead of ~100 for the same dozen steps in torch; every path calls this one)."""
         nq, kk = p.shape
+        ref, lut = snap["ref"], snap["ref_lut"]
+        if lut is not None:  # TurboQuant-mse refinement: rotated-domain tables, fused top-k
+            qc = q.cpu()
+            rows = torch.from_numpy(np.where(np.isfinite(s), p, -1))
+            vals, pos = ops.lut_rescore(self.refine.query_terms(qc)[0], lut["packed"],
+                                        lut["cents"], lut["mult"], lut["add"], rows,
+                                        lut["bits"], min(k, kk))
+            vals, pos = vals.numpy(), pos.numpy()
+            if self._scoring == METRIC_L2:
+                qn = qc.numpy()
+                vals = vals - (qn * qn).sum(1, keepdims=True)
+            return vals, pos
         if isinstance(ref, Codes):
             flat = torch.from_numpy(p.reshape(-1)).clamp_min(0).to(ref.device)
             cand = self.refine.decode(ref[flat]).reshape(nq, kk, self.d)  # -1 rows masked below

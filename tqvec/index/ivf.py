@@ -335,7 +335,7 @@ class IVFIndex(FlatIndex):
         probes, offsets = self._probe(q, snap)
         vals, pos = self._scan_lists(q, st, probes, offsets, kk)
         if snap["ref"] is not None:
-            vals, pos = self._rerank_np(torch.from_numpy(q), vals, pos, snap["ref"], k)
+            vals, pos = self._rerank_np(torch.from_numpy(q), vals, pos, snap, k)
         if self.metric_type == METRIC_L2:
             vals = -vals
         D, I = self._empty_results(q.shape[0], k)

@@ -203,7 +203,9 @@ class FastScan:
     state of its rows; the arrays must not change while it is in use.
 
     ``search(qrs, k, add=None) -> (vals, pos)`` as ``fast_scan_terms``; ``add`` replaces the
-    prepared offsets for one search (e.g. -inf outside an allowed set).
+    prepared offsets for one search (e.g. -inf outside an allowed set). ``approx=True`` lets the
+    compiled one-term kernel rank by its 8-bit tables and return those scores, re-scoring
+    nothing exactly (for a first stage that a refinement re-ranks); elsewhere it is exact.
 
     ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
     is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``), and
@@ -238,7 +240,8 @@ class FastScan:
                                  self.add1.numpy())
 
     def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
-               k1: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               k1: int | None = None, approx: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         if len(qrs) != len(self.bits):
             raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
         if self.full is not None:
@@ -265,7 +268,7 @@ class FastScan:
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
                                           self.n, cents, mults,
                                           add_np if add is None else add.contiguous().numpy(),
-                                          self.bits, int(k))
+                                          self.bits, int(k), approx)
             return torch.from_numpy(vals), torch.from_numpy(pos)
         add = self.add if add is None else add
         if len(qrs) == 1:

@@ -112,15 +112,17 @@ def _topk_out(nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
                  centroids: list[np.ndarray], mults: list[np.ndarray], add: np.ndarray,
-                 bits: list[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+                 bits: list[int], k: int, approx: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray]:
     """The fast-scan kernels on numpy arrays (``ops.FastScan`` calls this per search): one term
-    is ``fast_scan`` (four queries per pass), several ``fast_scan_terms``."""
+    is ``fast_scan`` (four queries per pass; ``approx`` as in ``FastScan.search``), several
+    ``fast_scan_terms``."""
     nq = qrs[0].shape[0]
     vals, pos = _topk_out(nq, k)
     if nq and n:
         if len(qrs) == 1:
-            _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k, vals,
-                         pos, _threads())
+            _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k,
+                         bool(approx), vals, pos, _threads())
         else:
             _C.fast_scan_terms(qrs, blocked, centroids, mults, bits, n, add, k, vals, pos,
                                _threads())

@@ -69,10 +69,12 @@ def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
 
 
 @pytest.mark.parametrize("n", [1, 7, 9])
-def test_hadamard_partial_groups_are_bit_exact(backend, n, rng):
-    # The CPU kernel rotates 8 rows interleaved and a partial group (one query) row by row.
-    rot = make_rotation("hadamard", 384, 3)
-    x = torch.from_numpy(rng.standard_normal((n, 384)).astype(np.float32))
+@pytest.mark.parametrize("d", [384, 784, 9, 8, 5])
+def test_hadamard_partial_groups_are_bit_exact(backend, n, d, rng):
+    # The CPU kernel rotates 8 rows interleaved and a partial group (one query) row by row,
+    # the butterflies of h < 8 in registers (p >= 8; below that the portable loop).
+    rot = make_rotation("hadamard", d, 3)
+    x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
     perms, signs = on(backend, rot.perms, rot.signs)
     for inverse in (False, True):
         ref = ops.hadamard_rotate(x, rot.perms, rot.signs, rot.p, inverse, backend="ref")
@@ -296,7 +298,7 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
-    flat and IVF scans, and the exact re-score of Refine(Flat)."""
+    flat and IVF scans, the exact re-score of Refine(Flat), a one-row rotation."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -324,6 +326,8 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    v, p = ops.ivf_fast_scan(qr, bl, c, torch.ones(32 * bl.shape[0]),\n"
         "                             torch.zeros(32 * bl.shape[0]), lb, probes, off, b, 10)\n"
         "    out += [v.numpy(), p.numpy()]\n"
+        "    rot = __import__('tqvec.random').random.make_rotation('hadamard', d, 1)\n"
+        "    out.append(ops.hadamard_rotate(qr[:1], rot.perms, rot.signs, rot.p).numpy())\n"
         "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
         "    out += [t.numpy() for t in ops.rescore_rows(qr, qr.new_tensor(\n"
         "        rng.standard_normal((n, d)).astype(np.float32)), rows)]\n"

@@ -8,6 +8,8 @@
 // whole lane vectors. Each lane performs exactly the reference's scalar float32 operations in
 // the reference's order (stage h = 1, 2, 4, ...; pairs (j, j+h)); only + and - and one multiply
 // are rounded, so the result is bit-identical to the torch reference.
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -63,8 +65,7 @@ void sign_unpermute_lanes(const float* __restrict z, const int64_t* __restrict p
 
 // One row (a query): the same butterflies over contiguous floats, vectorized along j for
 // h >= 8; the per-element operations and their order are those of fwht_lanes.
-__attribute__((target_clones("avx2", "default")))
-void fwht_row(float* __restrict w, int64_t p, float inv_sqrt_p) {
+void fwht_row_portable(float* __restrict w, int64_t p, float inv_sqrt_p) {
   for (int64_t h = 1; h < p; h <<= 1) {
     for (int64_t i = 0; i < p; i += 2 * h) {
       float* __restrict a = w + i;
@@ -77,6 +78,46 @@ void fwht_row(float* __restrict w, int64_t p, float inv_sqrt_p) {
     }
   }
   for (int64_t k = 0; k < p; ++k) w[k] *= inv_sqrt_p;
+}
+
+// AVX2: the stages h = 1, 2, 4 inside each group of 8 floats, in registers (a swap of pairs,
+// of pairs of pairs, of halves, then u + v in the first and u - v in the second element of
+// each pair - the same two float operations per pair as the portable loop, so the same bits),
+// then h >= 8 across 8-float vectors. At d = 784 (p = 512) the scalar h < 8 stages were most
+// of a one-query rotation.
+__attribute__((target("avx2"))) void fwht_row_avx2(float* __restrict w, int64_t p,
+                                                   float inv_sqrt_p) {
+  if (p < 8) {
+    fwht_row_portable(w, p, inv_sqrt_p);
+    return;
+  }
+  for (int64_t i = 0; i < p; i += 8) {
+    __m256 v = _mm256_loadu_ps(w + i);
+    __m256 sw = _mm256_permute_ps(v, 0xB1);  // h = 1: (1, 0, 3, 2, ...)
+    v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xAA);
+    sw = _mm256_permute_ps(v, 0x4E);  // h = 2: (2, 3, 0, 1, ...)
+    v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xCC);
+    sw = _mm256_permute2f128_ps(v, v, 0x01);  // h = 4: the two halves swapped
+    v = _mm256_blend_ps(_mm256_add_ps(v, sw), _mm256_sub_ps(sw, v), 0xF0);
+    _mm256_storeu_ps(w + i, v);
+  }
+  for (int64_t h = 8; h < p; h <<= 1)
+    for (int64_t i = 0; i < p; i += 2 * h)
+      for (int64_t j = i; j < i + h; j += 8) {
+        const __m256 u = _mm256_loadu_ps(w + j), v = _mm256_loadu_ps(w + j + h);
+        _mm256_storeu_ps(w + j, _mm256_add_ps(u, v));
+        _mm256_storeu_ps(w + j + h, _mm256_sub_ps(u, v));
+      }
+  const __m256 s = _mm256_set1_ps(inv_sqrt_p);
+  for (int64_t k = 0; k < p; k += 8)
+    _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), s));
+}
+
+void fwht_row(float* w, int64_t p, float inv_sqrt_p) {
+  if (simd_avx2())
+    fwht_row_avx2(w, p, inv_sqrt_p);
+  else
+    fwht_row_portable(w, p, inv_sqrt_p);
 }
 
 void rotate_row(const float* x, int64_t d, const int64_t* perms, const float* signs, int rounds,
@@ -110,7 +151,10 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
   const int64_t groups = (n + kLanes - 1) / kLanes;
   // Threads split whole groups of kLanes rows (never one group between two threads).
   parallel_rows(groups, nthreads, [&](int64_t glo, int64_t ghi) {
-    std::vector<float> zb(static_cast<size_t>(d * kLanes)), wb(static_cast<size_t>(d * kLanes));
+    // a partial group alone (one query) needs one row's buffers, not kLanes (zero-filling
+    // 2 x 25 KB cost as much as rotating a 784-vector)
+    const int64_t lanes = ghi - glo == 1 && n - glo * kLanes < kLanes ? 1 : kLanes;
+    std::vector<float> zb(static_cast<size_t>(d * lanes)), wb(static_cast<size_t>(d * lanes));
     float* z = zb.data();
     float* w = wb.data();
     for (int64_t g = glo; g < ghi; ++g) {

@@ -384,6 +384,27 @@ def test_ivf_fast_scan_matches_reference(backend, b, nq, d, nlist, nprobe, k):
     assert (p0 >= 0).any()
 
 
+@pytest.mark.parametrize("nq,nlist,d,nprobe", [(1, 256, 784, 4), (5, 10, 7, 10), (9, 33, 64, 1)])
+@pytest.mark.parametrize("l2", [False, True])
+def test_ivf_probe_matches_reference(backend, nq, nlist, d, nprobe, l2, rng):
+    """The nearest lists best first, ties to the lower list (duplicated centroids), scores
+    within float-summation tolerance."""
+    q = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
+    c = torch.from_numpy(rng.standard_normal((nlist, d)).astype(np.float32))
+    c[3] = c[1]  # a tie
+    q[0] = c[1]
+    csq = (c * c).sum(1)
+    p0, s0 = ops.ref.ivf_probe_ref(q, c, csq, l2, nprobe)
+    p1, s1 = ops.ivf_probe(*on(backend, q, c, csq), l2, nprobe, backend=backend)
+    torch.testing.assert_close(s1.cpu(), s0, rtol=1e-5, atol=1e-3)
+    assert torch.equal(p1.cpu(), p0) or torch.allclose(  # or equal scores where they differ
+        torch.gather(s0, 1, p1.cpu()), s0, rtol=1e-5, atol=1e-3)
+    if nprobe > 1 and l2:
+        assert p1[0, 0] == 1 and p1[0, 1] == 3  # the two copies of q[0]: lower list first
+    with pytest.raises(ValueError, match="nprobe"):
+        ops.ivf_probe(q, c, csq, l2, nlist + 1, backend=backend)
+
+
 @pytest.mark.parametrize("nq,n,d,kk", [(1, 10, 7, 3), (50, 3000, 784, 40), (3, 100, 1, 200)])
 def test_rescore_rows_matches_reference(backend, nq, n, d, kk, rng):
     """Refine(Flat)'s exact re-score: dot products and squared norms of candidate rows, 0 for

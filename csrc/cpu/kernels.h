@@ -96,5 +96,9 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
 // 0 and 0 (the caller masks it).
 void rescore_rows(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, float* dot, float* sqn, int nthreads);
+// The nprobe best lists per query: <q, c_l> (l2: 2 <q, c_l> - csq_l - ||q||^2), best first.
+void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nlist,
+               const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
+               int nthreads);
 
 }  // namespace tqvec

@@ -311,6 +311,21 @@ NB_MODULE(_C, m) {
                         nthreads);
   });
 
+  m.def("ivf_probe", [](CArr<const float> q, CArr<const float> c, CArr<const float> csq, bool l2,
+                        CArr<int64_t> probes, CArr<float> offsets, int nthreads) {
+    require(q.ndim() == 2 && c.ndim() == 2 && csq.ndim() == 1 && probes.ndim() == 2 &&
+                offsets.ndim() == 2, "ivf_probe: bad ranks");
+    const int64_t nq = q.shape(0), d = q.shape(1), nlist = c.shape(0), np_ = probes.shape(1);
+    require(c.shape(1) == static_cast<size_t>(d) && csq.shape(0) == c.shape(0),
+            "ivf_probe: centroids must be (nlist, d) with nlist norms");
+    require(probes.shape(0) == static_cast<size_t>(nq) && offsets.shape(0) == probes.shape(0) &&
+                offsets.shape(1) == probes.shape(1) && np_ >= 1 && np_ <= nlist,
+            "ivf_probe: outputs must be (nq, nprobe), 1 <= nprobe <= nlist");
+    nb::gil_scoped_release rel;
+    tqvec::ivf_probe(q.data(), nq, d, c.data(), nlist, csq.data(), l2, np_, probes.data(),
+                     offsets.data(), nthreads);
+  });
+
   m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
                               CArr<const float> signs, int64_t p, bool inverse,
                               CArr<float> out, int nthreads) {

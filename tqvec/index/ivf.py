@@ -50,7 +50,7 @@ __all__ = ["IVFIndex"]
 
 _ROWS = 32  # rows per fast-scan block: every list starts on a block boundary
 _ASSIGN_BLOCK = 16384
-_NUMPY_PROBE_QUERIES = 8  # at most this many queries are probed in numpy (see _probe)
+_KERNEL_PROBE_QUERIES = 8  # at most this many queries are probed by ops.ivf_probe
 
 
 class IVFIndex(FlatIndex):
@@ -105,6 +105,8 @@ class IVFIndex(FlatIndex):
         # ||c||^2, needed by every L2/cosine probe (recomputing it cost ~100 us per query at
         # nlist 256, d 784: a third of a one-query search)
         self._centroid_sqn = None if c is None else (c * c).sum(1)
+        self._prober = None if c is None else ops.IVFProbe(
+            c, self._centroid_sqn, self.metric_type != METRIC_INNER_PRODUCT)
 
     # -- training and adding --------------------------------------------------------------------
     def train(self, x: Any) -> None:
@@ -246,7 +248,7 @@ class IVFIndex(FlatIndex):
         snap["scan"] = None  # the flat LUT state is not used here
         snap.update(lists=self._lists, rowterm=self._rowterm, ivf=self._ivf_state(),
                     centroids=self.centroids, centroid_sqn=self._centroid_sqn,
-                    nprobe=self._nprobe)
+                    prober=self._prober, nprobe=self._nprobe)
         return snap
 
     def _scan_state(self):  # the flat index's per-row state does not apply to residual codes
@@ -255,33 +257,20 @@ class IVFIndex(FlatIndex):
     def _probe(self, q: np.ndarray, snap: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """(probes (nq, P) int64, offsets (nq, P) float32), best first: the nearest lists and the
         exact centroid part of each score (-||q - c||^2 for l2/cosine, <q, c> for ip). The one
-        probe of every search path, so that they agree bit for bit. A few queries go through
-        numpy (one query: ~15 us against torch's ~25 for the product); more through torch, whose
-        threads are the ones the scan uses next — numpy's BLAS threads spin after a big product
-        and took a third of the 2-core machine from the scan that followed (1,000 queries:
-        36 ms instead of 23) — and whose top-k is 10x faster than argpartition there."""
+        probe of every search path, so that they agree bit for bit. A few queries: one
+        ``ops.IVFProbe`` call (one query, nlist 256, d 784: ~15 us, where numpy's product and
+        top-k steps took ~40); more: torch's GEMM and top-k, on the threads the scan uses next
+        (numpy's BLAS threads spin after a big product and took a third of the 2-core machine
+        from the scan that followed: 1,000 queries 36 ms instead of 23)."""
         p = min(snap["nprobe"], self.nlist)
-        if q.shape[0] > _NUMPY_PROBE_QUERIES:
-            qt = torch.from_numpy(q)
-            score = qt @ snap["centroids"].T
-            if self.metric_type != METRIC_INNER_PRODUCT:
-                score = 2 * score - snap["centroid_sqn"][None, :] - (qt * qt).sum(1)[:, None]
-            top = torch.topk(score, p, dim=1)
-            return top.indices.numpy(), top.values.contiguous().numpy()
-        cents, csq = snap["centroids"].numpy(), snap["centroid_sqn"].numpy()
-        probes = np.empty((q.shape[0], p), np.int64)
-        offsets = np.empty((q.shape[0], p), np.float32)
-        for i, qi in enumerate(q):  # row by row: ~30 us for one query, half of it the product
-            score = cents @ qi
-            if self.metric_type != METRIC_INNER_PRODUCT:
-                score *= 2
-                score -= csq
-                score -= np.dot(qi, qi)
-            top = np.argpartition(score, self.nlist - p)[self.nlist - p:]
-            vals = score[top]
-            order = np.argsort(-vals, kind="stable")
-            probes[i], offsets[i] = top[order], vals[order]
-        return probes, offsets
+        if q.shape[0] <= _KERNEL_PROBE_QUERIES:
+            return snap["prober"].probe(q, p)
+        qt = torch.from_numpy(q)
+        score = qt @ snap["centroids"].T
+        if self.metric_type != METRIC_INNER_PRODUCT:
+            score = 2 * score - snap["centroid_sqn"][None, :] - (qt * qt).sum(1)[:, None]
+        top = torch.topk(score, p, dim=1)
+        return top.indices.numpy(), top.values.contiguous().numpy()
 
     def _to_metric(self, s):  # torch or float32 numpy
         # cosine is ranked by the l2 estimate on unit vectors; report 1 - d^2 / 2

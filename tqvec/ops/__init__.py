@@ -25,8 +25,8 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
-           "IVFFastScan", "rescore_rows", "decode_attention", "row_bytes", "fast_scan_row_bytes",
-           "FAST_SCAN_BITS"]
+           "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_rows", "decode_attention", "row_bytes",
+           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -363,6 +363,43 @@ class IVFFastScan:
                                   torch.from_numpy(np.asarray(offsets)), self.b, k,
                                   self.backend, approx)
         return vals.cpu().numpy(), pos.cpu().numpy()
+
+
+def ivf_probe(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
+              nprobe: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(probes (nq, nprobe) int64, scores float32): each query's nprobe best lists, best first;
+    see ``ref.ivf_probe_ref``. On the CPU one kernel call (for a few queries: a big batch is
+    a GEMM's job)."""
+    nlist = centroids.shape[0]
+    if not 1 <= nprobe <= nlist:
+        raise ValueError(f"nprobe must be in 1..{nlist}, got {nprobe}")
+    return _pick("ivf_probe", q.device, backend)(
+        q.to(torch.float32).contiguous(), centroids.to(torch.float32).contiguous(),
+        csq.to(torch.float32).contiguous(), bool(l2), int(nprobe))
+
+
+class IVFProbe:
+    """``ivf_probe`` against fixed centroids, prepared once (their numpy views on the compiled
+    kernel): ``probe(q, nprobe) -> (probes, scores)`` on float32 numpy queries, a one-query
+    probe one kernel call (the per-call dispatch and conversions cost as much as the kernel's
+    ~20 us at nlist 256, d 784)."""
+
+    def __init__(self, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
+                 backend: str = "auto"):
+        self.centroids = centroids.to(torch.float32).contiguous()
+        self.csq = csq.to(torch.float32).contiguous()
+        self.l2, self.backend = bool(l2), backend
+        self._np = None
+        if _pick("ivf_probe", self.centroids.device, backend) is _cpu.ivf_probe_cpu:
+            self._np = (self.centroids.numpy(), self.csq.numpy())
+
+    def probe(self, q: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
+        if self._np is not None and 1 <= nprobe <= self.centroids.shape[0]:
+            return _cpu.ivf_probe_np(np.ascontiguousarray(q, np.float32), *self._np, self.l2,
+                                     int(nprobe))
+        probes, scores = ivf_probe(torch.from_numpy(np.asarray(q, np.float32)), self.centroids,
+                                   self.csq, self.l2, nprobe, self.backend)
+        return probes.cpu().numpy(), scores.cpu().numpy()
 
 
 def rescore_rows(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, backend: str = "auto"

@@ -19,7 +19,7 @@ __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
-           "ivf_fast_scan_cpu",
+           "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
            "decode_attention_cpu", "rescore_rows_cpu"]
 
 
@@ -202,6 +202,21 @@ def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.T
                             *_np(vpacked, vnorm, vcent), vb, *_np(lo, hi), float(scale), m, l,
                             acc, _threads())
     return torch.from_numpy(m), torch.from_numpy(l), torch.from_numpy(acc)
+
+
+def ivf_probe_np(q: np.ndarray, centroids: np.ndarray, csq: np.ndarray, l2: bool, nprobe: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    probes = np.empty((q.shape[0], nprobe), dtype=np.int64)
+    offsets = np.empty((q.shape[0], nprobe), dtype=np.float32)
+    if q.shape[0]:
+        _C.ivf_probe(q, centroids, csq, bool(l2), probes, offsets, _threads())
+    return probes, offsets
+
+
+def ivf_probe_cpu(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
+                  nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+    probes, offsets = ivf_probe_np(*_np(q, centroids, csq), l2, nprobe)
+    return torch.from_numpy(probes), torch.from_numpy(offsets)
 
 
 def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor

@@ -269,6 +269,19 @@ def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.
     return _topk_padded((qr @ yhat.T) * mult[None, :] + add[None, :] + off, k)
 
 
+def ivf_probe_ref(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
+                  nprobe: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``nprobe`` best lists of each query, best first (ties: the lower list): q (nq, d),
+    centroids (nlist, d), csq (nlist,) their squared norms, float32. Scores <q, c_l>, or for l2
+    2 <q, c_l> - csq_l - ||q||^2 = -||q - c_l||^2. Returns (probes int64, scores float32),
+    both (nq, nprobe)."""
+    score = q @ centroids.T
+    if l2:
+        score = 2 * score - csq[None, :] - (q * q).sum(1, keepdim=True)
+    order = torch.sort(score, dim=1, descending=True, stable=True).indices[:, :nprobe]
+    return order, torch.gather(score, 1, order)
+
+
 def rescore_rows_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact scores of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =

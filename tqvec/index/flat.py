@@ -71,7 +71,7 @@ _FAST_SCAN_ROWS_PER_RESULT = 64
 
 def _unit_rows(q: np.ndarray) -> np.ndarray:
     """Rows scaled to unit norm (cosine queries on the CPU; zero rows stay zero)."""
-    nrm = np.sqrt(np.einsum("ij,ij->i", q, q))[:, None]
+    nrm = np.sqrt((q * q).sum(1, keepdims=True))
     return q / np.maximum(nrm, np.float32(1e-30))
 
 
@@ -509,6 +509,17 @@ class FlatIndex:
         fill = _FLT_MAX if self.metric_type == METRIC_L2 else -_FLT_MAX
         return (np.full((nq, k), fill, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64))
 
+    def _results(self, vals: np.ndarray, pos: np.ndarray, ids: np.ndarray, k: int
+                 ) -> tuple[np.ndarray, np.ndarray]:
+        """(D, I) of one block of queries from best-first (vals, pos): ``_put_results`` into the
+        padding, or, in the common case of k finite results per query, the arrays themselves
+        (the short paths' last steps run cache-cold after a scan: fewer is faster)."""
+        if vals.shape[1] == k and np.isfinite(vals).all():
+            return np.ascontiguousarray(vals, np.float32), ids[pos]
+        D, I = self._empty_results(vals.shape[0], k)
+        self._put_results(D, I, vals, pos, ids)
+        return D, I
+
     @staticmethod
     def _put_results(D: np.ndarray, I: np.ndarray, vals: np.ndarray, pos: np.ndarray,
                      ids: np.ndarray) -> None:
@@ -599,9 +610,7 @@ class FlatIndex:
         vals, pos = vals.numpy(), pos.numpy()
         if offsets is not None:
             vals = vals + offsets[:, None]
-        D, I = self._empty_results(q.shape[0], k)
-        self._put_results(D, I, vals, pos, ids.numpy())
-        return D, I
+        return self._results(vals, pos, ids.numpy(), k)
 
     def _fast_rows_ok(self, n: int, kk: int) -> bool:
         """Enough rows per result for the fast scan's shortlist to pay (digits, n = 1,597,

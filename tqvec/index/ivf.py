@@ -327,9 +327,7 @@ class IVFIndex(FlatIndex):
             vals, pos = self._rerank_np(torch.from_numpy(q), vals, pos, snap, k)
         if self.metric_type == METRIC_L2:
             vals = -vals
-        D, I = self._empty_results(q.shape[0], k)
-        self._put_results(D, I, vals, pos, snap["ids"].numpy())
-        return D, I
+        return self._results(vals, pos, snap["ids"].numpy(), k)
 
     def _per_list_scores(self, q: torch.Tensor, snap: dict[str, Any], probes: torch.Tensor,
                          offsets: torch.Tensor):

@@ -105,8 +105,12 @@ def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     return out
 
 
-def _topk_out(nq: int, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Empty top-k outputs (-inf, -1), made in numpy: half the cost of torch.full + .numpy()."""
+def _topk_out(nq: int, k: int, written: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k outputs in numpy (half the cost of torch.full + .numpy()): the padding (-inf, -1),
+    or uninitialized where the kernel will write every entry (``written``; the fast scans
+    write k per query, padding included)."""
+    if written:
+        return np.empty((nq, k), dtype=np.float32), np.empty((nq, k), dtype=np.int64)
     return np.full((nq, k), -np.inf, dtype=np.float32), np.full((nq, k), -1, dtype=np.int64)
 
 
@@ -118,7 +122,7 @@ def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
     is ``fast_scan`` (four queries per pass; ``approx`` as in ``FastScan.search``), several
     ``fast_scan_terms``."""
     nq = qrs[0].shape[0]
-    vals, pos = _topk_out(nq, k)
+    vals, pos = _topk_out(nq, k, written=bool(n))
     if nq and n:
         if len(qrs) == 1:
             _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k,
@@ -133,7 +137,7 @@ def fast_scan_two_stage_np(qr: np.ndarray, signs: np.ndarray, n: int, c1: np.nda
                            packed: np.ndarray, b: int, centroids: np.ndarray, mult: np.ndarray,
                            add: np.ndarray, add1: np.ndarray, k1: int, k: int
                            ) -> tuple[np.ndarray, np.ndarray]:
-    vals, pos = _topk_out(qr.shape[0], k)
+    vals, pos = _topk_out(qr.shape[0], k, written=bool(n))
     if qr.shape[0] and n:
         _C.fast_scan_two_stage(qr, signs, n, c1, packed, b, centroids, mult, add, add1, k1, k,
                                vals, pos, _threads())
@@ -172,7 +176,7 @@ def ivf_fast_scan_np(qr: np.ndarray, blocked: np.ndarray, centroids: np.ndarray,
                      approx: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """The kernel on numpy arrays (``ops.IVFFastScan`` keeps the codes' views)."""
     nq = qr.shape[0]
-    vals, pos = _topk_out(nq, k)
+    vals, pos = _topk_out(nq, k, written=bool(blocked.shape[0]))
     if nq and blocked.shape[0]:
         _C.ivf_fast_scan(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, b, k,
                          bool(approx), vals, pos, _threads())

@@ -545,18 +545,41 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
   }
 }
 
-// Four queries over the same blocks: each code byte is loaded and split once for four tables.
-__attribute__((target("avx2"))) void scan_blocks4_avx2(const Lut* const* L, const uint8_t* blocked,
+// NQ queries over the same blocks: each code byte is loaded and split once for NQ tables.
+template <int NQ>
+__attribute__((target("avx2"))) void scan_blocksq_avx2(const Lut* const* L, const uint8_t* blocked,
                                                        int64_t rb, int64_t n, int64_t j0,
                                                        int64_t j1, const float* mult,
                                                        const float* add, const float* off,
                                                        Shortlist* const* sl) {
   alignas(32) uint32_t tot[4 * kRows];
-  const uint8_t* q8[4] = {L[0]->q8.data(), L[1]->q8.data(), L[2]->q8.data(), L[3]->q8.data()};
+  const uint8_t* q8[NQ];
+  for (int q = 0; q < NQ; ++q) q8[q] = L[q]->q8.data();
   for (int64_t j = j0; j < j1; ++j) {
-    block_sums<1, 4>(L[0]->b, blocked + j * rb * kRows, rb, q8, tot);
-    for (int q = 0; q < 4; ++q)
+    block_sums<1, NQ>(L[0]->b, blocked + j * rb * kRows, rb, q8, tot);
+    for (int q = 0; q < NQ; ++q)
       admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
+  }
+}
+
+// Queries per pass of the multi-query scan: 3 (four queries' 8 accumulators plus tables and
+// temporaries overflowed the 16 registers: two accumulators lived on the stack, a store-to-load
+// forwarding delay per byte; 3 per pass was 10-14 % faster at b = 1, 2, 4, MiniLM batch), 2 for
+// b = 3 (its pair tables take more registers).
+inline int queries_per_pass(int b) { return b == 3 ? 2 : 3; }
+
+// Scans the queries [g, g + count) of lut/shortlist arrays (count a multiple of nq in {2, 3, 4})
+// over blocks [j0, j1), nq at a time, with per-query offsets off.
+void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl, int64_t count,
+                       const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
+                       const float* mult, const float* add, const float* off) {
+  for (int64_t g = 0; g + nq <= count; g += nq) {
+    if (nq == 2)
+      scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else if (nq == 3)
+      scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else
+      scan_blocksq_avx2<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
   }
 }
 
@@ -893,7 +916,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
   if (nq >= t || nb < 64) {
     // Threads over queries. A chunk of blocks that fits in L2 is scanned for a group of queries
     // before moving on, so codes come from memory once per group, not once per query.
-    const int64_t group = 8;
+    const int64_t group = 12;  // a multiple of 2 and 3 queries per pass
     const int64_t chunk_blocks = std::max<int64_t>(1, (192 * 1024) / (rb * kRows));
     const int64_t tq = std::min<int64_t>(t, nq);
     auto work = [&](int64_t w) {
@@ -906,17 +929,17 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
           sls.emplace_back(k_scan);
         }
         const size_t ng = luts.size();
+        std::vector<const Lut*> lp;
+        std::vector<Shortlist*> sp;
+        for (size_t g = 0; g < ng; ++g) lp.push_back(&luts[g]), sp.push_back(&sls[g]);
+        const std::vector<float> zero(ng, 0.0f);
+        const int qpp = queries_per_pass(b);
+        const size_t grouped = simd_avx2() ? ng / qpp * qpp : 0;
         for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks) {
           const int64_t c1 = std::min(nb, c0 + chunk_blocks);
-          size_t g = 0;
-          if (simd_avx2())
-            for (; g + 4 <= ng; g += 4) {
-              const Lut* lp[4] = {&luts[g], &luts[g + 1], &luts[g + 2], &luts[g + 3]};
-              Shortlist* sp[4] = {&sls[g], &sls[g + 1], &sls[g + 2], &sls[g + 3]};
-              const float zero[4] = {0.f, 0.f, 0.f, 0.f};
-              scan_blocks4_avx2(lp, blocked, rb, n, c0, c1, mult, add, zero, sp);
-            }
-          for (; g < ng; ++g)
+          scan_query_groups(qpp, lp.data(), sp.data(), static_cast<int64_t>(grouped), blocked,
+                            rb, n, c0, c1, mult, add, zero.data());
+          for (size_t g = grouped; g < ng; ++g)
             scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
         }
         for (size_t g = 0; g < luts.size(); ++g)
@@ -1053,24 +1076,24 @@ void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocke
     };
     auto scan = [&](int64_t w) {
       auto& mine = sls[static_cast<size_t>(w)];
+      std::vector<const Lut*> lp;
+      std::vector<Shortlist*> sp;
+      std::vector<float> off;
       for (int64_t o; (o = next_list.fetch_add(1)) < static_cast<int64_t>(order.size());) {
         const int64_t l = order[static_cast<size_t>(o)];
         const auto& qs = by_list[static_cast<size_t>(l)];
         const int64_t j0 = list_blocks[l], j1 = list_blocks[l + 1];
-        size_t g = 0;
-        if (simd_avx2())
-          for (; g + 4 <= qs.size(); g += 4) {
-            const Lut* lp[4];
-            Shortlist* sp[4];
-            float off[4];
-            for (int u = 0; u < 4; ++u) {
-              lp[u] = &luts[static_cast<size_t>(qs[g + u].first)];
-              sp[u] = &mine[static_cast<size_t>(qs[g + u].first)];
-              off[u] = qs[g + u].second;
-            }
-            scan_blocks4_avx2(lp, blocked, rb, n, j0, j1, mult, add, off, sp);
-          }
-        for (; g < qs.size(); ++g)
+        const int qpp = queries_per_pass(b);
+        const size_t grouped = simd_avx2() ? qs.size() / qpp * qpp : 0;
+        lp.clear(), sp.clear(), off.clear();
+        for (size_t g = 0; g < grouped; ++g) {
+          lp.push_back(&luts[static_cast<size_t>(qs[g].first)]);
+          sp.push_back(&mine[static_cast<size_t>(qs[g].first)]);
+          off.push_back(qs[g].second);
+        }
+        scan_query_groups(qpp, lp.data(), sp.data(), static_cast<int64_t>(grouped), blocked, rb,
+                          n, j0, j1, mult, add, off.data());
+        for (size_t g = grouped; g < qs.size(); ++g)
           scan_blocks(luts[static_cast<size_t>(qs[g].first)], blocked, rb, n, j0, j1, mult, add,
                       qs[g].second, mine[static_cast<size_t>(qs[g].first)]);
       }

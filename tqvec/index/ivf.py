@@ -310,7 +310,7 @@ class IVFIndex(FlatIndex):
         it does not apply."""
         if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
                 and 0 < x.shape[0] <= _QUERY_BLOCK and x.shape[1] == self.d
-                and self.refine in (None, "flat") and self.is_trained):
+                and self.is_trained):
             return None
         with self._lock:
             snap = self._snapshot()

@@ -92,3 +92,15 @@ def attn_case(rng, bh, g, d, t, kb, vb):
     if bh > 2:
         lo[1], hi[1] = 5, 5         # an empty range: m = -inf, l = 0, acc = 0
     return qr, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, 1.0 / np.sqrt(d)
+
+
+def assert_numpy_path_matches(index, queries, k=10):
+    """Each query set through the index's short numpy path (float32 numpy) and through the
+    general path (the same queries as a torch tensor): bit-identical (D, I). Returns the last."""
+    for q in queries:
+        assert index._search_fast_numpy(q, k) is not None
+        D1, I1 = index.search(q, k)
+        D2, I2 = index.search(torch.from_numpy(q), k)
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+    return D1, I1

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tqvec
+from tests.conftest import assert_numpy_path_matches
 from tqvec import FormatError
 from tqvec.index import METRIC_INNER_PRODUCT, METRIC_L2
 
@@ -278,12 +279,7 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     xb, xq = _data(rng, n=3000, d=48, nq=7)
     index = tqvec.index_factory(48, spec, metric)
     index.add_with_ids(xb, np.arange(3000) * 3 + 1)
-    for q in (xq[:1], xq):
-        assert index._search_fast_numpy(q, 10) is not None
-        D1, I1 = index.search(q, 10)
-        D2, I2 = index.search(torch.from_numpy(q), 10)
-        np.testing.assert_array_equal(I1, I2)
-        np.testing.assert_array_equal(D1, D2)
+    assert_numpy_path_matches(index, [xq[:1], xq])
     small = tqvec.index_factory(48, spec, metric)
     small.add(xb[:40])
     D1, I1 = small.search(xq, 50)  # 40 rows < k: padded (general path: too few rows per result)

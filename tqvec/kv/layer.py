@@ -295,14 +295,18 @@ class CompressedLayer(CacheLayerMixin):
 
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
-        if isinstance(self.kq, ChannelScale) and self.kq.scale is None:
-            self.kq.calibrate(k, self.q_energy)
-        if isinstance(self.kq, ChannelSplit) and self.kq.channels is None:
-            self.kq.set_channels(k)
-        if isinstance(self.vq, ChannelScale) and self.vq.scale is None:
-            self.vq.calibrate(v, None)
-        if isinstance(self.vq, ChannelSplit) and self.vq.channels is None:
-            self.vq.set_channels(v)
+        # Data-dependent setup at the first codes: the channel scale, then the outlier channels
+        # of what the split actually codes ((x - mu) / s under a scale: the channels whose
+        # error weighs most in the scores). A split inside a scale - the default with
+        # outlier_channels - was never set up before, and the first flush raised.
+        for quant, x, q_energy in ((self.kq, k, self.q_energy), (self.vq, v, None)):
+            inner, coded = quant, x
+            if isinstance(quant, ChannelScale):
+                if quant.scale is None:
+                    quant.calibrate(x, q_energy)
+                inner, coded = quant.inner, quant.transform(x)
+            if isinstance(inner, ChannelSplit) and inner.channels is None:
+                inner.set_channels(coded)
         kf = self.kq.encode_heads(k.contiguous())
         vf = self.vq.encode_heads(v.contiguous())
         self.kbuf.append(kf)

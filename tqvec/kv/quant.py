@@ -286,9 +286,13 @@ class ChannelScale(KVQuantizer):
     def _stats(self, device):
         return (self.mean.to(device)[None, :, None, :], self.scale.to(device)[None, :, None, :])
 
-    def encode_heads(self, x: torch.Tensor) -> Fields:
+    def transform(self, x: torch.Tensor) -> torch.Tensor:
+        """(x - mu) / s: what the inner quantizer codes."""
         mu, s = self._stats(x.device)
-        return self.inner.encode_heads((x - mu) / s)
+        return (x - mu) / s
+
+    def encode_heads(self, x: torch.Tensor) -> Fields:
+        return self.inner.encode_heads(self.transform(x))
 
     def decode(self, f: Fields) -> torch.Tensor:
         mu, s = self._stats(f["payload"].device)

@@ -86,6 +86,26 @@ void fill_rows(const float* q, int64_t d, const float* cv, int64_t M, float* f) 
   }
 }
 
+// fill_rows with AVX2 intrinsics: each table row is two 8-float vectors, summed over t in the
+// same order with the same operations (multiply, then add; no FMA) as the portable loop.
+// (A template called from build_lut's target_clones is compiled for the baseline ISA only.)
+template <int PER>
+__attribute__((target("avx2"))) void fill_rows_avx2(const float* q, int64_t d, const float* cv,
+                                                    int64_t M, float* f) {
+  for (int64_t m = 0; m < M; ++m) {
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int t = 0; t < PER; ++t) {
+      const __m256 qt = _mm256_set1_ps(m * PER + t < d ? q[m * PER + t] : 0.0f);
+      const __m256 a = _mm256_mul_ps(qt, _mm256_loadu_ps(cv + t * 16));
+      const __m256 b = _mm256_mul_ps(qt, _mm256_loadu_ps(cv + t * 16 + 8));
+      lo = t == 0 ? a : _mm256_add_ps(lo, a);
+      hi = t == 0 ? b : _mm256_add_ps(hi, b);
+    }
+    _mm256_storeu_ps(f + m * 16, lo);
+    _mm256_storeu_ps(f + m * 16 + 8, hi);
+  }
+}
+
 // b = 3: T[p][lo][hi] = q[2p] c[idx0] + q[2p+1] c[idx1] for the pair layout above.
 void fill_pairs3(const float* q, int64_t d, const float* c, int64_t M, float* f) {
   for (int64_t p = 0; p < M; ++p) {
@@ -124,12 +144,13 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
     float cv[4 * 16];
     for (int t = 0; t < per; ++t)
       for (int v = 0; v < 16; ++v) cv[t * 16 + v] = c[(v >> (t * b)) & mask];
+    const bool avx2 = simd_avx2();
     if (per == 1)
-      fill_rows<1>(q, d, cv, L.M, table.data());
+      (avx2 ? fill_rows_avx2<1> : fill_rows<1>)(q, d, cv, L.M, table.data());
     else if (per == 2)
-      fill_rows<2>(q, d, cv, L.M, table.data());
+      (avx2 ? fill_rows_avx2<2> : fill_rows<2>)(q, d, cv, L.M, table.data());
     else
-      fill_rows<4>(q, d, cv, L.M, table.data());
+      (avx2 ? fill_rows_avx2<4> : fill_rows<4>)(q, d, cv, L.M, table.data());
   }
   std::vector<float> lo(static_cast<size_t>(L.M));
   float span = 0.0f;

@@ -589,18 +589,16 @@ __attribute__((target("avx2"))) void scan_blocksq_avx2(const Lut* const* L, cons
 // b = 3 (its pair tables take more registers).
 inline int queries_per_pass(int b) { return b == 3 ? 2 : 3; }
 
-// Scans the queries [g, g + count) of lut/shortlist arrays (count a multiple of nq in {2, 3, 4})
-// over blocks [j0, j1), nq at a time, with per-query offsets off.
+// Scans the first count queries of the lut/shortlist arrays (count a multiple of nq, which is
+// queries_per_pass: 2 or 3) over blocks [j0, j1), nq at a time, with per-query offsets off.
 void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl, int64_t count,
                        const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
                        const float* mult, const float* add, const float* off) {
   for (int64_t g = 0; g + nq <= count; g += nq) {
     if (nq == 2)
       scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
-    else if (nq == 3)
-      scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else
-      scan_blocksq_avx2<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+      scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
   }
 }
 

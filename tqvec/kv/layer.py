@@ -296,9 +296,8 @@ class CompressedLayer(CacheLayerMixin):
     def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
         k, v = k.float(), v.float()
         # Data-dependent setup at the first codes: the channel scale, then the outlier channels
-        # of what the split actually codes ((x - mu) / s under a scale: the channels whose
-        # error weighs most in the scores). A split inside a scale - the default with
-        # outlier_channels - was never set up before, and the first flush raised.
+        # of what the split actually codes ((x - mu) / s under a scale - the default with
+        # outlier_channels: the channels whose error weighs most in the scores).
         for quant, x, q_energy in ((self.kq, k, self.q_energy), (self.vq, v, None)):
             inner, coded = quant, x
             if isinstance(quant, ChannelScale):

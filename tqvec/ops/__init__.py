@@ -301,7 +301,7 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
     """``fast_scan`` with several codes per row (1 to 4 terms): score_i = add_i +
     sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]>; a row's error bound is the sum of its
     terms' bounds, the shortlist is re-scored exactly. One term is ``fast_scan`` (which also
-    batches queries four at a time). See ``ref.fast_scan_terms_ref``; ``FastScan`` prepares
+    batches several queries per pass). See ``ref.fast_scan_terms_ref``; ``FastScan`` prepares
     the codes once for many searches."""
     _check_terms(len(qrs), blocked, centroids, mults, bits)
     return FastScan(blocked, n, centroids, mults, add, bits, backend).search(qrs, k)

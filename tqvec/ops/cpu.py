@@ -119,7 +119,7 @@ def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
                  bits: list[int], k: int, approx: bool = False
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The fast-scan kernels on numpy arrays (``ops.FastScan`` calls this per search): one term
-    is ``fast_scan`` (four queries per pass; ``approx`` as in ``FastScan.search``), several
+    is ``fast_scan`` (several queries per pass; ``approx`` as in ``FastScan.search``), several
     ``fast_scan_terms``."""
     nq = qrs[0].shape[0]
     vals, pos = _topk_out(nq, k, written=bool(n))

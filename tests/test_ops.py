@@ -329,8 +329,9 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    rot = __import__('tqvec.random').random.make_rotation('hadamard', d, 1)\n"
         "    out.append(ops.hadamard_rotate(qr[:1], rot.perms, rot.signs, rot.p).numpy())\n"
         "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
-        "    out += [t.numpy() for t in ops.rescore_rows(qr, qr.new_tensor(\n"
-        "        rng.standard_normal((n, d)).astype(np.float32)), rows)]\n"
+        "    for metric in ('ip', 'l2', 'cosine'):\n"
+        "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"
+        "            rng.standard_normal((n, d)).astype(np.float32)), rows, metric, 10)]\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}
@@ -405,17 +406,43 @@ def test_ivf_probe_matches_reference(backend, nq, nlist, d, nprobe, l2, rng):
         ops.ivf_probe(q, c, csq, l2, nlist + 1, backend=backend)
 
 
-@pytest.mark.parametrize("nq,n,d,kk", [(1, 10, 7, 3), (50, 3000, 784, 40), (3, 100, 1, 200)])
-def test_rescore_rows_matches_reference(backend, nq, n, d, kk, rng):
-    """Refine(Flat)'s exact re-score: dot products and squared norms of candidate rows, 0 for
-    the -1 padding; sums in a different order than the reference's einsum."""
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+@pytest.mark.parametrize("nq,n,d,kk,k", [(1, 10, 7, 3, 5), (50, 3000, 784, 40, 10),
+                                         (3, 100, 1, 200, 200)])
+def test_rescore_topk_matches_reference(backend, metric, nq, n, d, kk, k, rng):
+    """Refine(Flat)'s exact re-rank: the metric's similarity of each candidate row, best k first
+    (ties to the earlier candidate), -inf / -1 padding past the valid ones (k > kk included);
+    sums in a different order than the reference's einsum."""
     if backend == "cuda":
-        pytest.skip("rescore_rows is a CPU kernel (exact vectors live in host memory)")
+        pytest.skip("rescore_topk is a CPU kernel (exact vectors live in host memory)")
     q = torch.from_numpy(rng.standard_normal((nq, d)).astype(np.float32))
     x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    x[0] = 0  # a zero row: cosine 0, not NaN
     rows = torch.from_numpy(rng.integers(-1, n, (nq, kk)))
-    want = ops.ref.rescore_rows_ref(q, x, rows)
-    got = ops.rescore_rows(q, x, rows, backend=backend)
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-4 * d ** 0.5)
-    assert (got[1][rows < 0] == 0).all()
+    want_v, want_i = ops.ref.rescore_topk_ref(q, x, rows, metric, k)
+    got_v, got_i = ops.rescore_topk(q, x, rows, metric, k, backend=backend)
+    assert got_v.shape == got_i.shape == (nq, k)
+    tol = 1e-4 * d ** 0.5 * (4 if metric == "l2" else 1)
+    torch.testing.assert_close(got_v, want_v, rtol=1e-5, atol=tol)
+    assert torch.equal(got_i < 0, want_i < 0) and torch.equal(got_i < 0, ~torch.isfinite(got_v))
+    for i in range(nq):  # the same rows, or rows of (nearly) equal similarity where they differ
+        for r in range(k):
+            if got_i[i, r] != want_i[i, r]:
+                assert abs(float(got_v[i, r]) - float(want_v[i, r])) <= tol
+    vals_np, idx_np = ops.rescore_topk_np(q.numpy(), x.numpy(), rows.numpy(), metric, k)
+    if backend == "cpu":  # the numpy entry runs the compiled kernel
+        assert np.array_equal(idx_np, got_i.numpy()) and np.array_equal(vals_np, got_v.numpy())
+    with pytest.raises(ValueError, match="metric"):
+        ops.rescore_topk(q, x, rows, "hamming", k, backend=backend)
+    with pytest.raises(ValueError, match="rows"):
+        ops.rescore_topk(q, x, rows[:, 0], metric, k, backend=backend)
+
+
+def test_rescore_topk_ties_keep_candidate_order(backend):
+    """Equal similarities (duplicate rows, a candidate listed twice) keep the first stage's
+    order, as the stable sort of the reference does."""
+    if backend == "cuda":
+        pytest.skip("rescore_topk is a CPU kernel")
+    x, q = torch.ones(4, 3), torch.ones(1, 3)
+    v, i = ops.rescore_topk(q, x, torch.tensor([[2, 0, -1, 3, 2, 1]]), "l2", 6, backend=backend)
+    assert i.tolist() == [[2, 0, 3, 2, 1, -1]] and (v[0, :5] == 0).all() and v[0, 5] == -np.inf

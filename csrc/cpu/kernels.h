@@ -91,11 +91,14 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
                       int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
                       float* l, float* acc, int nthreads);
 
-// Exact re-scoring of candidates (rescore.cpp): for query i and candidate r with row
-// j = rows[i, r] of x (n, d) float32: dot[i, r] = <q_i, x_j>, sqn[i, r] = ||x_j||^2; j = -1 gives
-// 0 and 0 (the caller masks it).
-void rescore_rows(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
-                  int64_t kk, float* dot, float* sqn, int nthreads);
+// Exact re-ranking of candidates (rescore.cpp; rescore_topk_ref): query i's candidates
+// j = rows[i, r] (-1 = none) of x (n, d) float32, scored by the metric's similarity
+// kRescoreIP <q, x_j>, kRescoreL2 2 <q, x_j> - ||x_j||^2 - ||q||^2 (= -||q - x_j||^2),
+// kRescoreCosine <q, x_j> / max(||x_j||, 1e-30); the best k first (ties: the earlier candidate)
+// as (vals, idx = the rows), padded with -inf / -1.
+enum RescoreMetric { kRescoreIP = 0, kRescoreL2 = 1, kRescoreCosine = 2 };
+void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
+                  int64_t kk, int metric, int64_t k, float* vals, int64_t* idx, int nthreads);
 // The nprobe best lists per query: <q, c_l> (l2: 2 <q, c_l> - csq_l - ||q||^2), best first.
 void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nlist,
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,

@@ -294,21 +294,21 @@ NB_MODULE(_C, m) {
                          out_idx.data(), nthreads);
   });
 
-  m.def("rescore_rows", [](CArr<const float> q, CArr<const float> x, CArr<const int64_t> rows,
-                           CArr<float> dot, CArr<float> sqn, int nthreads) {
-    require(q.ndim() == 2 && x.ndim() == 2 && rows.ndim() == 2 && dot.ndim() == 2 &&
-                sqn.ndim() == 2, "rescore_rows: bad ranks");
+  m.def("rescore_topk", [](CArr<const float> q, CArr<const float> x, CArr<const int64_t> rows,
+                           int metric, int64_t k, CArr<float> vals, CArr<int64_t> idx,
+                           int nthreads) {
+    require(q.ndim() == 2 && x.ndim() == 2 && rows.ndim() == 2 && vals.ndim() == 2 &&
+                idx.ndim() == 2, "rescore_topk: bad ranks");
     const int64_t nq = q.shape(0), d = q.shape(1), n = x.shape(0), kk = rows.shape(1);
     require(x.shape(1) == static_cast<size_t>(d) && rows.shape(0) == static_cast<size_t>(nq),
-            "rescore_rows: shapes");
-    require(dot.shape(0) == rows.shape(0) && dot.shape(1) == rows.shape(1) &&
-                sqn.shape(0) == rows.shape(0) && sqn.shape(1) == rows.shape(1),
-            "rescore_rows: outputs");
+            "rescore_topk: shapes");
+    require(metric >= 0 && metric <= 2, "rescore_topk: metric must be 0, 1 or 2");
+    check_topk_out(vals, idx, nq, k, "rescore_topk");
     for (int64_t i = 0; i < nq * kk; ++i)
-      require(rows.data()[i] >= -1 && rows.data()[i] < n, "rescore_rows: row out of range");
+      require(rows.data()[i] >= -1 && rows.data()[i] < n, "rescore_topk: row out of range");
     nb::gil_scoped_release rel;
-    tqvec::rescore_rows(q.data(), nq, d, x.data(), rows.data(), kk, dot.data(), sqn.data(),
-                        nthreads);
+    tqvec::rescore_topk(q.data(), nq, d, x.data(), rows.data(), kk, metric, k, vals.data(),
+                        idx.data(), nthreads);
   });
 
   m.def("ivf_probe", [](CArr<const float> q, CArr<const float> c, CArr<const float> csq, bool l2,

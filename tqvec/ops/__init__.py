@@ -25,8 +25,8 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
-           "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_rows", "decode_attention", "row_bytes",
-           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
+           "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
+           "decode_attention", "row_bytes", "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -402,13 +402,35 @@ class IVFProbe:
         return probes.cpu().numpy(), scores.cpu().numpy()
 
 
-def rescore_rows(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, backend: str = "auto"
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(<q_i, x_j>, ||x_j||^2) for the candidate rows j = rows[i, r] (-1 -> 0, 0); float32
-    q (nq, d), x (n, d); see ``ref.rescore_rows_ref``."""
-    return _pick("rescore_rows", q.device, backend)(
+RESCORE_METRICS = ("ip", "l2", "cosine")
+
+
+def rescore_topk(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int,
+                 backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """The best k of the candidate rows (nq, kk) int64 (-1 = none) of the exact vectors x (n, d)
+    by the metric's similarity to q (nq, d) ("ip", "l2": -||q - x||^2, "cosine"): (vals, rows),
+    best first; see ``ref.rescore_topk_ref``. Refine(Flat)'s second stage."""
+    if metric not in RESCORE_METRICS:
+        raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
+    if rows.dim() != 2 or rows.shape[0] != q.shape[0]:
+        raise ValueError(f"rows must be ({q.shape[0]}, kk), got {tuple(rows.shape)}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k must be a positive integer, got {k!r}")
+    return _pick("rescore_topk", q.device, backend)(
         q.to(torch.float32).contiguous(), x.to(torch.float32).contiguous(),
-        rows.to(torch.int64).contiguous())
+        rows.to(torch.int64).contiguous(), metric, k)
+
+
+def rescore_topk_np(q: np.ndarray, x: np.ndarray, rows: np.ndarray, metric: str, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``rescore_topk`` on host numpy arrays (float32 q, x, int64 rows), for the indexes'
+    refinement: one kernel call, no conversions (at one query the torch wrapper cost as much as
+    the kernel)."""
+    if _pick("rescore_topk", torch.device("cpu"), "auto") is _cpu.rescore_topk_cpu:
+        return _cpu.rescore_topk_np(q, x, rows, metric, k)
+    vals, idx = rescore_topk(torch.from_numpy(q), torch.from_numpy(x), torch.from_numpy(rows),
+                             metric, k)
+    return vals.numpy(), idx.numpy()
 
 
 def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

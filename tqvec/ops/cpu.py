@@ -20,7 +20,7 @@ __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
-           "decode_attention_cpu", "rescore_rows_cpu"]
+           "decode_attention_cpu", "rescore_topk_np", "rescore_topk_cpu"]
 
 
 def available() -> bool:
@@ -223,10 +223,19 @@ def ivf_probe_cpu(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l
     return torch.from_numpy(probes), torch.from_numpy(offsets)
 
 
-def rescore_rows_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+_RESCORE_METRICS = {"ip": 0, "l2": 1, "cosine": 2}  # kernels.h RescoreMetric
+
+
+def rescore_topk_np(q: np.ndarray, x: np.ndarray, rows: np.ndarray, metric: str, k: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """The kernel on numpy arrays (the refinement of every index search path calls this)."""
+    vals, idx = _topk_out(q.shape[0], k, written=True)
+    if q.shape[0]:
+        _C.rescore_topk(q, x, rows, _RESCORE_METRICS[metric], k, vals, idx, _threads())
+    return vals, idx
+
+
+def rescore_topk_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    dot = np.zeros(tuple(rows.shape), dtype=np.float32)
-    sqn = np.zeros(tuple(rows.shape), dtype=np.float32)
-    if rows.numel():
-        _C.rescore_rows(*_np(q, x, rows), dot, sqn, _threads())
-    return torch.from_numpy(dot), torch.from_numpy(sqn)
+    vals, idx = rescore_topk_np(*_np(q, x, rows), metric, k)
+    return torch.from_numpy(vals), torch.from_numpy(idx)

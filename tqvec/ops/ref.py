@@ -282,15 +282,30 @@ def ivf_probe_ref(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l
     return order, torch.gather(score, 1, order)
 
 
-def rescore_rows_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor
+def rescore_topk_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact scores of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =
-    none) -> (<q_i, x_rows[i, r]>, ||x_rows[i, r]||^2), both (nq, kk) float32, 0 where -1."""
+    """Exact re-ranking of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =
+    none), scored by the metric's similarity — "ip" <q, x>, "l2" 2 <q, x> - ||x||^2 - ||q||^2
+    (= -||q - x||^2), "cosine" <q, x> / max(||x||, 1e-30) — and the best k kept, best first, ties
+    to the earlier candidate. Returns (vals float32, rows int64), both (nq, k), padded with -inf /
+    -1 where a query has fewer than k candidates."""
     cand = x[rows.clamp_min(0)]
-    ok = rows >= 0
     dot = torch.einsum("qd,qkd->qk", q, cand)
     sqn = (cand * cand).sum(-1)
-    return torch.where(ok, dot, 0.0), torch.where(ok, sqn, 0.0)
+    if metric == "l2":
+        s = 2 * dot - sqn - (q * q).sum(1, keepdim=True)
+    elif metric == "cosine":
+        s = dot / torch.sqrt(sqn).clamp_min(1e-30)
+    else:
+        s = dot
+    s = s.masked_fill(rows < 0, -float("inf"))
+    nq, kk = rows.shape
+    if kk < k:
+        s = torch.cat([s, s.new_full((nq, k - kk), -float("inf"))], 1)
+        rows = torch.cat([rows, rows.new_full((nq, k - kk), -1)], 1)
+    order = torch.sort(s, dim=1, descending=True, stable=True).indices[:, :k]
+    vals = torch.gather(s, 1, order)
+    return vals, torch.where(torch.isfinite(vals), torch.gather(rows, 1, order), -1)
 
 
 def decode_attention_ref(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,

@@ -104,4 +104,34 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
                int nthreads);
 
+
+// A whole IVF search (ivf_search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
+// the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes
+// of npad = 32 nb rows, b bits, codebook, mult, add, list_blocks), map padded rows to positions
+// (pos, -1 = padding) and with exact vectors ref (n, d) re-rank the best kk of them
+// (rescore_topk); D, I (nq, k) as faiss returns them (L2 distances, ids[position], padding).
+struct IvfSearchArgs {
+  int64_t d, nlist, nprobe;
+  const float* centroids;  // (nlist, d)
+  const float* csq;        // (nlist) squared norms
+  const int64_t* perms;
+  const float* signs;
+  int rounds;
+  int64_t p;
+  const uint8_t* blocked;
+  int64_t npad;
+  int b;
+  const float* codebook;  // (2^b)
+  const float* mult;
+  const float* add;
+  const int64_t* list_blocks;  // (nlist + 1)
+  const int64_t* pos;          // (npad)
+  const int64_t* ids;          // (n)
+  const float* ref;            // (n, d) or nullptr: no refinement
+  int metric;                  // RescoreMetric of the index
+  int64_t kk;                  // candidates per query (k * k_factor with ref, else k)
+};
+void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                int64_t* I, int nthreads);
+
 }  // namespace tqvec

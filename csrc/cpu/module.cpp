@@ -46,6 +46,15 @@ void check_topk_out(const CArr<float>& vals, const CArr<int64_t>& idx, int64_t n
           op, ": outputs");
 }
 
+// ivf_search's prepared state: the index's arrays, validated once here (the position map alone
+// is 60k entries, too many to check per one-query search) and kept alive by this object.
+struct IvfSearcher {
+  CArr<const float> centroids, csq, signs, codebook, mult, add, ref;
+  CArr<const int64_t> perms, list_blocks, pos, ids;
+  CArr<const uint8_t> blocked;
+  tqvec::IvfSearchArgs args;
+};
+
 }  // namespace
 
 NB_MODULE(_C, m) {
@@ -345,4 +354,90 @@ NB_MODULE(_C, m) {
     tqvec::hadamard_rotate(x.data(), n, d, perms.data(), signs.data(), static_cast<int>(rounds),
                            p, inverse, out.data(), nthreads);
   });
+
+  nb::class_<IvfSearcher>(m, "IVFSearcher")
+      .def("__init__",
+           [](IvfSearcher* self, CArr<const float> centroids, CArr<const float> csq,
+              CArr<const int64_t> perms, CArr<const float> signs, int64_t p,
+              CArr<const uint8_t> blocked, int b, CArr<const float> codebook,
+              CArr<const float> mult, CArr<const float> add, CArr<const int64_t> list_blocks,
+              CArr<const int64_t> pos, CArr<const int64_t> ids, CArr<const float> ref,
+              int metric) {
+             require(centroids.ndim() == 2 && csq.ndim() == 1 && perms.ndim() == 2 &&
+                         signs.ndim() == 2 && blocked.ndim() == 3 && codebook.ndim() == 1 &&
+                         mult.ndim() == 1 && add.ndim() == 1 && list_blocks.ndim() == 1 &&
+                         pos.ndim() == 1 && ids.ndim() == 1 && ref.ndim() == 2,
+                     "IVFSearcher: bad ranks");
+             const int64_t nlist = centroids.shape(0), d = centroids.shape(1);
+             const int64_t rounds = perms.shape(0), nb_ = blocked.shape(0), npad = 32 * nb_;
+             const int64_t n = ids.shape(0);
+             require(nlist >= 1 && csq.shape(0) == centroids.shape(0),
+                     "IVFSearcher: centroids must be (nlist, d) with nlist norms");
+             require(perms.shape(1) == static_cast<size_t>(d) &&
+                         signs.shape(0) == perms.shape(0) && signs.shape(1) == perms.shape(1),
+                     "IVFSearcher: perms/signs shape");
+             require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d,
+                     "IVFSearcher: block size");
+             for (int64_t t = 0; t < rounds * d; ++t)
+               require(perms.data()[t] >= 0 && perms.data()[t] < d,
+                       "IVFSearcher: perm out of range");
+             require(b >= 1 && b <= 4 && nb_ >= 1 &&
+                         blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                         blocked.shape(2) == 32,
+                     "IVFSearcher: blocked must be (nb >= 1, fs_row_bytes(d, b), 32)");
+             check_centroids(codebook, b, "IVFSearcher");
+             require(mult.shape(0) == static_cast<size_t>(npad) &&
+                         add.shape(0) == static_cast<size_t>(npad) &&
+                         pos.shape(0) == static_cast<size_t>(npad),
+                     "IVFSearcher: mult/add/pos length");
+             require(list_blocks.shape(0) == static_cast<size_t>(nlist + 1) &&
+                         list_blocks.data()[0] == 0, "IVFSearcher: list_blocks");
+             for (int64_t l = 0; l < nlist; ++l)
+               require(list_blocks.data()[l] <= list_blocks.data()[l + 1] &&
+                           list_blocks.data()[l + 1] <= nb_,
+                       "IVFSearcher: list_blocks not monotone");
+             for (int64_t t = 0; t < npad; ++t)
+               require(pos.data()[t] >= -1 && pos.data()[t] < n, "IVFSearcher: pos out of range");
+             require(ref.shape(0) == 0 || (ref.shape(0) == static_cast<size_t>(n) &&
+                                           ref.shape(1) == static_cast<size_t>(d)),
+                     "IVFSearcher: ref must be (n, d) or empty");
+             require(metric >= 0 && metric <= 2, "IVFSearcher: metric must be 0, 1 or 2");
+             tqvec::IvfSearchArgs a{};
+             a.d = d;
+             a.nlist = nlist;
+             a.centroids = centroids.data();
+             a.csq = csq.data();
+             a.perms = perms.data();
+             a.signs = signs.data();
+             a.rounds = static_cast<int>(rounds);
+             a.p = p;
+             a.blocked = blocked.data();
+             a.npad = npad;
+             a.b = b;
+             a.codebook = codebook.data();
+             a.mult = mult.data();
+             a.add = add.data();
+             a.list_blocks = list_blocks.data();
+             a.pos = pos.data();
+             a.ids = ids.data();
+             a.ref = ref.shape(0) ? ref.data() : nullptr;
+             a.metric = metric;
+             new (self) IvfSearcher{centroids, csq, signs, codebook, mult, add, ref, perms,
+                                    list_blocks, pos, ids, blocked, a};
+           })
+      .def("search", [](IvfSearcher& s, CArr<const float> q, int64_t nprobe, int64_t kk,
+                        CArr<float> D, CArr<int64_t> I, int nthreads) {
+        require(q.ndim() == 2 && D.ndim() == 2 && I.ndim() == 2, "IVFSearcher.search: bad ranks");
+        const int64_t nq = q.shape(0), k = D.shape(1);
+        require(q.shape(1) == static_cast<size_t>(s.args.d), "IVFSearcher.search: q must be (nq, d)");
+        require(nprobe >= 1 && nprobe <= s.args.nlist, "IVFSearcher.search: nprobe");
+        require(kk >= 1 && k >= 1, "IVFSearcher.search: kk and k must be >= 1");
+        require(D.shape(0) == static_cast<size_t>(nq) && I.shape(0) == static_cast<size_t>(nq) &&
+                    I.shape(1) == D.shape(1), "IVFSearcher.search: outputs");
+        tqvec::IvfSearchArgs a = s.args;
+        a.nprobe = nprobe;
+        a.kk = kk;
+        nb::gil_scoped_release rel;
+        if (nq) tqvec::ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
+      });
 }

@@ -23,7 +23,7 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codebooks import sphere_codebook
-from ..random import JL_KINDS, ROTATIONS, jl_matrix, make_rotation
+from ..random import JL_KINDS, ROTATIONS, HadamardRotation, jl_matrix, make_rotation
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, inverse_norms, register, store_norm
 
@@ -218,6 +218,13 @@ class TurboQuant(Codec):
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Pi^T y for (n, d) float32 rows (back from the rotated domain)."""
         return self._rot.inverse(y.contiguous())
+
+    def query_rotation(self) -> ops.HadamardRotate | None:
+        """The prepared CPU op that ``query_terms`` rotates queries with (a Hadamard rotation;
+        None for Haar), for callers that fuse it into one kernel call (``ops.IVFSearch``)."""
+        if not isinstance(self._rot, HadamardRotation):
+            return None
+        return self._rot._op(torch.device("cpu"))
 
     def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
         qr = self._rot.apply(q)

@@ -58,7 +58,6 @@ _METRICS = {"ip": METRIC_INNER_PRODUCT, "inner_product": METRIC_INNER_PRODUCT,
             "angular": METRIC_COSINE}
 _FLT_MAX = float(np.finfo(np.float32).max)
 _QUERY_BLOCK = 1024
-_RESCORE_METRIC = {METRIC_INNER_PRODUCT: "ip", METRIC_L2: "l2", METRIC_COSINE: "cosine"}
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
@@ -739,7 +738,7 @@ class FlatIndex:
         else:  # exact vectors: ops.rescore_topk, the metric and the top-k in one kernel call
             rows = np.where(np.isfinite(s), p, -1)
             return ops.rescore_topk_np(q.cpu().numpy(), ref.numpy(), rows,
-                                       _RESCORE_METRIC[self._scoring], min(k, kk))
+                                       metric_name(self._scoring), min(k, kk))
         if self._scoring == METRIC_L2:
             new = 2 * ip - sqn - (qn * qn).sum(1, keepdims=True)
         elif self._scoring == METRIC_COSINE:

@@ -240,6 +240,11 @@ class IVFIndex(FlatIndex):
                 ops.block_codes(payload, self.d, bits), cents,
                 torch.where(valid, mult[src], torch.zeros(())), add, list_blocks, bits,
                 self.codec.backend))
+            rotate = self.codec.query_rotation()
+            if rotate is not None and self.refine in (None, "flat"):
+                st["one_call"] = ops.IVFSearch.prepare(
+                    self._prober, rotate, st["scanner"], st["pos_np"], self._ids.numpy(),
+                    self._ref if self.refine == "flat" else None, metric_name(self.metric_type))
         self._ivf = st
         return st
 
@@ -321,6 +326,8 @@ class IVFIndex(FlatIndex):
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
         kk = min(n, k * self.k_factor if snap["ref"] is not None else k)
+        if st.get("one_call") is not None and q.shape[0] <= _KERNEL_PROBE_QUERIES:
+            return st["one_call"].search(q, min(snap["nprobe"], self.nlist), kk, k)
         probes, offsets = self._probe(q, snap)
         vals, pos = self._scan_lists(q, st, probes, offsets, kk)
         if snap["ref"] is not None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
-           "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
+           "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "rescore_topk", "rescore_topk_np",
            "decode_attention", "row_bytes", "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
@@ -400,6 +401,49 @@ class IVFProbe:
         probes, scores = ivf_probe(torch.from_numpy(np.asarray(q, np.float32)), self.centroids,
                                    self.csq, self.l2, nprobe, self.backend)
         return probes.cpu().numpy(), scores.cpu().numpy()
+
+
+class IVFSearch:
+    """A whole IVF search of a few float32 numpy queries in one compiled call: the composition
+    ``IVFProbe.probe`` -> ``HadamardRotate`` -> ``IVFFastScan.search`` (approximate with exact
+    vectors ``ref``) -> padded rows to positions (``pos``) -> ``rescore_topk`` with ``ref`` ->
+    ``(D, I)`` as faiss returns them (L2 distances, ``ids[position]``, padding), with the same
+    float operations as the composed ops (the IVF index's general path), so the same bits. At
+    one query the Python steps between those kernels cost more than the kernels. Build it with
+    ``prepare``, which returns None where the parts do not all run on the compiled CPU kernels."""
+
+    def __init__(self, searcher: Any, ref: np.ndarray | None):
+        self._searcher, self._ref = searcher, ref
+
+    @classmethod
+    def prepare(cls, probe: IVFProbe, rotate: HadamardRotate, scan: IVFFastScan, pos: np.ndarray,
+                ids: np.ndarray, ref: torch.Tensor | None, metric: str) -> IVFSearch | None:
+        if metric not in RESCORE_METRICS:
+            raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
+        if probe._np is None or rotate._np is None or scan._np is None:
+            return None
+        if probe.l2 != (metric != "ip"):
+            raise ValueError("probe.l2 must be True exactly for the l2 and cosine metrics")
+        cen, csq = probe._np
+        perms, signs = rotate._np
+        blocked, codebook, mult, add, list_blocks = scan._np
+        d = cen.shape[1]
+        ref_np = (np.zeros((0, d), np.float32) if ref is None
+                  else ref.to(torch.float32).contiguous().numpy())
+        searcher = _cpu._C.IVFSearcher(
+            cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
+            np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
+            _cpu._RESCORE_METRICS[metric])
+        return cls(searcher, ref_np)
+
+    def search(self, q: np.ndarray, nprobe: int, kk: int, k: int
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """q (nq, d) C-contiguous float32; kk candidates per query (k * k_factor with a
+        refinement, else k, at most ntotal) -> (D (nq, k) float32, I (nq, k) int64)."""
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        self._searcher.search(q, nprobe, kk, D, I, _cpu._threads())
+        return D, I
 
 
 RESCORE_METRICS = ("ip", "l2", "cosine")

@@ -281,6 +281,29 @@ def test_fast_scan_terms_rejects_bad_terms(rng):
         ops.fast_scan_terms([qr, qr], [bl, bl], 64, [c, c], [mult, mult], add, [2, 5], 5)
 
 
+def test_fast_scan_many_tied_scores(rng):
+    """Rows drawn from 5 distinct codes: hundreds of equal scores around the k-th, which the
+    shortlist's compactions (branch-free three-way quickselect) must split exactly — the best
+    k values, ties to the lower position, as a stable sort of the reference scores gives."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    n, d, b, k = 3000, 64, 2, 60
+    distinct = torch.from_numpy(rng.integers(0, 1 << b, (5, d)).astype(np.uint8))
+    idx = distinct[torch.from_numpy(rng.integers(0, 5, n))]
+    packed = ops.pack_bits(idx, b)
+    qr = torch.from_numpy(rng.standard_normal((2, d)).astype(np.float32))
+    c = torch.tensor([-1.5, -0.5, 0.5, 1.5])
+    scores = ops.ref.lut_scan_ref(qr, packed, c, torch.ones(n), torch.zeros(n), b, n)[0]
+    v, p = ops.fast_scan(qr, ops.block_codes(packed, d, b), n, c, torch.ones(n), torch.zeros(n),
+                         b, k)
+    exact = (qr @ c[idx.long()].T).numpy()  # (2, n), equal for equal rows
+    for i in range(2):
+        want = np.argsort(-exact[i], kind="stable")[:k]
+        assert np.array_equal(np.sort(exact[i][p[i].numpy()]), np.sort(exact[i][want]))
+        assert np.array_equal(p[i].numpy(), want)
+        torch.testing.assert_close(v[i], scores[i][:k], rtol=1e-5, atol=1e-5)
+
+
 def test_fast_scan_constant_scores_and_bad_bits(rng):
     """All rows equal (every table flat): ties broken by the lower position, like topk."""
     n, d = 100, 16
@@ -298,7 +321,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
-    flat and IVF scans, the exact re-score of Refine(Flat), a one-row rotation."""
+    flat and IVF scans, the exact re-score of Refine(Flat), a one-row rotation, the probe's
+    register tiles."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -332,6 +356,9 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    for metric in ('ip', 'l2', 'cosine'):\n"
         "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"
         "            rng.standard_normal((n, d)).astype(np.float32)), rows, metric, 10)]\n"
+        "    qs = torch.from_numpy(rng.standard_normal((9, d)).astype(np.float32))\n"
+        "    cs = torch.from_numpy(rng.standard_normal((8, d)).astype(np.float32))\n"
+        "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}
@@ -404,6 +431,25 @@ def test_ivf_probe_matches_reference(backend, nq, nlist, d, nprobe, l2, rng):
         assert p1[0, 0] == 1 and p1[0, 1] == 3  # the two copies of q[0]: lower list first
     with pytest.raises(ValueError, match="nprobe"):
         ops.ivf_probe(q, c, csq, l2, nlist + 1, backend=backend)
+
+
+@pytest.mark.parametrize("d", [5, 40, 784])
+def test_ivf_probe_batch_equals_one_query_at_a_time(d, rng):
+    """Many queries are probed in register tiles (3 queries x 3 centroids), one query pair by
+    pair: the same float operations, so the same bits — the IVF index's one-query and batch
+    paths rely on it (10 queries: three tiles and one left over; 8 lists: two tiles and two)."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    q = rng.standard_normal((10, d)).astype(np.float32)
+    c = rng.standard_normal((8, d)).astype(np.float32)
+    csq = (c * c).sum(1)
+    for l2 in (False, True):
+        probe = ops.IVFProbe(torch.from_numpy(c), torch.from_numpy(csq), l2)
+        pb, sb = probe.probe(q, 8)
+        for i in range(10):
+            p1, s1 = probe.probe(q[i:i + 1], 8)
+            np.testing.assert_array_equal(p1[0], pb[i])
+            np.testing.assert_array_equal(s1[0], sb[i])
 
 
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])

@@ -215,14 +215,14 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
 // Per query: the lower bounds of the rows admitted so far (at least the k best of them), the
 // admission threshold (the k-th best lower bound at the last compaction: it only lags behind,
 // which admits a few extra rows, never loses one), and the admitted rows with their upper
-// bounds. Admission is two appends; every k admissions a compaction (nth_element over <= 2k
-// bounds) raises the threshold and drops the rows it excludes - O(1) per admission where a
-// heap of k bounds cost O(log k) (at k = 100-200, the first pass of a two-stage scan, the
+// bounds. Admission is two appends; every k admissions a compaction (select_kth_largest over
+// <= 2k bounds) raises the threshold and drops the rows it excludes - O(1) per admission where
+// a heap of k bounds cost O(log k) (at k = 100-200, the first pass of a two-stage scan, the
 // heap work had grown to half the scan).
 struct Shortlist {
   int64_t k;
   float th = -std::numeric_limits<float>::infinity();
-  std::vector<float> lbs;
+  std::vector<float> lbs, tmp;
   struct Cand {
     float ub;
     int64_t row;
@@ -237,8 +237,7 @@ struct Shortlist {
     if (static_cast<int64_t>(lbs.size()) >= 2 * k) compact();
   }
   void compact() {
-    std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
-    th = std::max(th, lbs[static_cast<size_t>(k - 1)]);
+    th = std::max(th, select_kth_largest(lbs.data(), static_cast<int64_t>(lbs.size()), k, tmp));
     lbs.resize(static_cast<size_t>(k));
     const float t = th;
     cand.erase(std::remove_if(cand.begin(), cand.end(), [t](const Cand& c) { return c.ub < t; }),
@@ -702,8 +701,8 @@ float final_threshold(const std::vector<Shortlist*>& parts, int64_t k) {
   std::vector<float> lbs;
   for (auto* s : parts) lbs.insert(lbs.end(), s->lbs.begin(), s->lbs.end());
   if (static_cast<int64_t>(lbs.size()) < k) return -std::numeric_limits<float>::infinity();
-  std::nth_element(lbs.begin(), lbs.begin() + (k - 1), lbs.end(), std::greater<float>());
-  return lbs[static_cast<size_t>(k - 1)];
+  std::vector<float> tmp;
+  return select_kth_largest(lbs.data(), static_cast<int64_t>(lbs.size()), k, tmp);
 }
 
 // The admitted rows whose upper bound reaches the final threshold, highest bound first, are

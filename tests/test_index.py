@@ -271,16 +271,27 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
         assert (I1 == I2).mean() > 0.98 and (I1 % 2 == 0).all()
 
 
-@pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQprod2", "QJL64"])
+@pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQ2,Prefilter(4)", "TQprod2", "QJL64",
+                                  "Center,TQ2"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
-    """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy), torch
-    queries the general one: bit-identical results; bad input still gets the general errors."""
+    """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy; for
+    uncentred TurboQuant-mse codes one compiled call, ops.FlatSearch), torch queries the general
+    one: bit-identical results; bad input still gets the general errors."""
     xb, xq = _data(rng, n=3000, d=48, nq=7)
     index = tqvec.index_factory(48, spec, metric)
+    index.train(xb)
     index.add_with_ids(xb, np.arange(3000) * 3 + 1)
+    state = index._scan_state()
+    one_call = spec.startswith("TQ") and "prod" not in spec
+    if state is not None and "cpu" in tqvec.available_backends():
+        assert (state.get("one_call") is not None) == one_call
     assert_numpy_path_matches(index, [xq[:1], xq])
+    index.remove_ids(np.arange(0, 3000, 5) * 3 + 1)  # the state follows removals (and ids)
+    _, I1 = assert_numpy_path_matches(index, [xq[:2]])
+    assert not np.isin(I1, np.arange(0, 3000, 5) * 3 + 1).any()
     small = tqvec.index_factory(48, spec, metric)
+    small.train(xb)
     small.add(xb[:40])
     D1, I1 = small.search(xq, 50)  # 40 rows < k: padded (general path: too few rows per result)
     assert (I1[:, 40:] == -1).all() and (I1[:, :40] >= 0).all()

@@ -105,7 +105,35 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                int nthreads);
 
 
-// A whole IVF search (ivf_search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
+// A whole flat search (search.cpp): rotate the queries (perms, signs: rounds x d, block p),
+// fast_scan the n rows (blocked codes, b bits, codebook, mult, add) for the best min(k, n), or
+// with packed != nullptr fast_scan_two_stage (blocked: the sign plane, codebook its 2
+// centroids; packed (n, ceil(d bfull / 8)) the full codes, cfull their centroids, add1 the
+// first stage's offsets, prefilter * kk rows kept); for l2 the score minus qsq[i] = ||q_i||^2;
+// D, I (nq, k) as faiss returns them.
+struct FlatSearchArgs {
+  int64_t d, n;
+  const int64_t* perms;
+  const float* signs;
+  int rounds;
+  int64_t p;
+  const uint8_t* blocked;
+  int b;
+  const float* codebook;
+  const float* mult;
+  const float* add;
+  const uint8_t* packed;  // nullptr: one stage
+  int bfull;
+  const float* cfull;
+  const float* add1;
+  int64_t prefilter;
+  const int64_t* ids;
+  int metric;  // RescoreMetric of the index's scores
+};
+void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, int64_t nq,
+                 int64_t k, float* D, int64_t* I, int nthreads);
+
+// A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
 // the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes
 // of npad = 32 nb rows, b bits, codebook, mult, add, list_blocks), map padded rows to positions
 // (pos, -1 = padding) and with exact vectors ref (n, d) re-rank the best kk of them

@@ -46,6 +46,14 @@ void check_topk_out(const CArr<float>& vals, const CArr<int64_t>& idx, int64_t n
           op, ": outputs");
 }
 
+// flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
+struct FlatSearcher {
+  CArr<const int64_t> perms, ids;
+  CArr<const float> signs, codebook, mult, add, cfull, add1;
+  CArr<const uint8_t> blocked, packed;
+  tqvec::FlatSearchArgs args;
+};
+
 // ivf_search's prepared state: the index's arrays, validated once here (the position map alone
 // is 60k entries, too many to check per one-query search) and kept alive by this object.
 struct IvfSearcher {
@@ -439,5 +447,82 @@ NB_MODULE(_C, m) {
         a.kk = kk;
         nb::gil_scoped_release rel;
         if (nq) tqvec::ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
+      });
+
+  nb::class_<FlatSearcher>(m, "FlatSearcher")
+      .def("__init__",
+           [](FlatSearcher* self, CArr<const int64_t> perms, CArr<const float> signs, int64_t p,
+              CArr<const uint8_t> blocked, int64_t n, int b, CArr<const float> codebook,
+              CArr<const float> mult, CArr<const float> add, CArr<const int64_t> ids,
+              CArr<const uint8_t> packed, int bfull, CArr<const float> cfull,
+              CArr<const float> add1, int64_t prefilter, int metric) {
+             require(perms.ndim() == 2 && signs.ndim() == 2 && blocked.ndim() == 3 &&
+                         codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
+                         ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
+                         add1.ndim() == 1, "FlatSearcher: bad ranks");
+             const int64_t d = perms.shape(1), rounds = perms.shape(0);
+             require(signs.shape(0) == perms.shape(0) && signs.shape(1) == perms.shape(1),
+                     "FlatSearcher: perms/signs shape");
+             require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d,
+                     "FlatSearcher: block size");
+             for (int64_t t = 0; t < rounds * d; ++t)
+               require(perms.data()[t] >= 0 && perms.data()[t] < d,
+                       "FlatSearcher: perm out of range");
+             const bool two = packed.shape(0) > 0;
+             require(b >= 1 && b <= 4 && (!two || b == 1), "FlatSearcher: bits");
+             require(n >= 1 && blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
+                         blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                         blocked.shape(2) == 32,
+                     "FlatSearcher: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
+             check_centroids(codebook, b, "FlatSearcher");
+             require(mult.shape(0) == static_cast<size_t>(n) &&
+                         add.shape(0) == static_cast<size_t>(n) &&
+                         ids.shape(0) == static_cast<size_t>(n),
+                     "FlatSearcher: mult/add/ids length");
+             if (two) {
+               check_bits(bfull);
+               require(packed.shape(0) == static_cast<size_t>(n) &&
+                           packed.shape(1) == static_cast<size_t>(rb(d, bfull)) &&
+                           add1.shape(0) == static_cast<size_t>(n) && prefilter >= 1,
+                       "FlatSearcher: two-stage arrays");
+               check_centroids(cfull, bfull, "FlatSearcher");
+             }
+             require(metric >= 0 && metric <= 2, "FlatSearcher: metric must be 0, 1 or 2");
+             tqvec::FlatSearchArgs a{};
+             a.d = d;
+             a.n = n;
+             a.perms = perms.data();
+             a.signs = signs.data();
+             a.rounds = static_cast<int>(rounds);
+             a.p = p;
+             a.blocked = blocked.data();
+             a.b = b;
+             a.codebook = codebook.data();
+             a.mult = mult.data();
+             a.add = add.data();
+             a.packed = two ? packed.data() : nullptr;
+             a.bfull = bfull;
+             a.cfull = cfull.data();
+             a.add1 = add1.data();
+             a.prefilter = prefilter;
+             a.ids = ids.data();
+             a.metric = metric;
+             new (self) FlatSearcher{perms, ids, signs, codebook, mult, add, cfull, add1, blocked,
+                                     packed, a};
+           })
+      .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<const float> qsq,
+                        CArr<float> D, CArr<int64_t> I, int nthreads) {
+        require(q.ndim() == 2 && qsq.ndim() == 1 && D.ndim() == 2 && I.ndim() == 2,
+                "FlatSearcher.search: bad ranks");
+        const int64_t nq = q.shape(0), k = D.shape(1);
+        require(q.shape(1) == static_cast<size_t>(s.args.d),
+                "FlatSearcher.search: q must be (nq, d)");
+        require(s.args.metric != tqvec::kRescoreL2 || qsq.shape(0) == static_cast<size_t>(nq),
+                "FlatSearcher.search: qsq must hold nq norms for l2");
+        require(k >= 1 && D.shape(0) == static_cast<size_t>(nq) &&
+                    I.shape(0) == static_cast<size_t>(nq) && I.shape(1) == D.shape(1),
+                "FlatSearcher.search: outputs");
+        nb::gil_scoped_release rel;
+        if (nq) tqvec::flat_search(s.args, q.data(), qsq.data(), nq, k, D.data(), I.data(), nthreads);
       });
 }

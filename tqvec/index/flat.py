@@ -58,6 +58,7 @@ _METRICS = {"ip": METRIC_INNER_PRODUCT, "inner_product": METRIC_INNER_PRODUCT,
             "angular": METRIC_COSINE}
 _FLT_MAX = float(np.finfo(np.float32).max)
 _QUERY_BLOCK = 1024
+_NO_NORMS = np.zeros(0, dtype=np.float32)
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
@@ -346,6 +347,14 @@ class FlatIndex:
             state["blocked"] = blocked
             state["scanner"] = ops.FastScan(blocked, n, state["cents"], state["mults"],
                                             state["add"], state["bits"], self.codec.backend)
+        # float32 numpy queries: the whole search in one compiled call (TurboQuant-mse codes,
+        # Hadamard rotation; not centred: <q, mu> comes from a torch product)
+        rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
+                  and self.codec.variant == "mse" and not self.centered else None)
+        if fast and rotate is not None and dev.type == "cpu":
+            state["one_call"] = ops.FlatSearch.prepare(
+                rotate, state["signs"] or state["scanner"], self._ids.numpy(),
+                metric_name(self._scoring), self._prefilter)
         self._scan = state
         return self._scan
 
@@ -602,7 +611,13 @@ class FlatIndex:
                 or not np.isfinite(x).all()):
             return None
         q = np.ascontiguousarray(x)
-        qt = torch.from_numpy(_unit_rows(q) if self.metric_type == METRIC_COSINE else q)
+        if self.metric_type == METRIC_COSINE:
+            q = _unit_rows(q)
+        qt = torch.from_numpy(q)
+        if scan.get("one_call") is not None:
+            # ||q||^2 by the torch expression of the general path (the same bits)
+            qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else _NO_NORMS
+            return scan["one_call"].search(q, qsq, k)
         qt, offsets = self._centre(qt)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search

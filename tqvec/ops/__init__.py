@@ -26,8 +26,9 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
-           "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "rescore_topk", "rescore_topk_np",
-           "decode_attention", "row_bytes", "fast_scan_row_bytes", "FAST_SCAN_BITS"]
+           "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "FlatSearch", "rescore_topk",
+           "rescore_topk_np", "decode_attention", "row_bytes", "fast_scan_row_bytes",
+           "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -401,6 +402,44 @@ class IVFProbe:
         probes, scores = ivf_probe(torch.from_numpy(np.asarray(q, np.float32)), self.centroids,
                                    self.csq, self.l2, nprobe, self.backend)
         return probes.cpu().numpy(), scores.cpu().numpy()
+
+
+class FlatSearch:
+    """A whole flat search of float32 numpy queries in one compiled call: ``HadamardRotate`` ->
+    ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
+    ||q||^2 (given, ``qsq``) -> ``(D, I)`` as faiss returns them, with the same float operations
+    as the composed ops (the flat index's general path), so the same bits. ``prepare`` returns
+    None where the parts do not all run on the compiled CPU kernels."""
+
+    def __init__(self, searcher: Any):
+        self._searcher = searcher
+
+    @classmethod
+    def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
+                prefilter: int = 0) -> FlatSearch | None:
+        if metric not in RESCORE_METRICS:
+            raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
+        if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
+            return None
+        perms, signs = rotate._np
+        blocked, cents, mults, add = scan._np
+        if scan.full is not None:
+            packed, bfull, cfull, add1 = scan._full_np
+        else:
+            packed, bfull = np.zeros((0, 1), np.uint8), 1
+            cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
+        return cls(_cpu._C.FlatSearcher(
+            perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
+            np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
+            int(prefilter), _cpu._RESCORE_METRICS[metric]))
+
+    def search(self, q: np.ndarray, qsq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else ignored) ->
+        (D (nq, k) float32, I (nq, k) int64)."""
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        self._searcher.search(q, qsq, D, I, _cpu._threads())
+        return D, I
 
 
 class IVFSearch:

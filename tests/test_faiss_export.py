@@ -133,7 +133,7 @@ def test_empty_index_exports():
     assert f.search(np.eye(32, dtype=np.float32)[:2], 1)[1].ravel().tolist() == [0, 1]
 
 
-@pytest.mark.parametrize("spec", ["TQprod3", "QJL96", "Polar", "TQ5", "TQ2u",
+@pytest.mark.parametrize("spec", ["TQprod3", "QJL96", "Polar", "TQ5", "TQ2u", "TQ2f",
                                   "TQ2,Refine(TQ8)", "IVF4,TQ2"])
 def test_unexportable_indexes_are_refused(data, spec):
     index = tqvec.index_factory(96, spec, "cosine")

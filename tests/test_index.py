@@ -27,7 +27,7 @@ def _same_neighbours(I1, I2, D1, D2, tol):
             np.testing.assert_allclose(D1[i], D2[i], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("spec", ["TQ2", "TQ4", "TQ3u", "TQprod3", "Polar", "QJL64"])
+@pytest.mark.parametrize("spec", ["TQ2", "TQ4", "TQ3u", "TQ2f", "TQprod3", "Polar", "QJL64"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_search_equals_brute_force_over_the_estimator(spec, metric, rng):
     """Oracle: brute force over the decoded vectors x_hat, with N(x) = ||x_hat||^2 for the
@@ -56,7 +56,7 @@ def test_search_equals_brute_force_over_the_estimator(spec, metric, rng):
     assert (I == Ir).mean() > 0.97
 
 
-@pytest.mark.parametrize("spec", ["TQprod1", "QJL128", "TQ1", "TQ2", "TQ2u"])
+@pytest.mark.parametrize("spec", ["TQprod1", "QJL128", "TQ1", "TQ2", "TQ2u", "TQ2f"])
 def test_l2_ranking_is_sound_for_every_estimator(spec, rng):
     """Regression: pairing an unbiased inner product with ||x_hat||^2 (noise included) or a
     biased one with the true ||x||^2 made L2 recall collapse (0.05 on Fashion). Data with a
@@ -272,7 +272,7 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQ2,Prefilter(4)", "TQprod2", "QJL64",
-                                  "Center,TQ2"])
+                                  "Center,TQ2", "TQ3f"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy; for

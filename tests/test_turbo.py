@@ -209,6 +209,33 @@ def test_unbiased_scale_makes_projection_exact_and_keeps_bytes(b, rng):
     assert ratio.mean() == pytest.approx(1.0, abs=0.02)
 
 
+@pytest.mark.parametrize("b", [1, 2, 4])
+def test_fitted_scale_lowers_every_vectors_error_at_the_same_bytes(b, rng):
+    """scale='fit': the same indices as the paper's codes, decoded with the least-squares
+    scale m = ||x|| <u, c> / ||c||^2: each vector's error is at most the norm scale's (it is
+    the minimum over all scales of those centroids), ||x||^2 (1 - cos^2(u, c)); same bytes."""
+    d = 128
+    x = rng.standard_normal((3000, d)).astype(np.float32) * rng.uniform(0.1, 5, (3000, 1)).astype(
+        np.float32)
+    x[7] = 0
+    c, c0 = tqvec.TurboQuant(d, b, scale="fit"), tqvec.TurboQuant(d, b)
+    assert c.code_size == c0.code_size and c.unbiased_ip is False
+    codes, codes0 = c.encode(x), c0.encode(x)
+    assert torch.equal(codes.payload, codes0.payload) and set(codes.scalars) == {"fit"}
+    xh, xh0 = c.decode(codes, like=x), c0.decode(codes0, like=x)
+    err, err0 = ((x - xh) ** 2).sum(1), ((x - xh0) ** 2).sum(1)
+    assert (err <= err0 * (1 + 1e-5) + 1e-6).all() and not xh[7].any()
+    # x_hat = m Pi^T c[idx] is parallel to Pi^T c[idx]; the rotation keeps angles
+    cos2 = (x * xh).sum(1) ** 2 / np.maximum((x * x).sum(1) * (xh * xh).sum(1), 1e-30)
+    np.testing.assert_allclose(err[err0 > 0], ((x * x).sum(1) * (1 - cos2))[err0 > 0],
+                               rtol=1e-3, atol=1e-4)
+    assert err.sum() < err0.sum()
+    with pytest.raises(NotImplementedError, match="true norm"):
+        c.true_sqnorms(codes)
+    with pytest.raises(ValueError, match="scale must be 'norm' for variant='prod'"):
+        tqvec.TurboQuant(16, 3, "prod", scale="fit")
+
+
 def test_unbiased_scale_is_mse_only():
     with pytest.raises(ValueError, match="scale must be 'norm' for variant='prod'"):
         tqvec.TurboQuant(16, 3, "prod", scale="unbiased")

@@ -7,6 +7,7 @@ spec                codec                                                    byt
 ==================  =======================================================  ==================
 ``TQ{b}``           TurboQuant mse, b = 1..8 bits/coordinate                 ceil(b d / 8) + 4
 ``TQ{b}u``          TurboQuant mse with EDEN's unbiased scale                ceil(b d / 8) + 6
+``TQ{b}f``          TurboQuant mse with the least-squares (fitted) scale     ceil(b d / 8) + 4
 ``TQprod{b}``       TurboQuant prod, b-1 mse bits + 1 QJL bit/coordinate     ceil((b-1)d/8)+d/8+8
 ``QJL{m}``          QJL with m sign bits                                     ceil(m / 8) + 4
 ``Polar``           PolarQuant, level bits (4, 2, 2, 2)                      3.875 d / 8
@@ -47,6 +48,8 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
         return TurboQuant(d, int(m[1]), seed=seed)
     if m := re.fullmatch(r"TQ(\d)u", s):
         return TurboQuant(d, int(m[1]), seed=seed, scale="unbiased")
+    if m := re.fullmatch(r"TQ(\d)f", s):
+        return TurboQuant(d, int(m[1]), seed=seed, scale="fit")
     if m := re.fullmatch(r"TQprod(\d)", s):
         return TurboQuant(d, int(m[1]), "prod", seed=seed)
     if m := re.fullmatch(r"QJL(\d+)", s):
@@ -57,7 +60,8 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
         return PolarQuant(d, tuple(int(b) for b in m[1].split("-")), seed)
     if s == "Flat":
         return "flat"
-    raise ValueError(f"index spec component must be one of TQ{{b}}, TQ{{b}}u, TQprod{{b}}, "
+    raise ValueError(f"index spec component must be one of TQ{{b}}, TQ{{b}}u, TQ{{b}}f, "
+                     f"TQprod{{b}}, "
                      f"QJL{{m}}, Polar, "
                      f"Polar{{b1}}-{{b2}}..., Flat, got {spec!r}")
 

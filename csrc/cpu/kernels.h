@@ -110,7 +110,8 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
 // with packed != nullptr fast_scan_two_stage (blocked: the sign plane, codebook its 2
 // centroids; packed (n, ceil(d bfull / 8)) the full codes, cfull their centroids, add1 the
 // first stage's offsets, prefilter * kk rows kept); for l2 the score minus qsq[i] = ||q_i||^2;
-// D, I (nq, k) as faiss returns them.
+// D, I (nq, k) as faiss returns them, qoff[i] added to query i's values unless qoff is nullptr
+// (a centred index's <q, mu>; its l2 queries come as q - mu).
 struct FlatSearchArgs {
   int64_t d, n;
   const int64_t* perms;
@@ -130,8 +131,8 @@ struct FlatSearchArgs {
   const int64_t* ids;
   int metric;  // RescoreMetric of the index's scores
 };
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, int64_t nq,
-                 int64_t k, float* D, int64_t* I, int nthreads);
+void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, const float* qoff,
+                 int64_t nq, int64_t k, float* D, int64_t* I, int nthreads);
 
 // A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
 // the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes

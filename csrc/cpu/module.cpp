@@ -511,9 +511,9 @@ NB_MODULE(_C, m) {
                                      packed, a};
            })
       .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<const float> qsq,
-                        CArr<float> D, CArr<int64_t> I, int nthreads) {
-        require(q.ndim() == 2 && qsq.ndim() == 1 && D.ndim() == 2 && I.ndim() == 2,
-                "FlatSearcher.search: bad ranks");
+                        CArr<const float> qoff, CArr<float> D, CArr<int64_t> I, int nthreads) {
+        require(q.ndim() == 2 && qsq.ndim() == 1 && qoff.ndim() == 1 && D.ndim() == 2 &&
+                    I.ndim() == 2, "FlatSearcher.search: bad ranks");
         const int64_t nq = q.shape(0), k = D.shape(1);
         require(q.shape(1) == static_cast<size_t>(s.args.d),
                 "FlatSearcher.search: q must be (nq, d)");
@@ -522,7 +522,12 @@ NB_MODULE(_C, m) {
         require(k >= 1 && D.shape(0) == static_cast<size_t>(nq) &&
                     I.shape(0) == static_cast<size_t>(nq) && I.shape(1) == D.shape(1),
                 "FlatSearcher.search: outputs");
+        require(qoff.shape(0) == 0 || qoff.shape(0) == static_cast<size_t>(nq),
+                "FlatSearcher.search: qoff must be empty or hold nq offsets");
+        const float* off = qoff.shape(0) ? qoff.data() : nullptr;
         nb::gil_scoped_release rel;
-        if (nq) tqvec::flat_search(s.args, q.data(), qsq.data(), nq, k, D.data(), I.data(), nthreads);
+        if (nq)
+          tqvec::flat_search(s.args, q.data(), qsq.data(), off, nq, k, D.data(), I.data(),
+                             nthreads);
       });
 }

@@ -17,14 +17,16 @@ namespace tqvec {
 
 namespace {
 
-// faiss's output from best-first (vals, idx) of m columns per query: L2 as distances, ids,
-// padding (+-FLT_MAX, -1) past m and wherever a value is not finite.
+// faiss's output from best-first (vals, idx) of m columns per query: L2 as distances, plus a
+// per-query offset where one is given (a centred index's <q, mu>), ids, padding (+-FLT_MAX, -1)
+// past m and wherever a value is not finite.
 void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m, int64_t k,
-                   bool l2, const int64_t* ids, float* D, int64_t* I) {
+                   bool l2, const float* qoff, const int64_t* ids, float* D, int64_t* I) {
   const float fill = (l2 ? 1.f : -1.f) * std::numeric_limits<float>::max();
   for (int64_t i = 0; i < nq; ++i)
     for (int64_t r = 0; r < k; ++r) {
-      const float v = r < m ? (l2 ? -vals[i * m + r] : vals[i * m + r]) : fill;
+      float v = r < m ? (l2 ? -vals[i * m + r] : vals[i * m + r]) : fill;
+      if (qoff != nullptr && r < m) v = v + qoff[i];
       const bool ok = r < m && std::isfinite(v);
       D[i * k + r] = ok ? v : fill;
       I[i * k + r] = ok ? ids[idx[i * m + r]] : -1;
@@ -33,8 +35,8 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
 
 }  // namespace
 
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, int64_t nq,
-                 int64_t k, float* D, int64_t* I, int nthreads) {
+void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, const float* qoff,
+                 int64_t nq, int64_t k, float* D, int64_t* I, int nthreads) {
   const int64_t d = a.d, kk = std::min(k, a.n);
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), vals(nqs * kk);
@@ -51,7 +53,7 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, int6
   if (l2)  // the similarity -||q - x||^2 = score - ||q||^2 (then reported negated)
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t r = 0; r < kk; ++r) vals[i * kk + r] = vals[i * kk + r] - qsq[i];
-  write_results(vals.data(), idx.data(), nq, kk, k, l2, a.ids, D, I);
+  write_results(vals.data(), idx.data(), nq, kk, k, l2, qoff, a.ids, D, I);
 }
 
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
@@ -84,7 +86,8 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
     vals.swap(v2);
     idx.swap(i2);
   }
-  write_results(vals.data(), idx.data(), nq, m, k, a.metric == kRescoreL2, a.ids, D, I);
+  write_results(vals.data(), idx.data(), nq, m, k, a.metric == kRescoreL2, nullptr, a.ids, D,
+                I);
 }
 
 }  // namespace tqvec

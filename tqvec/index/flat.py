@@ -348,9 +348,9 @@ class FlatIndex:
             state["scanner"] = ops.FastScan(blocked, n, state["cents"], state["mults"],
                                             state["add"], state["bits"], self.codec.backend)
         # float32 numpy queries: the whole search in one compiled call (TurboQuant-mse codes,
-        # Hadamard rotation; not centred: <q, mu> comes from a torch product)
+        # Hadamard rotation)
         rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
-                  and self.codec.variant == "mse" and not self.centered else None)
+                  and self.codec.variant == "mse" else None)
         if fast and rotate is not None and dev.type == "cpu":
             state["one_call"] = ops.FlatSearch.prepare(
                 rotate, state["signs"] or state["scanner"], self._ids.numpy(),
@@ -613,12 +613,11 @@ class FlatIndex:
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
-        qt = torch.from_numpy(q)
+        qt, offsets = self._centre(torch.from_numpy(q))
         if scan.get("one_call") is not None:
-            # ||q||^2 by the torch expression of the general path (the same bits)
+            # the centring and ||q||^2 by the torch expressions of the general path (same bits)
             qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else _NO_NORMS
-            return scan["one_call"].search(q, qsq, k)
-        qt, offsets = self._centre(qt)
+            return scan["one_call"].search(qt.numpy(), qsq, k, offsets)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
             vals = -(vals - (qt * qt).sum(1, keepdim=True))

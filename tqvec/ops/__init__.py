@@ -404,12 +404,15 @@ class IVFProbe:
         return probes.cpu().numpy(), scores.cpu().numpy()
 
 
+_NONE = np.zeros(0, dtype=np.float32)
+
+
 class FlatSearch:
     """A whole flat search of float32 numpy queries in one compiled call: ``HadamardRotate`` ->
     ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
-    ||q||^2 (given, ``qsq``) -> ``(D, I)`` as faiss returns them, with the same float operations
-    as the composed ops (the flat index's general path), so the same bits. ``prepare`` returns
-    None where the parts do not all run on the compiled CPU kernels."""
+    ||q||^2 (given, ``qsq``) -> ``(D, I)`` as faiss returns them (plus ``qoff``), with the same
+    float operations as the composed ops (the flat index's general path), so the same bits.
+    ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
 
     def __init__(self, searcher: Any):
         self._searcher = searcher
@@ -433,12 +436,14 @@ class FlatSearch:
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
             int(prefilter), _cpu._RESCORE_METRICS[metric]))
 
-    def search(self, q: np.ndarray, qsq: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else ignored) ->
+    def search(self, q: np.ndarray, qsq: np.ndarray, k: int, qoff: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else ignored),
+        qoff (nq,) float32 added to each query's values (a centred index's <q, mu>) ->
         (D (nq, k) float32, I (nq, k) int64)."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        self._searcher.search(q, qsq, D, I, _cpu._threads())
+        self._searcher.search(q, qsq, _NONE if qoff is None else qoff, D, I, _cpu._threads())
         return D, I
 
 

@@ -8,6 +8,7 @@ import torch
 pytestmark = pytest.mark.hf
 transformers = pytest.importorskip("transformers")
 
+import tqvec  # noqa: E402
 import tqvec.kv as kv  # noqa: E402
 from tqvec.kv.quant import make_quantizer  # noqa: E402
 
@@ -179,9 +180,10 @@ def test_log8_norm_code_bounds():
     x = torch.randn(200, 16) * torch.logspace(-2, 2, 200)[:, None]
     x[7] = 0
     f = q.encode(x)
-    assert f["norm"].dtype == torch.uint8 and q.bytes_per_token == 6 + 1
-    got = q._codes(f).scalars["norm"].float()
-    true = torch.linalg.vector_norm(x, dim=1)
+    # the per-token scale is the fitted one (TurboQuant scale='fit'), coded in log steps
+    assert f["fit"].dtype == torch.uint8 and q.bytes_per_token == 6 + 1
+    got = q._codes(f).scalars["fit"].float()
+    true = tqvec.TurboQuant(16, 3, "mse", 0, scale="fit").encode(x).scalars["fit"].float()
     assert got[7] == 0
     ok = true > 0
     assert ((got[ok] / true[ok]).log2().abs() <= 1 / 32 + 1e-3).all()  # half a step

@@ -149,7 +149,7 @@ def _mse_parts(quantizer):
     scale = quantizer if isinstance(quantizer, ChannelScale) else None
     inner = quantizer.inner if scale is not None else quantizer
     if not (isinstance(inner, CodecQuantizer) and isinstance(inner.codec, TurboQuant)
-            and inner.codec.variant == "mse" and inner.codec.scale == "norm"):
+            and inner.codec.variant == "mse" and inner.codec.scale in ("norm", "fit")):
         return None
     if scale is not None and scale.scale is None:
         return None
@@ -182,9 +182,11 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
 
 
 def _field_norms(quantizer, data: dict) -> torch.Tensor:
-    """float32 norms of a whole buffer (its zero-filled spare capacity gives 0)."""
-    nrm = data["norm"]
-    if "norm" in quantizer.log_fields:
+    """float32 per-token multipliers of a whole buffer (the norm, or the fitted scale of
+    ``scale='fit'``; its zero-filled spare capacity gives 0)."""
+    name = "fit" if quantizer.codec.scale == "fit" else "norm"
+    nrm = data[name]
+    if name in quantizer.log_fields:
         return quantizer._unlog8(nrm).float()
     return nrm.float()
 

@@ -23,7 +23,9 @@ class TurboQuantCache(Cache):
     Parameters
     ----------
     config: the model's config (``model.config``).
-    key_codec: ``"turbo"`` (TurboQuant mse, default), ``"turbo-prod"`` (TurboQuant prod:
+    key_codec: ``"turbo"`` (TurboQuant mse, default; each token's scale is the least-squares
+        fit of its centroids, ``TurboQuant(scale="fit")``, the same bytes as the norm and a
+        lower attention error), ``"turbo-prod"`` (TurboQuant prod:
         unbiased scores), ``"qjl"`` (QJL sign sketch, ``key_bits`` sign bits per coordinate) or
         ``"token"`` (per-token min-max in groups of ``group``).
     key_bits, value_bits: bits per coordinate of the codes (norms and scales come on top and are

@@ -105,6 +105,15 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                int nthreads);
 
 
+// A Hadamard rotation's parameters (hadamard_rotate's perms, signs, rounds, p), as the one-call
+// searches take them.
+struct RotationArgs {
+  const int64_t* perms;
+  const float* signs;
+  int rounds;
+  int64_t p;
+};
+
 // A whole flat search (search.cpp): rotate the queries (perms, signs: rounds x d, block p),
 // fast_scan the n rows (blocked codes, b bits, codebook, mult, add) for the best min(k, n), or
 // with packed != nullptr fast_scan_two_stage (blocked: the sign plane, codebook its 2
@@ -114,10 +123,7 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
 // (a centred index's <q, mu>; its l2 queries come as q - mu).
 struct FlatSearchArgs {
   int64_t d, n;
-  const int64_t* perms;
-  const float* signs;
-  int rounds;
-  int64_t p;
+  RotationArgs rot;
   const uint8_t* blocked;
   int b;
   const float* codebook;
@@ -143,10 +149,7 @@ struct IvfSearchArgs {
   int64_t d, nlist, nprobe;
   const float* centroids;  // (nlist, d)
   const float* csq;        // (nlist) squared norms
-  const int64_t* perms;
-  const float* signs;
-  int rounds;
-  int64_t p;
+  RotationArgs rot;
   const uint8_t* blocked;
   int64_t npad;
   int b;

@@ -46,6 +46,19 @@ void check_topk_out(const CArr<float>& vals, const CArr<int64_t>& idx, int64_t n
           op, ": outputs");
 }
 
+// A rotation's parameters for the one-call searches, checked once (rounds x d permutations).
+tqvec::RotationArgs checked_rotation(const CArr<const int64_t>& perms,
+                                     const CArr<const float>& signs, int64_t p, int64_t d,
+                                     const char* op) {
+  const int64_t rounds = perms.shape(0);
+  require(perms.shape(1) == static_cast<size_t>(d) && signs.shape(0) == perms.shape(0) &&
+              signs.shape(1) == perms.shape(1), op, ": perms/signs shape");
+  require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d, op, ": block size");
+  for (int64_t t = 0; t < rounds * d; ++t)
+    require(perms.data()[t] >= 0 && perms.data()[t] < d, op, ": perm out of range");
+  return {perms.data(), signs.data(), static_cast<int>(rounds), p};
+}
+
 // flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
 struct FlatSearcher {
   CArr<const int64_t> perms, ids;
@@ -377,18 +390,11 @@ NB_MODULE(_C, m) {
                          pos.ndim() == 1 && ids.ndim() == 1 && ref.ndim() == 2,
                      "IVFSearcher: bad ranks");
              const int64_t nlist = centroids.shape(0), d = centroids.shape(1);
-             const int64_t rounds = perms.shape(0), nb_ = blocked.shape(0), npad = 32 * nb_;
+             const int64_t nb_ = blocked.shape(0), npad = 32 * nb_;
              const int64_t n = ids.shape(0);
              require(nlist >= 1 && csq.shape(0) == centroids.shape(0),
                      "IVFSearcher: centroids must be (nlist, d) with nlist norms");
-             require(perms.shape(1) == static_cast<size_t>(d) &&
-                         signs.shape(0) == perms.shape(0) && signs.shape(1) == perms.shape(1),
-                     "IVFSearcher: perms/signs shape");
-             require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d,
-                     "IVFSearcher: block size");
-             for (int64_t t = 0; t < rounds * d; ++t)
-               require(perms.data()[t] >= 0 && perms.data()[t] < d,
-                       "IVFSearcher: perm out of range");
+             const tqvec::RotationArgs rot = checked_rotation(perms, signs, p, d, "IVFSearcher");
              require(b >= 1 && b <= 4 && nb_ >= 1 &&
                          blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
                          blocked.shape(2) == 32,
@@ -415,10 +421,7 @@ NB_MODULE(_C, m) {
              a.nlist = nlist;
              a.centroids = centroids.data();
              a.csq = csq.data();
-             a.perms = perms.data();
-             a.signs = signs.data();
-             a.rounds = static_cast<int>(rounds);
-             a.p = p;
+             a.rot = rot;
              a.blocked = blocked.data();
              a.npad = npad;
              a.b = b;
@@ -460,14 +463,8 @@ NB_MODULE(_C, m) {
                          codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
                          ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
                          add1.ndim() == 1, "FlatSearcher: bad ranks");
-             const int64_t d = perms.shape(1), rounds = perms.shape(0);
-             require(signs.shape(0) == perms.shape(0) && signs.shape(1) == perms.shape(1),
-                     "FlatSearcher: perms/signs shape");
-             require(p >= 1 && (p & (p - 1)) == 0 && p <= d && 2 * p >= d,
-                     "FlatSearcher: block size");
-             for (int64_t t = 0; t < rounds * d; ++t)
-               require(perms.data()[t] >= 0 && perms.data()[t] < d,
-                       "FlatSearcher: perm out of range");
+             const int64_t d = perms.shape(1);
+             const tqvec::RotationArgs rot = checked_rotation(perms, signs, p, d, "FlatSearcher");
              const bool two = packed.shape(0) > 0;
              require(b >= 1 && b <= 4 && (!two || b == 1), "FlatSearcher: bits");
              require(n >= 1 && blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
@@ -491,10 +488,7 @@ NB_MODULE(_C, m) {
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
-             a.perms = perms.data();
-             a.signs = signs.data();
-             a.rounds = static_cast<int>(rounds);
-             a.p = p;
+             a.rot = rot;
              a.blocked = blocked.data();
              a.b = b;
              a.codebook = codebook.data();

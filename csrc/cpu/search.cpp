@@ -41,7 +41,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, cons
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), vals(nqs * kk);
   std::vector<int64_t> idx(nqs * kk);
-  hadamard_rotate(q, nq, d, a.perms, a.signs, a.rounds, a.p, false, qr.data(), nthreads);
+  hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
+                  nthreads);
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
     fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.n, a.codebook, a.packed, a.bfull,
                         a.cfull, a.mult, a.add, a.add1, a.prefilter * kk, kk, vals.data(),
@@ -65,7 +66,8 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
   // l2 and cosine (unit vectors) probe by -||q - c||^2, inner product by <q, c>
   ivf_probe(q, nq, d, a.centroids, a.nlist, a.csq, a.metric != kRescoreIP, np, probes.data(),
             offsets.data(), nthreads);
-  hadamard_rotate(q, nq, d, a.perms, a.signs, a.rounds, a.p, false, qr.data(), nthreads);
+  hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
+                  nthreads);
   // with a refinement, which re-ranks them, the candidates by the 8-bit tables alone
   ivf_fast_scan(qr.data(), nq, d, a.blocked, a.npad, a.b, a.codebook, a.mult, a.add,
                 a.list_blocks, a.nlist, probes.data(), offsets.data(), np, kk, a.ref != nullptr,

@@ -58,7 +58,6 @@ _METRICS = {"ip": METRIC_INNER_PRODUCT, "inner_product": METRIC_INNER_PRODUCT,
             "angular": METRIC_COSINE}
 _FLT_MAX = float(np.finfo(np.float32).max)
 _QUERY_BLOCK = 1024
-_NO_NORMS = np.zeros(0, dtype=np.float32)
 _CODE_BLOCK = 16384
 # Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
 # only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
@@ -616,7 +615,7 @@ class FlatIndex:
         qt, offsets = self._centre(torch.from_numpy(q))
         if scan.get("one_call") is not None:
             # the centring and ||q||^2 by the torch expressions of the general path (same bits)
-            qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else _NO_NORMS
+            qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else None
             return scan["one_call"].search(qt.numpy(), qsq, k, offsets)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
@@ -727,8 +726,9 @@ class FlatIndex:
 
     def _rerank_np(self, q: torch.Tensor, s: np.ndarray, p: np.ndarray, snap: dict[str, Any],
                    k: int) -> tuple[np.ndarray, np.ndarray]:
-        """``_rerank`` on the host: the (nq, kk) steps after the re-score in numpy (one query:
-        ~25 us instead of ~100 for the same dozen steps in torch; every path calls this one)."""
+        """``_rerank`` on the host, every path's one re-rank: a TurboQuant-mse refinement by
+        ``ops.lut_rescore``, exact vectors by ``ops.rescore_topk`` (the metric and the top-k in
+        its kernel), other codecs by decoding and the (nq, kk) steps in numpy."""
         nq, kk = p.shape
         ref, lut = snap["ref"], snap["ref_lut"]
         if lut is not None:  # TurboQuant-mse refinement: rotated-domain tables, fused top-k

@@ -436,14 +436,15 @@ class FlatSearch:
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
             int(prefilter), _cpu._RESCORE_METRICS[metric]))
 
-    def search(self, q: np.ndarray, qsq: np.ndarray, k: int, qoff: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray]:
-        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else ignored),
+    def search(self, q: np.ndarray, qsq: np.ndarray | None, k: int,
+               qoff: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else None),
         qoff (nq,) float32 added to each query's values (a centred index's <q, mu>) ->
         (D (nq, k) float32, I (nq, k) int64)."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        self._searcher.search(q, qsq, _NONE if qoff is None else qoff, D, I, _cpu._threads())
+        self._searcher.search(q, _NONE if qsq is None else qsq, _NONE if qoff is None else qoff,
+                              D, I, _cpu._threads())
         return D, I
 
 
@@ -456,8 +457,8 @@ class IVFSearch:
     one query the Python steps between those kernels cost more than the kernels. Build it with
     ``prepare``, which returns None where the parts do not all run on the compiled CPU kernels."""
 
-    def __init__(self, searcher: Any, ref: np.ndarray | None):
-        self._searcher, self._ref = searcher, ref
+    def __init__(self, searcher: Any):
+        self._searcher = searcher  # holds (and keeps alive) the arrays it reads
 
     @classmethod
     def prepare(cls, probe: IVFProbe, rotate: HadamardRotate, scan: IVFFastScan, pos: np.ndarray,
@@ -478,7 +479,7 @@ class IVFSearch:
             cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
             np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
             _cpu._RESCORE_METRICS[metric])
-        return cls(searcher, ref_np)
+        return cls(searcher)
 
     def search(self, q: np.ndarray, nprobe: int, kk: int, k: int
                ) -> tuple[np.ndarray, np.ndarray]:

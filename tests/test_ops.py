@@ -356,8 +356,8 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    for metric in ('ip', 'l2', 'cosine'):\n"
         "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"
         "            rng.standard_normal((n, d)).astype(np.float32)), rows, metric, 10)]\n"
-        "    qs = torch.from_numpy(rng.standard_normal((9, d)).astype(np.float32))\n"
-        "    cs = torch.from_numpy(rng.standard_normal((8, d)).astype(np.float32))\n"
+        "    qs = torch.from_numpy(rng.standard_normal((10, d)).astype(np.float32))\n"
+        "    cs = torch.from_numpy(rng.standard_normal((11, d)).astype(np.float32))\n"
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
@@ -435,19 +435,20 @@ def test_ivf_probe_matches_reference(backend, nq, nlist, d, nprobe, l2, rng):
 
 @pytest.mark.parametrize("d", [5, 40, 784])
 def test_ivf_probe_batch_equals_one_query_at_a_time(d, rng):
-    """Many queries are probed in register tiles (3 queries x 3 centroids), one query pair by
-    pair: the same float operations, so the same bits — the IVF index's one-query and batch
-    paths rely on it (10 queries: three tiles and one left over; 8 lists: two tiles and two)."""
+    """Many queries are probed in register tiles (4 queries x 3 lists), a query alone 8 lists
+    at a time, leftovers pair by pair: the same float operations per pair, so the same bits —
+    the IVF index's one-query and batch paths rely on it (10 queries: two tiles and two left
+    over; 11 lists: three tiles and two, or one 8-list tile and three)."""
     if "cpu" not in ops.available_backends():
         pytest.skip("tqvec._C not built")
     q = rng.standard_normal((10, d)).astype(np.float32)
-    c = rng.standard_normal((8, d)).astype(np.float32)
+    c = rng.standard_normal((11, d)).astype(np.float32)
     csq = (c * c).sum(1)
     for l2 in (False, True):
         probe = ops.IVFProbe(torch.from_numpy(c), torch.from_numpy(csq), l2)
-        pb, sb = probe.probe(q, 8)
+        pb, sb = probe.probe(q, 11)
         for i in range(10):
-            p1, s1 = probe.probe(q[i:i + 1], 8)
+            p1, s1 = probe.probe(q[i:i + 1], 11)
             np.testing.assert_array_equal(p1[0], pb[i])
             np.testing.assert_array_equal(s1[0], sb[i])
 

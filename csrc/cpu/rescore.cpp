@@ -97,47 +97,49 @@ __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
   return s;
 }
 
-// dot_avx2 of kTileQ queries with kTileC rows at a time (a register tile), each pair with
-// dot_avx2's float operations in its order, so the same bits: dot_avx2's four accumulators are
-// independent sums, so they are formed one after another here (accumulator u over the blocks
-// j + 8u, then for u = 0 the 8-wide blocks past the last 32), 9 of them live at once. Loads are
-// shared within a tile: 1,000 queries x 256 x 784 run at ~20 GMAC/s per thread (4 x 2, 2 x 4
-// and 4 x 3 tiles measured the same or slower), twice the one-pair loop, ~60 % of torch's
-// FMA GEMM. out[a * ldo + c] = <q_a, x_c>.
-constexpr int kTileQ = 3, kTileC = 3;
-__attribute__((target("avx2"), always_inline)) inline void tile_step(
-    const float* q, const float* x, int64_t d, int64_t j, __m256 (&acc)[kTileQ][kTileC]) {
-  __m256 xv[kTileC];
-  for (int c = 0; c < kTileC; ++c) xv[c] = _mm256_loadu_ps(x + c * d + j);
-  for (int a = 0; a < kTileQ; ++a) {
-    const __m256 qv = _mm256_loadu_ps(q + a * d + j);
-    for (int c = 0; c < kTileC; ++c)
-      acc[a][c] = _mm256_add_ps(acc[a][c], _mm256_mul_ps(qv, xv[c]));
-  }
-}
-
+// The probe's product <q, c_l>: one 8-lane accumulator per (query, list) pair over the 8-wide
+// blocks (lane l sums the terms j = l (mod 8)), then the scalar tail, then the lanes in order —
+// the float operations of dot1_portable. A tile of Q queries x C lists shares its loads and keeps
+// Q * C independent chains in flight, so any tile shape (4 x 3 for batches, 1 x 8 for a query
+// alone, 1 x 1 for the leftovers) gives a pair the same bits: a query probed alone or within a
+// batch gets the same lists. 1,000 queries x 252 x 784 on one Zen 3 thread: 40 GMAC/s for 4 x 3
+// (3 x 3: 36, 3 x 4: 34, 2 x 6: 24); the former tile, which formed dot_avx2's four accumulators
+// one after another (stride-32 passes over the rows), reached 22. out[a * ldo + c] = <q_a, x_c>.
+template <int Q, int C>
 __attribute__((target("avx2"))) void dot_tile_avx2(const float* q, const float* x, int64_t d,
                                                    float* out, int64_t ldo) {
-  alignas(32) float la[4][kTileQ][kTileC][8];
-  const int64_t end32 = d / 32 * 32, end8 = d / 8 * 8;
-  for (int u = 0; u < 4; ++u) {
-    __m256 acc[kTileQ][kTileC];
-    for (int a = 0; a < kTileQ; ++a)
-      for (int c = 0; c < kTileC; ++c) acc[a][c] = _mm256_setzero_ps();
-    for (int64_t j = 8 * u; j < end32; j += 32) tile_step(q, x, d, j, acc);
-    if (u == 0)
-      for (int64_t j = end32; j < end8; j += 8) tile_step(q, x, d, j, acc);
-    for (int a = 0; a < kTileQ; ++a)
-      for (int c = 0; c < kTileC; ++c) _mm256_store_ps(la[u][a][c], acc[a][c]);
+  __m256 acc[Q][C];
+  for (int a = 0; a < Q; ++a)
+    for (int c = 0; c < C; ++c) acc[a][c] = _mm256_setzero_ps();
+  const int64_t end8 = d / 8 * 8;
+  for (int64_t j = 0; j < end8; j += 8) {
+    __m256 xv[C];
+    for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * d + j);
+    for (int a = 0; a < Q; ++a) {
+      const __m256 qv = _mm256_loadu_ps(q + a * d + j);
+      for (int c = 0; c < C; ++c) acc[a][c] = _mm256_add_ps(acc[a][c], _mm256_mul_ps(qv, xv[c]));
+    }
   }
-  for (int a = 0; a < kTileQ; ++a)
-    for (int c = 0; c < kTileC; ++c) {
+  alignas(32) float la[8];
+  for (int a = 0; a < Q; ++a)
+    for (int c = 0; c < C; ++c) {
+      _mm256_store_ps(la, acc[a][c]);
       float s = 0.f;
       for (int64_t j = end8; j < d; ++j) s += q[a * d + j] * x[c * d + j];
-      for (int u = 0; u < 4; ++u)
-        for (int l = 0; l < 8; ++l) s += la[u][a][c][l];
+      for (int l = 0; l < 8; ++l) s += la[l];
       out[a * ldo + c] = s;
     }
+}
+
+float dot1_portable(const float* __restrict q, const float* __restrict x, int64_t d) {
+  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8)
+    for (int l = 0; l < 8; ++l) a[l] += q[j + l] * x[j + l];
+  float s = 0.f;
+  for (; j < d; ++j) s += q[j] * x[j];
+  for (int l = 0; l < 8; ++l) s += a[l];
+  return s;
 }
 
 float dot_portable(const float* __restrict q, const float* __restrict x, int64_t d) {
@@ -209,22 +211,35 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                int nthreads) {
   const bool avx2 = simd_avx2();
   const auto dot = avx2 ? dot_avx2 : dot_portable;
-  // queries [lo, hi): <q, c_l> for every list — register tiles of kTileQ x kTileC over blocks
-  // of kBlockC lists that stay in L2 while all the queries pass (reading all 800 KB of
-  // centroids from L3 per tile of 4 queries bound the tiles by L3 bandwidth: 8.6 ms for 1,000
-  // queries), the rest pair by pair (the same bits) — then each query's scores and top nprobe
+  // queries [lo, hi): <q, c_l> for every list — 4 x 3 register tiles over blocks of kBlockC
+  // lists that stay in L2 while all the queries pass (reading all 800 KB of centroids from L3
+  // per tile of queries bound the tiles by L3 bandwidth: 8.6 ms for 1,000 queries); queries past
+  // the last whole tile 8 lists at a time, leftover lists pair by pair (the same bits) — then
+  // each query's scores and top nprobe
   auto work = [&](int64_t lo, int64_t hi) {
-    constexpr int64_t kBlockC = 16 * kTileC;
-    const int64_t m = hi - lo, m_tiled = avx2 ? m / kTileQ * kTileQ : 0;
-    const int64_t l_tiled = avx2 ? nlist / kTileC * kTileC : 0;
+    constexpr int64_t kQ = 4, kC = 3, kBlockC = 16 * kC;
+    const int64_t m = hi - lo, m_tiled = avx2 ? m / kQ * kQ : 0;
     std::vector<float> ip(static_cast<size_t>(m * nlist));
-    for (int64_t b0 = 0; b0 < l_tiled; b0 += kBlockC)
-      for (int64_t a = 0; a < m_tiled; a += kTileQ)
-        for (int64_t l = b0; l < std::min(l_tiled, b0 + kBlockC); l += kTileC)
-          dot_tile_avx2(q + (lo + a) * d, c + l * d, d, ip.data() + a * nlist + l, nlist);
-    for (int64_t a = 0; a < m; ++a)
-      for (int64_t l = a < m_tiled ? l_tiled : 0; l < nlist; ++l)
-        ip[static_cast<size_t>(a * nlist + l)] = dot(q + (lo + a) * d, c + l * d, d);
+    const float* qs = q + lo * d;
+    if (avx2) {
+      const int64_t l3 = nlist / kC * kC, l8 = nlist / 8 * 8;
+      for (int64_t b0 = 0; b0 < l3; b0 += kBlockC)
+        for (int64_t a = 0; a < m_tiled; a += kQ)
+          for (int64_t l = b0; l < std::min(l3, b0 + kBlockC); l += kC)
+            dot_tile_avx2<kQ, kC>(qs + a * d, c + l * d, d, ip.data() + a * nlist + l, nlist);
+      for (int64_t a = 0; a < m; ++a) {
+        int64_t l = a < m_tiled ? l3 : 0;
+        if (a >= m_tiled)
+          for (; l < l8; l += 8)
+            dot_tile_avx2<1, 8>(qs + a * d, c + l * d, d, ip.data() + a * nlist + l, nlist);
+        for (; l < nlist; ++l)
+          dot_tile_avx2<1, 1>(qs + a * d, c + l * d, d, ip.data() + a * nlist + l, nlist);
+      }
+    } else {
+      for (int64_t a = 0; a < m; ++a)
+        for (int64_t l = 0; l < nlist; ++l)
+          ip[static_cast<size_t>(a * nlist + l)] = dot1_portable(qs + a * d, c + l * d, d);
+    }
     std::vector<int64_t> order(static_cast<size_t>(nlist));
     for (int64_t a = 0; a < m; ++a) {
       const int64_t i = lo + a;
@@ -247,9 +262,9 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
   };
   // a thread start (~20 us) pays from ~64k multiply-adds of work per thread; whole tiles each
   const int64_t t = std::max<int64_t>(
-      1, std::min<int64_t>({static_cast<int64_t>(nthreads), (nq + kTileQ - 1) / kTileQ,
+      1, std::min<int64_t>({static_cast<int64_t>(nthreads), (nq + 3) / 4,
                             nq * nlist * d / 65536}));
-  const int64_t chunk = (nq + t * kTileQ - 1) / (t * kTileQ) * kTileQ;
+  const int64_t chunk = (nq + t * 4 - 1) / (t * 4) * 4;
   run_workers(t, [&](int64_t w) { work(std::min(nq, w * chunk), std::min(nq, (w + 1) * chunk)); });
 }
 

@@ -23,8 +23,7 @@ namespace {
 
 constexpr int kLanes = 8;
 
-__attribute__((target_clones("avx2", "default")))
-void fwht_lanes(float* __restrict w, int64_t p, float inv_sqrt_p) {
+void fwht_lanes_portable(float* __restrict w, int64_t p, float inv_sqrt_p) {
   for (int64_t h = 1; h < p; h <<= 1) {
     for (int64_t i = 0; i < p; i += 2 * h) {
       for (int64_t j = i; j < i + h; ++j) {
@@ -39,6 +38,60 @@ void fwht_lanes(float* __restrict w, int64_t p, float inv_sqrt_p) {
     }
   }
   for (int64_t k = 0; k < p * kLanes; ++k) w[k] *= inv_sqrt_p;
+}
+
+// fwht_lanes with AVX2, three stages per pass over the block (h, 2h, 4h on the 8 lane vectors
+// j + t h, t = 0..7, held in registers; then one or two stages for what log2 p leaves), the
+// 1/sqrt(p) multiply fused into the last pass. Each element sees the portable loop's additions
+// and subtractions in its order (stages only mix elements within such groups of 8), so the same
+// bits; a third of the loads and stores of stage-by-stage passes (p = 512: 3 passes, not 10).
+__attribute__((target("avx2"), always_inline)) inline void bfly(__m256& u, __m256& v) {
+  const __m256 a = _mm256_add_ps(u, v), b = _mm256_sub_ps(u, v);
+  u = a;
+  v = b;
+}
+
+__attribute__((target("avx2"))) void fwht_lanes_avx2(float* __restrict w, int64_t p,
+                                                     float inv_sqrt_p) {
+  const __m256 s = _mm256_set1_ps(inv_sqrt_p);
+  int stages = 0;
+  while ((int64_t{1} << stages) < p) ++stages;
+  if (stages == 0) {
+    for (int64_t k = 0; k < p * kLanes; k += 8)
+      _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), s));
+    return;
+  }
+  int done = 0;
+  while (done < stages) {
+    const int take = std::min(3, stages - done);
+    const bool last = done + take == stages;
+    const int64_t h = int64_t{1} << done, span = h << take;
+    for (int64_t i = 0; i < p; i += span)
+      for (int64_t j = i; j < i + h; ++j) {
+        __m256 v[8];
+        for (int t = 0; t < (1 << take); ++t) v[t] = _mm256_loadu_ps(w + (j + t * h) * kLanes);
+        if (take == 3) {
+          bfly(v[0], v[1]), bfly(v[2], v[3]), bfly(v[4], v[5]), bfly(v[6], v[7]);
+          bfly(v[0], v[2]), bfly(v[1], v[3]), bfly(v[4], v[6]), bfly(v[5], v[7]);
+          bfly(v[0], v[4]), bfly(v[1], v[5]), bfly(v[2], v[6]), bfly(v[3], v[7]);
+        } else if (take == 2) {
+          bfly(v[0], v[1]), bfly(v[2], v[3]);
+          bfly(v[0], v[2]), bfly(v[1], v[3]);
+        } else {
+          bfly(v[0], v[1]);
+        }
+        for (int t = 0; t < (1 << take); ++t)
+          _mm256_storeu_ps(w + (j + t * h) * kLanes, last ? _mm256_mul_ps(v[t], s) : v[t]);
+      }
+    done += take;
+  }
+}
+
+void fwht_lanes(float* __restrict w, int64_t p, float inv_sqrt_p) {
+  if (simd_avx2())
+    fwht_lanes_avx2(w, p, inv_sqrt_p);
+  else
+    fwht_lanes_portable(w, p, inv_sqrt_p);
 }
 
 __attribute__((target_clones("avx2", "default")))
@@ -150,6 +203,10 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
   const float inv_sqrt_p = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p)));
   const int64_t groups = (n + kLanes - 1) / kLanes;
   // Threads split whole groups of kLanes rows (never one group between two threads).
+  // A group (kLanes rows x d x rounds butterflies) is ~19 us at d = 784, 3 rounds: threads pay
+  // from a few groups each (the default of 512 rows per thread left a 1,000-query batch on one).
+  const int64_t min_groups =
+      std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kLanes * d * rounds));
   parallel_rows(groups, nthreads, [&](int64_t glo, int64_t ghi) {
     // a partial group alone (one query) needs one row's buffers, not kLanes (zero-filling
     // 2 x 25 KB cost as much as rotating a 784-vector)
@@ -190,7 +247,7 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
         for (int64_t j = 0; j < d; ++j) oi[j] = z[j * kLanes + l];
       }
     }
-  });
+  }, min_groups);
 }
 
 }  // namespace tqvec

@@ -97,17 +97,20 @@ __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
   return s;
 }
 
-// The probe's product <q, c_l>: one 8-lane accumulator per (query, list) pair over the 8-wide
-// blocks (lane l sums the terms j = l (mod 8)), then the scalar tail, then the lanes in order —
-// the float operations of dot1_portable. A tile of Q queries x C lists shares its loads and keeps
-// Q * C independent chains in flight, so any tile shape (4 x 3 for batches, 1 x 8 for a query
-// alone, 1 x 1 for the leftovers) gives a pair the same bits: a query probed alone or within a
-// batch gets the same lists. 1,000 queries x 252 x 784 on one Zen 3 thread: 40 GMAC/s for 4 x 3
-// (3 x 3: 36, 3 x 4: 34, 2 x 6: 24); the former tile, which formed dot_avx2's four accumulators
-// one after another (stride-32 passes over the rows), reached 22. out[a * ldo + c] = <q_a, x_c>.
+// The probe's product <q, c_l>: one 8-lane accumulator per (query, list) pair, updated by a
+// fused multiply-add per 8-wide block (lane l sums the terms j = l (mod 8)), then the scalar
+// tail by fmaf, then the lanes in order — the float operations of dot1_portable. A tile of
+// Q queries x C lists shares its loads and keeps Q * C independent chains in flight, so any tile
+// shape (4 x 3 for batches, 1 x 8 for a query alone, 1 x 1 for the leftovers) gives a pair the
+// same bits: a query probed alone or within a batch gets the same lists. 1,000 queries x 252 x
+// 784 on one Zen 3 thread: 40 GMAC/s for 4 x 3 with FMA, 27 with a multiply and an add (12
+// accumulators, 3 rows and the product no longer fit the 16 registers: the query loads were
+// folded into the multiplies, 13 loads per step); the former 3 x 3 tile, which formed four
+// accumulators per pair one after another (stride-32 passes over the rows), reached 22.
+// out[a * ldo + c] = <q_a, x_c>.
 template <int Q, int C>
-__attribute__((target("avx2"))) void dot_tile_avx2(const float* q, const float* x, int64_t d,
-                                                   float* out, int64_t ldo) {
+__attribute__((target("avx2,fma"))) void dot_tile_avx2(const float* q, const float* x, int64_t d,
+                                                       float* out, int64_t ldo) {
   __m256 acc[Q][C];
   for (int a = 0; a < Q; ++a)
     for (int c = 0; c < C; ++c) acc[a][c] = _mm256_setzero_ps();
@@ -117,7 +120,7 @@ __attribute__((target("avx2"))) void dot_tile_avx2(const float* q, const float* 
     for (int c = 0; c < C; ++c) xv[c] = _mm256_loadu_ps(x + c * d + j);
     for (int a = 0; a < Q; ++a) {
       const __m256 qv = _mm256_loadu_ps(q + a * d + j);
-      for (int c = 0; c < C; ++c) acc[a][c] = _mm256_add_ps(acc[a][c], _mm256_mul_ps(qv, xv[c]));
+      for (int c = 0; c < C; ++c) acc[a][c] = _mm256_fmadd_ps(qv, xv[c], acc[a][c]);
     }
   }
   alignas(32) float la[8];
@@ -125,19 +128,22 @@ __attribute__((target("avx2"))) void dot_tile_avx2(const float* q, const float* 
     for (int c = 0; c < C; ++c) {
       _mm256_store_ps(la, acc[a][c]);
       float s = 0.f;
-      for (int64_t j = end8; j < d; ++j) s += q[a * d + j] * x[c * d + j];
+      for (int64_t j = end8; j < d; ++j) s = std::fmaf(q[a * d + j], x[c * d + j], s);
       for (int l = 0; l < 8; ++l) s += la[l];
       out[a * ldo + c] = s;
     }
 }
 
+// dot_tile_avx2's float operations without SIMD (std::fmaf: one rounding per multiply-add, as
+// the fused instruction; a library call where the CPU lacks FMA, which only the portable build
+// of a CPU without AVX2 meets).
 float dot1_portable(const float* __restrict q, const float* __restrict x, int64_t d) {
   float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
   for (; j + 8 <= d; j += 8)
-    for (int l = 0; l < 8; ++l) a[l] += q[j + l] * x[j + l];
+    for (int l = 0; l < 8; ++l) a[l] = std::fmaf(q[j + l], x[j + l], a[l]);
   float s = 0.f;
-  for (; j < d; ++j) s += q[j] * x[j];
+  for (; j < d; ++j) s = std::fmaf(q[j], x[j], s);
   for (int l = 0; l < 8; ++l) s += a[l];
   return s;
 }
@@ -209,7 +215,7 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
 void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nlist,
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
                int nthreads) {
-  const bool avx2 = simd_avx2();
+  const bool avx2 = simd_avx2(), fma = avx2 && __builtin_cpu_supports("fma");
   const auto dot = avx2 ? dot_avx2 : dot_portable;
   // queries [lo, hi): <q, c_l> for every list — 4 x 3 register tiles over blocks of kBlockC
   // lists that stay in L2 while all the queries pass (reading all 800 KB of centroids from L3
@@ -218,10 +224,10 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
   // each query's scores and top nprobe
   auto work = [&](int64_t lo, int64_t hi) {
     constexpr int64_t kQ = 4, kC = 3, kBlockC = 16 * kC;
-    const int64_t m = hi - lo, m_tiled = avx2 ? m / kQ * kQ : 0;
+    const int64_t m = hi - lo, m_tiled = fma ? m / kQ * kQ : 0;
     std::vector<float> ip(static_cast<size_t>(m * nlist));
     const float* qs = q + lo * d;
-    if (avx2) {
+    if (fma) {
       const int64_t l3 = nlist / kC * kC, l8 = nlist / 8 * 8;
       for (int64_t b0 = 0; b0 < l3; b0 += kBlockC)
         for (int64_t a = 0; a < m_tiled; a += kQ)

@@ -299,6 +299,9 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     bad[2, 5] = np.nan
     with pytest.raises(ValueError, match="must be finite"):
         index.search(bad, 10)
+    bad[2, 5] = -np.inf  # the compiled one-call search checks its queries itself
+    with pytest.raises(ValueError, match="must be finite"):
+        index.search(bad[2:3], 10)
     with pytest.raises(ValueError, match="48 columns"):
         index.search(xq[:, :40], 10)
 

@@ -111,6 +111,9 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     bad[2, 5] = np.inf
     with pytest.raises(ValueError, match="must be finite"):
         index.search(bad, 10)
+    bad[2, 5] = np.nan  # the compiled one-call search checks its queries itself
+    with pytest.raises(ValueError, match="must be finite"):
+        index.search(bad[2:3], 10)
 
 
 def test_residual_codes_beat_flat_codes_at_equal_bits(rng):

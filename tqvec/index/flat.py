@@ -606,17 +606,20 @@ class FlatIndex:
         with self._lock:
             scan, n, ids = self._scan_state(), self._n, self._ids
         kk = min(n, k)
-        if (scan is None or not scan["fast"] or not self._fast_rows_ok(n, kk)
-                or not np.isfinite(x).all()):
+        if scan is None or not scan["fast"] or not self._fast_rows_ok(n, kk):
+            return None
+        one = scan.get("one_call")
+        # the compiled search checks its queries itself (None: the general path reports them)
+        if (one is None or self.metric_type == METRIC_COSINE) and not np.isfinite(x).all():
             return None
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
         qt, offsets = self._centre(torch.from_numpy(q))
-        if scan.get("one_call") is not None:
+        if one is not None:
             # the centring and ||q||^2 by the torch expressions of the general path (same bits)
             qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else None
-            return scan["one_call"].search(qt.numpy(), qsq, k, offsets)
+            return one.search(qt.numpy(), qsq, k, offsets)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
             vals = -(vals - (qt * qt).sum(1, keepdim=True))

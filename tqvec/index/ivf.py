@@ -306,17 +306,21 @@ class IVFIndex(FlatIndex):
                 and 0 < x.shape[0] <= _QUERY_BLOCK and x.shape[1] == self.d
                 and self.is_trained):
             return None
-        with self._lock:
-            snap = self._snapshot()
-        n, st = snap["n"], snap["ivf"]
-        if n == 0 or "scanner" not in st or not np.isfinite(x).all():
+        with self._lock:  # the one-call search reads four fields, not the whole snapshot
+            n, st, nprobe, has_ref = self._n, self._ivf_state(), self._nprobe, self._ref is not None
+            one = st.get("one_call")
+            snap = self._snapshot() if one is None else None
+        if n == 0 or "scanner" not in st:
+            return None
+        # the compiled search checks its queries itself (None: the general path reports them)
+        if (one is None or self.metric_type == METRIC_COSINE) and not np.isfinite(x).all():
             return None
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
-        kk = min(n, k * self.k_factor if snap["ref"] is not None else k)
-        if st.get("one_call") is not None:
-            return st["one_call"].search(q, min(snap["nprobe"], self.nlist), kk, k)
+        kk = min(n, k * self.k_factor if has_ref else k)
+        if one is not None:
+            return one.search(q, min(nprobe, self.nlist), kk, k)
         probes, offsets = self._probe(q, snap)
         vals, pos = self._scan_lists(q, st, probes, offsets, kk)
         if snap["ref"] is not None:

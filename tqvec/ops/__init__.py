@@ -437,14 +437,15 @@ class FlatSearch:
             int(prefilter), _cpu._RESCORE_METRICS[metric]))
 
     def search(self, q: np.ndarray, qsq: np.ndarray | None, k: int,
-               qoff: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               qoff: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else None),
         qoff (nq,) float32 added to each query's values (a centred index's <q, mu>) ->
-        (D (nq, k) float32, I (nq, k) int64)."""
+        (D (nq, k) float32, I (nq, k) int64); None if q holds a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        self._searcher.search(q, _NONE if qsq is None else qsq, _NONE if qoff is None else qoff,
-                              D, I, _cpu._threads())
+        if not self._searcher.search(q, _NONE if qsq is None else qsq,
+                                     _NONE if qoff is None else qoff, D, I, _cpu._threads()):
+            return None
         return D, I
 
 
@@ -482,12 +483,14 @@ class IVFSearch:
         return cls(searcher)
 
     def search(self, q: np.ndarray, nprobe: int, kk: int, k: int
-               ) -> tuple[np.ndarray, np.ndarray]:
+               ) -> tuple[np.ndarray, np.ndarray] | None:
         """q (nq, d) C-contiguous float32; kk candidates per query (k * k_factor with a
-        refinement, else k, at most ntotal) -> (D (nq, k) float32, I (nq, k) int64)."""
+        refinement, else k, at most ntotal) -> (D (nq, k) float32, I (nq, k) int64); None if q
+        holds a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        self._searcher.search(q, nprobe, kk, D, I, _cpu._threads())
+        if not self._searcher.search(q, nprobe, kk, D, I, _cpu._threads()):
+            return None
         return D, I
 
 

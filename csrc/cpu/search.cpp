@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "parallel.h"
 
 namespace tqvec {
 
@@ -59,6 +60,16 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, cons
 
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                 int64_t* I, int nthreads) {
+  // Many queries: each thread runs the whole search for a contiguous share of them (one thread
+  // start, not one per step, and each share's candidates re-ranked while still cached).
+  if (nthreads > 1 && nq >= 64 * int64_t{nthreads}) {
+    const int64_t t = nthreads, chunk = (nq + t - 1) / t;
+    run_workers(t, [&](int64_t w) {
+      const int64_t lo = std::min(nq, w * chunk), hi = std::min(nq, lo + chunk);
+      if (lo < hi) ivf_search(a, q + lo * a.d, hi - lo, k, D + lo * k, I + lo * k, 1);
+    });
+    return;
+  }
   const int64_t d = a.d, np = a.nprobe, kk = a.kk;
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<int64_t> probes(nqs * np), idx(nqs * kk);

@@ -3,11 +3,12 @@ and faiss's IVF RaBitQ, over an nprobe sweep, one process run.
 
     python bench/ivf.py [--dataset fashion-mnist-784-euclidean] [--nlist 256] [--nq 1000]
 
-For each method and nprobe: recall@10 (k = 10), batch QPS (all queries in one call, 2 threads),
-single-query QPS (1 thread, --single queries). Both refinements re-rank k_factor * k = 40
-candidates with the exact vectors. The summary gives, per method, the fastest setting with
-recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with refinement at recall >= 0.9) and
-the ratio to faiss's best at that target. Writes bench/results/ivf_<dataset>.{json,md,png}.
+For each method and nprobe: recall@10 (k = 10), batch QPS (all queries in one call, best of
+three calls, 2 threads), single-query QPS (1 thread, --single queries). Both refinements
+re-rank k_factor * k = 40 candidates with the exact vectors. The summary gives, per method,
+the fastest setting with recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with
+refinement at recall >= 0.9) and the ratio to faiss's best at that target. Writes
+bench/results/ivf_<dataset>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -82,9 +83,11 @@ def measure(kind, index, xq, gt, single) -> dict:
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
     index.search(xq[:10], 10)  # warm-up (builds tqvec's search layout)
-    t = time.perf_counter()
-    _, I = index.search(xq, 10)
-    batch = len(xq) / (time.perf_counter() - t)
+    batch = 0.0
+    for _ in range(3):  # best of three calls: single calls moved +-15 % run to run
+        t = time.perf_counter()
+        _, I = index.search(xq, 10)
+        batch = max(batch, len(xq) / (time.perf_counter() - t))
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     t = time.perf_counter()
@@ -126,7 +129,8 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
              f"{res['metric']}, nlist {res['nlist']})", "",
              f"Command: `python bench/ivf.py {' '.join(argv)}`. Machine: {m.get('cpu')}, "
              f"{m['cpus']} CPUs. k = 10; refinements re-rank {K_FACTOR} x 10 candidates with "
-             "the exact vectors (+4 d bytes/vector).", "",
+             "the exact vectors (+4 d bytes/vector). Batch: all queries in one call, best of "
+             "three calls.", "",
              "## Fastest setting reaching each recall@10 target", "",
              "| target | method | bytes/vec | batch QPS 2t (nprobe) | vs faiss best | "
              "single QPS 1t (nprobe) | vs faiss best |", "|---" * 7 + "|"]

@@ -24,7 +24,8 @@ void run_workers(int64_t t, F&& fn) {
 // rows of a few hundred bytes of work; pass fewer for heavier rows).
 template <class F>
 void parallel_rows(int64_t n, int nthreads, F&& fn, int64_t min_rows = kMinRowsPerThread) {
-  int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / std::max<int64_t>(1, min_rows)));
+  const int64_t per = std::max<int64_t>(1, min_rows);
+  int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / per));
   if (t <= 1) {
     fn(int64_t{0}, n);
     return;

@@ -84,6 +84,7 @@ def methods(head_dim: int) -> dict[str, dict]:
         "tq-k4v4": dict(key_bits=4, value_bits=4),
         "tq-k4v3": dict(key_bits=4, value_bits=3),
         "tq-k3v3": dict(key_bits=3, value_bits=3),
+        "tq-k3v3-r16": dict(key_bits=3, value_bits=3, residual_length=16),
         "tq-k4v2-r0": dict(key_bits=4, value_bits=2, residual_length=0),
         "tq-k3v2-r16": dict(key_bits=3, value_bits=2, residual_length=16),
         "tq-k2v2-r16": dict(key_bits=2, value_bits=2, residual_length=16),

@@ -322,7 +322,7 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
     flat and IVF scans, the exact re-score of Refine(Flat), a one-row rotation, the probe's
-    register tiles."""
+    register tiles, ||q||^2."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -352,6 +352,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    out += [v.numpy(), p.numpy()]\n"
         "    rot = __import__('tqvec.random').random.make_rotation('hadamard', d, 1)\n"
         "    out.append(ops.hadamard_rotate(qr[:1], rot.perms, rot.signs, rot.p).numpy())\n"
+        "    out.append(ops.row_sqnorms(qr).numpy())\n"
         "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
         "    for metric in ('ip', 'l2', 'cosine'):\n"
         "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"
@@ -493,3 +494,15 @@ def test_rescore_topk_ties_keep_candidate_order(backend):
     x, q = torch.ones(4, 3), torch.ones(1, 3)
     v, i = ops.rescore_topk(q, x, torch.tensor([[2, 0, -1, 3, 2, 1]]), "l2", 6, backend=backend)
     assert i.tolist() == [[2, 0, 3, 2, 1, -1]] and (v[0, :5] == 0).all() and v[0, 5] == -np.inf
+
+
+def test_row_sqnorms_matches_reference(backend, rng):
+    """||x_i||^2 per row (an L2 search's ||q||^2, one function for every search path): within
+    float-summation tolerance of the torch sum; a wrong rank is refused."""
+    for n, d in [(1, 784), (5, 7), (3, 0), (0, 16)]:
+        x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+        got = ops.row_sqnorms(on(backend, x), backend=backend).cpu()
+        assert got.shape == (n,) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ops.ref.row_sqnorms_ref(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"x must be \(n, d\)"):
+        ops.row_sqnorms(torch.zeros(3), backend=backend)

@@ -91,6 +91,10 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
                       int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
                       float* l, float* acc, int nthreads);
 
+// out[i] = ||x_i||^2 of the n rows of x (n, d) float32 (rescore.cpp; row_sqnorms_ref): the
+// ||q||^2 of an L2 search, one function for the one-call and the general path (same bits).
+void row_sqnorms(const float* x, int64_t n, int64_t d, float* out);
+
 // Exact re-ranking of candidates (rescore.cpp; rescore_topk_ref): query i's candidates
 // j = rows[i, r] (-1 = none) of x (n, d) float32, scored by the metric's similarity
 // kRescoreIP <q, x_j>, kRescoreL2 2 <q, x_j> - ||x_j||^2 - ||q||^2 (= -||q - x_j||^2),
@@ -135,10 +139,12 @@ struct FlatSearchArgs {
   const float* add1;
   int64_t prefilter;
   const int64_t* ids;
-  int metric;  // RescoreMetric of the index's scores
+  int metric;            // RescoreMetric of the index's scores
+  const float* center;   // (d) subtracted from the queries (an L2 index's centring), or nullptr
 };
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, const float* qoff,
-                 int64_t nq, int64_t k, float* D, int64_t* I, int nthreads);
+// ||q - center||^2 by row_sqnorms for L2; qoff (nq) added to the values, or nullptr.
+void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int64_t nq,
+                 int64_t k, float* D, int64_t* I, int nthreads);
 
 // A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
 // the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes

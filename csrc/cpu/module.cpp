@@ -64,7 +64,7 @@ tqvec::RotationArgs checked_rotation(const CArr<const int64_t>& perms,
 // flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
 struct FlatSearcher {
   CArr<const int64_t> perms, ids;
-  CArr<const float> signs, codebook, mult, add, cfull, add1;
+  CArr<const float> signs, codebook, mult, add, cfull, add1, center;
   CArr<const uint8_t> blocked, packed;
   tqvec::FlatSearchArgs args;
 };
@@ -334,6 +334,12 @@ NB_MODULE(_C, m) {
                          out_idx.data(), nthreads);
   });
 
+  m.def("row_sqnorms", [](CArr<const float> x, CArr<float> out) {
+    require(x.ndim() == 2 && out.ndim() == 1 && out.shape(0) == x.shape(0),
+            "row_sqnorms: x must be (n, d) and out (n,)");
+    nb::gil_scoped_release rel;
+    tqvec::row_sqnorms(x.data(), x.shape(0), x.shape(1), out.data());
+  });
   m.def("rescore_topk", [](CArr<const float> q, CArr<const float> x, CArr<const int64_t> rows,
                            int metric, int64_t k, CArr<float> vals, CArr<int64_t> idx,
                            int nthreads) {
@@ -470,7 +476,7 @@ NB_MODULE(_C, m) {
               CArr<const uint8_t> blocked, int64_t n, int b, CArr<const float> codebook,
               CArr<const float> mult, CArr<const float> add, CArr<const int64_t> ids,
               CArr<const uint8_t> packed, int bfull, CArr<const float> cfull,
-              CArr<const float> add1, int64_t prefilter, int metric) {
+              CArr<const float> add1, int64_t prefilter, int metric, CArr<const float> center) {
              require(perms.ndim() == 2 && signs.ndim() == 2 && blocked.ndim() == 3 &&
                          codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
                          ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
@@ -497,6 +503,9 @@ NB_MODULE(_C, m) {
                check_centroids(cfull, bfull, "FlatSearcher");
              }
              require(metric >= 0 && metric <= 2, "FlatSearcher: metric must be 0, 1 or 2");
+             require(center.ndim() == 1 && (center.shape(0) == 0 ||
+                                            center.shape(0) == static_cast<size_t>(d)),
+                     "FlatSearcher: center must be empty or (d,)");
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
@@ -513,18 +522,17 @@ NB_MODULE(_C, m) {
              a.prefilter = prefilter;
              a.ids = ids.data();
              a.metric = metric;
-             new (self) FlatSearcher{perms, ids, signs, codebook, mult, add, cfull, add1, blocked,
-                                     packed, a};
+             a.center = center.shape(0) ? center.data() : nullptr;
+             new (self) FlatSearcher{perms, ids, signs, codebook, mult, add, cfull, add1, center,
+                                     blocked, packed, a};
            })
-      .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<const float> qsq,
-                        CArr<const float> qoff, CArr<float> D, CArr<int64_t> I, int nthreads) {
-        require(q.ndim() == 2 && qsq.ndim() == 1 && qoff.ndim() == 1 && D.ndim() == 2 &&
-                    I.ndim() == 2, "FlatSearcher.search: bad ranks");
+      .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<const float> qoff,
+                        CArr<float> D, CArr<int64_t> I, int nthreads) {
+        require(q.ndim() == 2 && qoff.ndim() == 1 && D.ndim() == 2 && I.ndim() == 2,
+                "FlatSearcher.search: bad ranks");
         const int64_t nq = q.shape(0), k = D.shape(1);
         require(q.shape(1) == static_cast<size_t>(s.args.d),
                 "FlatSearcher.search: q must be (nq, d)");
-        require(s.args.metric != tqvec::kRescoreL2 || qsq.shape(0) == static_cast<size_t>(nq),
-                "FlatSearcher.search: qsq must hold nq norms for l2");
         require(k >= 1 && D.shape(0) == static_cast<size_t>(nq) &&
                     I.shape(0) == static_cast<size_t>(nq) && I.shape(1) == D.shape(1),
                 "FlatSearcher.search: outputs");
@@ -534,8 +542,7 @@ NB_MODULE(_C, m) {
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
         if (nq)
-          tqvec::flat_search(s.args, q.data(), qsq.data(), off, nq, k, D.data(), I.data(),
-                             nthreads);
+          tqvec::flat_search(s.args, q.data(), off, nq, k, D.data(), I.data(), nthreads);
         return true;
       });
 }

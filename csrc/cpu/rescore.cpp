@@ -165,6 +165,11 @@ float dot_portable(const float* __restrict q, const float* __restrict x, int64_t
 
 }  // namespace
 
+void row_sqnorms(const float* x, int64_t n, int64_t d, float* out) {
+  const auto dot = simd_avx2() ? dot_avx2 : dot_portable;
+  for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, x + i * d, d);
+}
+
 void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, int metric, int64_t k, float* vals, int64_t* idx, int nthreads) {
   const bool avx2 = simd_avx2();

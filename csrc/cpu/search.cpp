@@ -36,12 +36,22 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
 
 }  // namespace
 
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qsq, const float* qoff,
-                 int64_t nq, int64_t k, float* D, int64_t* I, int nthreads) {
+void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int64_t nq,
+                 int64_t k, float* D, int64_t* I, int nthreads) {
   const int64_t d = a.d, kk = std::min(k, a.n);
   const size_t nqs = static_cast<size_t>(nq);
-  std::vector<float> qr(nqs * d), vals(nqs * kk);
+  std::vector<float> qr(nqs * d), vals(nqs * kk), qc, qsq;
   std::vector<int64_t> idx(nqs * kk);
+  if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
+    qc.resize(nqs * d);
+    for (size_t i = 0; i < nqs; ++i)
+      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];
+    q = qc.data();
+  }
+  if (a.metric == kRescoreL2) {  // in Python these two torch steps cost ~20 us per query
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+  }
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best

@@ -230,6 +230,7 @@ class FlatIndex:
         if self.metric_type == METRIC_COSINE:
             t = _normalized(t)
         self._center = t.mean(0).to(device=self.device, dtype=torch.float32).contiguous()
+        self._scan = None  # the one-call search holds the center it subtracts
         self.is_trained = True
 
     @property
@@ -351,9 +352,13 @@ class FlatIndex:
         rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
                   and self.codec.variant == "mse" else None)
         if fast and rotate is not None and dev.type == "cpu":
+            # an L2 index's centring (q - mu) runs in the call; inner product and cosine add
+            # <q, mu> per query (_centre), given to the call
+            mu = (self._center.numpy() if self.centered and self._center is not None
+                  and self._scoring == METRIC_L2 else None)
             state["one_call"] = ops.FlatSearch.prepare(
                 rotate, state["signs"] or state["scanner"], self._ids.numpy(),
-                metric_name(self._scoring), self._prefilter)
+                metric_name(self._scoring), self._prefilter, center=mu)
         self._scan = state
         return self._scan
 
@@ -615,14 +620,16 @@ class FlatIndex:
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
+        if one is not None and self._scoring == METRIC_L2:
+            # q - mu and ||q - mu||^2 in the call (the two torch steps cost ~20 us per query,
+            # cache-cold after the previous scan), with the general path's float operations
+            return one.search(q, k)
         qt, offsets = self._centre(torch.from_numpy(q))
         if one is not None:
-            # the centring and ||q||^2 by the torch expressions of the general path (same bits)
-            qsq = (qt * qt).sum(1).numpy() if self._scoring == METRIC_L2 else None
-            return one.search(qt.numpy(), qsq, k, offsets)
+            return one.search(qt.numpy(), k, offsets)
         vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
         if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
-            vals = -(vals - (qt * qt).sum(1, keepdim=True))
+            vals = -(vals - ops.row_sqnorms(qt)[:, None])
         vals, pos = vals.numpy(), pos.numpy()
         if offsets is not None:
             vals = vals + offsets[:, None]
@@ -717,8 +724,8 @@ class FlatIndex:
         else:  # one mse term (_lut_ok)
             vals, pos = ops.lut_scan(qts[0], scan["packed"][0], scan["cents"][0],
                                      scan["mults"][0], add, scan["bits"][0], kk, backend)
-        if self.metric_type == METRIC_L2:
-            vals = vals - (q * q).sum(1, keepdim=True)
+        if self.metric_type == METRIC_L2:  # one ||q||^2 function for all paths (same bits)
+            vals = vals - ops.row_sqnorms(q)[:, None]
         return vals, pos
 
     def _rerank(self, q: torch.Tensor, s: torch.Tensor, p: torch.Tensor, snap: dict[str, Any],

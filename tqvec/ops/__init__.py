@@ -408,18 +408,19 @@ _NONE = np.zeros(0, dtype=np.float32)
 
 
 class FlatSearch:
-    """A whole flat search of float32 numpy queries in one compiled call: ``HadamardRotate`` ->
-    ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
-    ||q||^2 (given, ``qsq``) -> ``(D, I)`` as faiss returns them (plus ``qoff``), with the same
-    float operations as the composed ops (the flat index's general path), so the same bits.
-    ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
+    """A whole flat search of float32 numpy queries in one compiled call: minus ``center``
+    (optional) -> ``HadamardRotate`` -> ``FastScan.search`` (one mse term; two-stage with a
+    prefilter) -> for l2 the score minus ``row_sqnorms`` -> ``(D, I)`` as faiss returns them
+    (plus ``qoff``), with the same float operations as the composed ops (the flat index's
+    general path), so the same bits. ``prepare`` returns None where the parts do not all run on
+    the compiled CPU kernels."""
 
     def __init__(self, searcher: Any):
         self._searcher = searcher
 
     @classmethod
     def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
-                prefilter: int = 0) -> FlatSearch | None:
+                prefilter: int = 0, center: np.ndarray | None = None) -> FlatSearch | None:
         if metric not in RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
         if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
@@ -434,17 +435,18 @@ class FlatSearch:
         return cls(_cpu._C.FlatSearcher(
             perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
-            int(prefilter), _cpu._RESCORE_METRICS[metric]))
+            int(prefilter), _cpu._RESCORE_METRICS[metric],
+            _NONE if center is None else np.ascontiguousarray(center, np.float32)))
 
-    def search(self, q: np.ndarray, qsq: np.ndarray | None, k: int,
-               qoff: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
-        """q (nq, d) C-contiguous float32, qsq (nq,) its squared norms (l2; else None),
-        qoff (nq,) float32 added to each query's values (a centred index's <q, mu>) ->
-        (D (nq, k) float32, I (nq, k) int64); None if q holds a NaN or an infinity."""
+    def search(self, q: np.ndarray, k: int, qoff: np.ndarray | None = None
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+        """q (nq, d) C-contiguous float32 (``center``, where given, is subtracted here; l2 then
+        subtracts ``row_sqnorms`` of the result), qoff (nq,) float32 added to each query's
+        values (a centred inner-product index's <q, mu>) -> (D (nq, k) float32, I (nq, k)
+        int64); None if q holds a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        if not self._searcher.search(q, _NONE if qsq is None else qsq,
-                                     _NONE if qoff is None else qoff, D, I, _cpu._threads()):
+        if not self._searcher.search(q, _NONE if qoff is None else qoff, D, I, _cpu._threads()):
             return None
         return D, I
 
@@ -495,6 +497,15 @@ class IVFSearch:
 
 
 RESCORE_METRICS = ("ip", "l2", "cosine")
+
+
+def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """||x_i||^2 of each row of x (n, d): (n,) float32. An L2 search subtracts ||q||^2 with this
+    one function in every path, the one-call search (``FlatSearch``) included, so that they agree
+    bit for bit (a torch sum reduces in another order)."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be (n, d), got shape {tuple(x.shape)}")
+    return _pick("row_sqnorms", x.device, backend)(x.to(torch.float32).contiguous())
 
 
 def rescore_topk(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int,

@@ -223,6 +223,12 @@ def ivf_probe_cpu(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l
     return torch.from_numpy(probes), torch.from_numpy(offsets)
 
 
+def row_sqnorms_cpu(x: torch.Tensor) -> torch.Tensor:
+    out = np.empty(x.shape[0], dtype=np.float32)
+    _C.row_sqnorms(x.numpy(), out)
+    return torch.from_numpy(out)
+
+
 _RESCORE_METRICS = {"ip": 0, "l2": 1, "cosine": 2}  # kernels.h RescoreMetric
 
 

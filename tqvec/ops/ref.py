@@ -282,6 +282,11 @@ def ivf_probe_ref(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l
     return order, torch.gather(score, 1, order)
 
 
+def row_sqnorms_ref(x: torch.Tensor) -> torch.Tensor:
+    """||x_i||^2 of each row of x (n, d) float32: (n,) float32 (an L2 search's ||q||^2)."""
+    return (x * x).sum(1)
+
+
 def rescore_topk_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact re-ranking of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =

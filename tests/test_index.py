@@ -287,6 +287,7 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     if state is not None and "cpu" in tqvec.available_backends():
         assert (state.get("one_call") is not None) == one_call
     assert_numpy_path_matches(index, [xq[:1], xq])
+    assert_numpy_path_matches(index, [np.zeros((2, 48), np.float32)])  # cosine: zero rows stay 0
     index.remove_ids(np.arange(0, 3000, 5) * 3 + 1)  # the state follows removals (and ids)
     _, I1 = assert_numpy_path_matches(index, [xq[:2]])
     assert not np.isin(I1, np.arange(0, 3000, 5) * 3 + 1).any()

@@ -141,6 +141,7 @@ struct FlatSearchArgs {
   const int64_t* ids;
   int metric;            // RescoreMetric of the index's scores
   const float* center;   // (d) subtracted from the queries (an L2 index's centring), or nullptr
+  bool normalize;        // cosine: q / max(sqrt(row_sqnorms(q)), 1e-30) first
 };
 // ||q - center||^2 by row_sqnorms for L2; qoff (nq) added to the values, or nullptr.
 void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int64_t nq,

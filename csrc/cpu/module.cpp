@@ -476,7 +476,8 @@ NB_MODULE(_C, m) {
               CArr<const uint8_t> blocked, int64_t n, int b, CArr<const float> codebook,
               CArr<const float> mult, CArr<const float> add, CArr<const int64_t> ids,
               CArr<const uint8_t> packed, int bfull, CArr<const float> cfull,
-              CArr<const float> add1, int64_t prefilter, int metric, CArr<const float> center) {
+              CArr<const float> add1, int64_t prefilter, int metric, CArr<const float> center,
+              bool normalize) {
              require(perms.ndim() == 2 && signs.ndim() == 2 && blocked.ndim() == 3 &&
                          codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
                          ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
@@ -506,6 +507,7 @@ NB_MODULE(_C, m) {
              require(center.ndim() == 1 && (center.shape(0) == 0 ||
                                             center.shape(0) == static_cast<size_t>(d)),
                      "FlatSearcher: center must be empty or (d,)");
+             require(!(normalize && center.shape(0)), "FlatSearcher: normalize or center");
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
@@ -523,6 +525,7 @@ NB_MODULE(_C, m) {
              a.ids = ids.data();
              a.metric = metric;
              a.center = center.shape(0) ? center.data() : nullptr;
+             a.normalize = normalize;
              new (self) FlatSearcher{perms, ids, signs, codebook, mult, add, cfull, add1, center,
                                      blocked, packed, a};
            })

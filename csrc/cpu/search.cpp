@@ -42,7 +42,16 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), vals(nqs * kk), qc, qsq;
   std::vector<int64_t> idx(nqs * kk);
-  if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
+  if (a.normalize) {  // unit rows: the float operations of the index's _unit_rows
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+    qc.resize(nqs * d);
+    for (size_t i = 0; i < nqs; ++i) {
+      const float s = std::max(std::sqrt(qsq[i]), 1e-30f);
+      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] / s;
+    }
+    q = qc.data();
+  } else if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
     qc.resize(nqs * d);
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];

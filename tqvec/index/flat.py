@@ -70,8 +70,9 @@ _FAST_SCAN_ROWS_PER_RESULT = 64
 
 
 def _unit_rows(q: np.ndarray) -> np.ndarray:
-    """Rows scaled to unit norm (cosine queries on the CPU; zero rows stay zero)."""
-    nrm = np.sqrt((q * q).sum(1, keepdims=True))
+    """Rows scaled to unit norm (cosine queries on the CPU; zero rows stay zero): q / max(sqrt(
+    row_sqnorms(q)), 1e-30), the float operations of the one-call search's ``normalize``."""
+    nrm = np.sqrt(ops.row_sqnorms(torch.from_numpy(q)).numpy())[:, None]
     return q / np.maximum(nrm, np.float32(1e-30))
 
 
@@ -354,11 +355,13 @@ class FlatIndex:
         if fast and rotate is not None and dev.type == "cpu":
             # an L2 index's centring (q - mu) runs in the call; inner product and cosine add
             # <q, mu> per query (_centre), given to the call
+            # and an uncentred cosine index's unit rows too
             mu = (self._center.numpy() if self.centered and self._center is not None
                   and self._scoring == METRIC_L2 else None)
             state["one_call"] = ops.FlatSearch.prepare(
                 rotate, state["signs"] or state["scanner"], self._ids.numpy(),
-                metric_name(self._scoring), self._prefilter, center=mu)
+                metric_name(self._scoring), self._prefilter, center=mu,
+                normalize=self._scoring == METRIC_COSINE)
         self._scan = state
         return self._scan
 
@@ -614,16 +617,17 @@ class FlatIndex:
         if scan is None or not scan["fast"] or not self._fast_rows_ok(n, kk):
             return None
         one = scan.get("one_call")
-        # the compiled search checks its queries itself (None: the general path reports them)
-        if (one is None or self.metric_type == METRIC_COSINE) and not np.isfinite(x).all():
-            return None
         q = np.ascontiguousarray(x)
+        if one is not None and (self._scoring != METRIC_INNER_PRODUCT or not self.centered):
+            # the query's preparation (q - mu and ||q - mu||^2, or unit rows) and the check for
+            # NaN/Inf in the call, with the general path's float operations (those numpy and
+            # torch steps cost ~20 us per query, cache-cold after the previous scan); None: the
+            # general path reports the bad input
+            return one.search(q, k)
+        if not np.isfinite(x).all():
+            return None
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
-        if one is not None and self._scoring == METRIC_L2:
-            # q - mu and ||q - mu||^2 in the call (the two torch steps cost ~20 us per query,
-            # cache-cold after the previous scan), with the general path's float operations
-            return one.search(q, k)
         qt, offsets = self._centre(torch.from_numpy(q))
         if one is not None:
             return one.search(qt.numpy(), k, offsets)

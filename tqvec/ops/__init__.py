@@ -408,8 +408,8 @@ _NONE = np.zeros(0, dtype=np.float32)
 
 
 class FlatSearch:
-    """A whole flat search of float32 numpy queries in one compiled call: minus ``center``
-    (optional) -> ``HadamardRotate`` -> ``FastScan.search`` (one mse term; two-stage with a
+    """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
+    rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` -> ``FastScan.search`` (one mse term; two-stage with a
     prefilter) -> for l2 the score minus ``row_sqnorms`` -> ``(D, I)`` as faiss returns them
     (plus ``qoff``), with the same float operations as the composed ops (the flat index's
     general path), so the same bits. ``prepare`` returns None where the parts do not all run on
@@ -420,7 +420,8 @@ class FlatSearch:
 
     @classmethod
     def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
-                prefilter: int = 0, center: np.ndarray | None = None) -> FlatSearch | None:
+                prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False
+                ) -> FlatSearch | None:
         if metric not in RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
         if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
@@ -436,14 +437,15 @@ class FlatSearch:
             perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
             int(prefilter), _cpu._RESCORE_METRICS[metric],
-            _NONE if center is None else np.ascontiguousarray(center, np.float32)))
+            _NONE if center is None else np.ascontiguousarray(center, np.float32),
+            bool(normalize)))
 
     def search(self, q: np.ndarray, k: int, qoff: np.ndarray | None = None
                ) -> tuple[np.ndarray, np.ndarray] | None:
-        """q (nq, d) C-contiguous float32 (``center``, where given, is subtracted here; l2 then
-        subtracts ``row_sqnorms`` of the result), qoff (nq,) float32 added to each query's
-        values (a centred inner-product index's <q, mu>) -> (D (nq, k) float32, I (nq, k)
-        int64); None if q holds a NaN or an infinity."""
+        """q (nq, d) C-contiguous float32 (``center`` or ``normalize``, where given, apply
+        here; l2 then subtracts ``row_sqnorms`` of the result), qoff (nq,) float32 added to each
+        query's values (a centred inner-product index's <q, mu>) -> (D (nq, k) float32, I (nq,
+        k) int64); None if q holds a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
         if not self._searcher.search(q, _NONE if qoff is None else qoff, D, I, _cpu._threads()):

@@ -409,11 +409,11 @@ _NONE = np.zeros(0, dtype=np.float32)
 
 class FlatSearch:
     """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
-    rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` -> ``FastScan.search`` (one mse term; two-stage with a
-    prefilter) -> for l2 the score minus ``row_sqnorms`` -> ``(D, I)`` as faiss returns them
-    (plus ``qoff``), with the same float operations as the composed ops (the flat index's
-    general path), so the same bits. ``prepare`` returns None where the parts do not all run on
-    the compiled CPU kernels."""
+    rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` ->
+    ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
+    ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus ``qoff``), with the same float
+    operations as the composed ops (the flat index's general path), so the same bits.
+    ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
 
     def __init__(self, searcher: Any):
         self._searcher = searcher

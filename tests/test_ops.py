@@ -506,3 +506,47 @@ def test_row_sqnorms_matches_reference(backend, rng):
         torch.testing.assert_close(got, ops.ref.row_sqnorms_ref(x), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"x must be \(n, d\)"):
         ops.row_sqnorms(torch.zeros(3), backend=backend)
+
+
+@pytest.mark.parametrize("b", [1, 3])
+@pytest.mark.parametrize("distinct", [3, None])
+def test_ivf_fast_scan_approx_is_the_table_top_k(b, distinct):
+    """A refinement's first stage keeps (table score, row) pairs (ApproxList, filled 8 lanes at
+    a time): its top k is exactly the first k of all probed rows ranked by the same scores, ties
+    to the lower row — with hundreds of tied rows (3 distinct codes) and with 200 queries split
+    between threads."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    rng = np.random.default_rng(b)
+    nq, d, nlist, nprobe, k = 200, 64, 12, 4, 10
+    sizes = torch.from_numpy(rng.integers(0, 300, nlist))
+    list_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), ((sizes + 31) // 32).cumsum(0)])
+    nb = int(list_blocks[-1])
+    qr, packed, c, mult, add = scan_case(rng, nq, 32 * nb, d, b, excluded_every=13)
+    if distinct is not None:
+        packed = packed[torch.from_numpy(rng.integers(0, distinct, 32 * nb))]
+        mult = torch.ones_like(mult)
+        add = torch.zeros_like(add)
+    for li in range(nlist):
+        add[int(list_blocks[li]) * 32 + int(sizes[li]):int(list_blocks[li + 1]) * 32] = \
+            -float("inf")
+    probes = torch.from_numpy(np.stack([rng.permutation(nlist)[:nprobe] for _ in range(nq)]))
+    offsets = torch.zeros((nq, nprobe)) if distinct else torch.from_numpy(
+        rng.standard_normal((nq, nprobe)).astype(np.float32))
+    args = (ops.block_codes(packed, d, b, backend="ref"), c, mult, add, list_blocks, probes,
+            offsets)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        va, pa = ops.ivf_fast_scan(qr, *args, b, k, backend="cpu", approx=True)
+        vall, pall = ops.ivf_fast_scan(qr, *args, b, 32 * nb, backend="cpu", approx=True)
+    finally:
+        torch.set_num_threads(threads)
+    np.testing.assert_array_equal(va.numpy(), vall[:, :k].numpy())
+    np.testing.assert_array_equal(pa.numpy(), pall[:, :k].numpy())
+    ok = pall >= 0  # every probed row is listed once, best first, ties to the lower row
+    for i in range(0, nq, 37):
+        v, p = vall[i][ok[i]].numpy(), pall[i][ok[i]].numpy()
+        assert len(set(p.tolist())) == len(p)
+        assert all((v[j] > v[j + 1]) or (v[j] == v[j + 1] and p[j] < p[j + 1])
+                   for j in range(len(v) - 1))

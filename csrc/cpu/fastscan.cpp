@@ -830,9 +830,9 @@ float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
 
 // One query's blocks [0, nb) split between t threads, each scanned by scan(j0, j1, shortlist)
 // into its own shortlist (finish() merges them).
-template <class Scan>
-std::vector<Shortlist> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
-  std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
+template <class SL = Shortlist, class Scan>
+std::vector<SL> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
+  std::vector<SL> sls(static_cast<size_t>(t), SL(k));
   const int64_t chunk = (nb + t - 1) / t;
   run_workers(t, [&](int64_t w) {
     scan(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk), sls[static_cast<size_t>(w)]);
@@ -840,8 +840,9 @@ std::vector<Shortlist> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& sca
   return sls;
 }
 
-std::vector<Shortlist*> pointers(std::vector<Shortlist>& sls) {
-  std::vector<Shortlist*> parts;
+template <class SL>
+std::vector<SL*> pointers(std::vector<SL>& sls) {
+  std::vector<SL*> parts;
   for (auto& s : sls) parts.push_back(&s);
   return parts;
 }
@@ -920,6 +921,23 @@ void finish_approx_list(const std::vector<ApproxList*>& parts, int64_t k, float*
     for (int64_t r = 0; r < p->n; ++r)
       hits.emplace_back(p->s[static_cast<size_t>(r)], p->row[static_cast<size_t>(r)]);
   write_topk(hits, k, vals, idx);
+}
+
+// The rows of an ApproxList scan whose score reaches the k-th best of all parts (ties included):
+// the rows finish_approx's threshold keeps from Shortlists of the same scan.
+std::vector<int64_t> approx_rows(const std::vector<ApproxList*>& parts, int64_t k) {
+  thread_local std::vector<float> all, tmp;
+  all.clear();
+  for (auto* p : parts) all.insert(all.end(), p->s.begin(), p->s.begin() + p->n);
+  std::vector<int64_t> rows;
+  if (all.empty()) return rows;
+  const int64_t m = static_cast<int64_t>(all.size());
+  const float th = m < k ? -std::numeric_limits<float>::infinity()
+                         : select_kth_largest(all.data(), m, k, tmp);
+  for (auto* p : parts)
+    for (int64_t r = 0; r < p->n; ++r)
+      if (p->s[static_cast<size_t>(r)] >= th) rows.push_back(p->row[static_cast<size_t>(r)]);
+  return rows;
 }
 
 // ---- several terms per row (fast_scan_terms) ------------------------------------------------
@@ -1081,7 +1099,7 @@ namespace {
 // fin(qi, lut, shortlists) that writes query qi's results. approx: tables without the exact
 // float copy and with a zero error bound, so a shortlist holds the rows of the best
 // approximate (quantized-table) scores, each with that score as its bound.
-template <class Finish>
+template <class SL, class Finish>
 void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
                     int b, const float* centroids, const float* mult, const float* add,
                     int64_t k_scan, bool approx, int nthreads, Finish&& fin) {
@@ -1103,14 +1121,14 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
       for (int64_t g0 = w * group; g0 < nq; g0 += tq * group) {
         const int64_t g1 = std::min(nq, g0 + group);
         std::vector<Lut> luts;
-        std::vector<Shortlist> sls;
+        std::vector<SL> sls;
         for (int64_t qi = g0; qi < g1; ++qi) {
           luts.push_back(lut(qi));
           sls.emplace_back(k_scan);
         }
         const size_t ng = luts.size();
         std::vector<const Lut*> lp;
-        std::vector<Shortlist*> sp;
+        std::vector<SL*> sp;
         for (size_t g = 0; g < ng; ++g) lp.push_back(&luts[g]), sp.push_back(&sls[g]);
         const std::vector<float> zero(ng, 0.0f);
         const int qpp = queries_per_pass(b);
@@ -1123,7 +1141,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
             scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
         }
         for (size_t g = 0; g < luts.size(); ++g)
-          fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<Shortlist*>{&sls[g]});
+          fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<SL*>{&sls[g]});
       }
     };
     run_workers(tq, work);
@@ -1132,8 +1150,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
   // Few queries: split the blocks between threads, merge their shortlists.
   for (int64_t qi = 0; qi < nq; ++qi) {
     const Lut L = lut(qi);
-    std::vector<Shortlist> sls = split_blocks(nb, t, k_scan, [&](int64_t j0, int64_t j1,
-                                                                 Shortlist& sl) {
+    std::vector<SL> sls = split_blocks<SL>(nb, t, k_scan, [&](int64_t j0, int64_t j1, SL& sl) {
       scan_blocks(L, blocked, rb, n, j0, j1, mult, add, 0.f, sl);
     });
     fin(qi, L, pointers(sls));
@@ -1146,14 +1163,21 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                const float* centroids, const float* mult, const float* add, int64_t k,
                bool approx, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = fs_row_bytes(d, b);
-  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
-                 [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
-                   if (approx)
-                     finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
-                   else
-                     finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
-                            out_idx + qi * k);
-                 });
+  if (approx && n < (int64_t{1} << 31)) {  // (score, int32 row) pairs, filled 8 lanes at a time
+    fast_scan_impl<ApproxList>(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx,
+                               nthreads, [&](int64_t qi, const Lut&, std::vector<ApproxList*> p) {
+                                 finish_approx_list(p, k, out_vals + qi * k, out_idx + qi * k);
+                               });
+    return;
+  }
+  fast_scan_impl<Shortlist>(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
+                            [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
+                              if (approx)
+                                finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
+                              else
+                                finish(L, blocked, rb, mult, add, std::move(parts), k,
+                                       out_vals + qi * k, out_idx + qi * k);
+                            });
 }
 
 void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
@@ -1161,38 +1185,48 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
                          const float* mult, const float* add, const float* add1, int64_t k1,
                          int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = (d * b + 7) / 8;
-  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
-                 [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
-                   // the rows of the k1 best approximate sign scores (ties included), then
-                   // their exact full-code scores
-                   const float th = final_threshold(parts, k1);
-                   const float* q = qr + qi * d;
-                   thread_local std::vector<float> T;
-                   rescore_table(q, d, b, centroids, T);
-                   std::vector<int64_t> rows;
-                   for (auto* sl : parts)
-                     for (const auto& c : sl->cand)
-                       if (c.ub >= th) rows.push_back(c.row);
-                   // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
-                   // a few rows ahead of the one being scored, so the misses overlap.
-                   constexpr size_t kAhead = 8;
-                   auto fetch = [&](size_t r) {
-                     const uint8_t* p = packed + rows[r] * rb;
-                     for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
-                   };
-                   for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
-                   std::vector<Hit> hits;
-                   hits.reserve(rows.size());
-                   for (size_t r = 0; r < rows.size(); ++r) {
-                     if (r + kAhead < rows.size()) fetch(r + kAhead);
-                     const int64_t i = rows[r];
-                     hits.emplace_back(
-                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
-                             add[i],
-                         i);
-                   }
-                   write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
-                 });
+  // the exact full-code scores of a query's first-stage rows, the best k written
+  auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
+    const float* q = qr + qi * d;
+    thread_local std::vector<float> T;
+    rescore_table(q, d, b, centroids, T);
+    // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
+    // a few rows ahead of the one being scored, so the misses overlap.
+    constexpr size_t kAhead = 8;
+    auto fetch = [&](size_t r) {
+      const uint8_t* p = packed + rows[r] * rb;
+      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
+    };
+    for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
+    std::vector<Hit> hits;
+    hits.reserve(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (r + kAhead < rows.size()) fetch(r + kAhead);
+      const int64_t i = rows[r];
+      hits.emplace_back(
+          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
+              add[i],
+          i);
+    }
+    write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+  };
+  // the rows of the k1 best approximate sign scores (ties included); ApproxList below 2^31 rows
+  if (n < (int64_t{1} << 31)) {
+    fast_scan_impl<ApproxList>(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+                               [&](int64_t qi, const Lut&, std::vector<ApproxList*> parts) {
+                                 second(qi, approx_rows(parts, k1));
+                               });
+    return;
+  }
+  fast_scan_impl<Shortlist>(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+                            [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
+                              const float th = final_threshold(parts, k1);
+                              std::vector<int64_t> rows;
+                              for (auto* sl : parts)
+                                for (const auto& c : sl->cand)
+                                  if (c.ub >= th) rows.push_back(c.row);
+                              second(qi, rows);
+                            });
 }
 
 // ivf_fast_scan's work for one thread's queries, with the shortlist SL: ApproxList for an

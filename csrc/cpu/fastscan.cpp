@@ -37,7 +37,6 @@
 #include <cstdlib>
 #include <functional>
 #include <limits>
-#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -315,68 +314,11 @@ struct Shortlist {
   }
 };
 
-// The shortlist of an approximate scan (tables with a zero error bound, as the first stage of
-// a refinement: lb = ub = the table score): (score, row) pairs in two arrays that the AVX2 scan
-// fills 8 lanes at a time without a branch per row (a compress through kCompress), compacted to
-// the k best whenever 2k are held. Admissions cost ~55 cycles each through Shortlist (a branch per
-// passing lane, two push_backs, 24-byte candidates to filter), and a batched IVF search at k = 40
-// admits ~250 rows per query: about half its list-scan time. Rows are int32 (the caller falls
-// back to Shortlist past 2^31 rows). It keeps every row that can be in the top k, so the same
-// top k (ties to the lower row) as Shortlist and finish_approx.
-struct ApproxList {
-  int64_t k, n = 0;
-  float th = -std::numeric_limits<float>::infinity();
-  std::vector<float> s, tmp, tmp2;
-  std::vector<int32_t> row;
-  explicit ApproxList(int64_t kk)
-      : k(kk), s(static_cast<size_t>(2 * kk + 8)), row(static_cast<size_t>(2 * kk + 8)) {}
-  float threshold() const { return th; }
-  // room for 8 more entries (ties at the threshold can keep more than 2k after a compaction)
-  void reserve8() {
-    if (n + 8 > static_cast<int64_t>(s.size())) {
-      s.resize(2 * s.size());
-      row.resize(2 * row.size());
-    }
-  }
-  void admit(float /*lb*/, float ub, int64_t i, float /*off*/) {  // the scalar paths
-    reserve8();
-    s[static_cast<size_t>(n)] = ub;
-    row[static_cast<size_t>(n)] = static_cast<int32_t>(i);
-    if (++n >= 2 * k) compact();
-  }
-  void compact() {
-    tmp.assign(s.begin(), s.begin() + n);
-    th = std::max(th, select_kth_largest(tmp.data(), n, k, tmp2));
-    int64_t w = 0;
-    for (int64_t r = 0; r < n; ++r) {  // branch-free, as remove_if(s < th)
-      s[static_cast<size_t>(w)] = s[static_cast<size_t>(r)];
-      row[static_cast<size_t>(w)] = row[static_cast<size_t>(r)];
-      w += !(s[static_cast<size_t>(r)] < th);
-    }
-    n = w;
-  }
-};
-
-// kCompress[mask] lists the set lanes of an 8-bit mask first (for _mm256_permutevar8x32).
-struct CompressTable {
-  alignas(32) int32_t idx[256][8];
-  CompressTable() {
-    for (int m = 0; m < 256; ++m) {
-      int c = 0;
-      for (int l = 0; l < 8; ++l)
-        if (m >> l & 1) idx[m][c++] = l;
-      for (; c < 8; ++c) idx[m][c] = 0;
-    }
-  }
-};
-const CompressTable kCompress;
-
 // Approximate score and bound of row i from its table sum; admits it if it can reach the top k.
 // `off` is added to every score of the rows being scanned (0 for a flat scan; the query's
 // offset of the inverted list in ivf_fast_scan).
-template <class SL>
 inline void consider(const Lut& L, uint32_t tot, int64_t i, const float* mult, const float* add,
-                     float off, SL& sl) {
+                     float off, Shortlist& sl) {
   const float a = add[i];
   if (!(a > -std::numeric_limits<float>::infinity())) return;
   const float s = mult[i] * (L.delta * static_cast<float>(tot) + L.bias) + a + off;
@@ -410,9 +352,9 @@ void block_sums_scalar(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* t
   }
 }
 
-template <class SL>
 void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
-                        int64_t j1, const float* mult, const float* add, float off, SL& sl) {
+                        int64_t j1, const float* mult, const float* add, float off,
+                        Shortlist& sl) {
   uint32_t tot[kRows];
   for (int64_t j = j0; j < j1; ++j) {
     block_sums_scalar(L, blocked + j * rb * kRows, rb, tot);
@@ -639,10 +581,9 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums(
 
 // Bounds of the 32 rows of block j (sums bt) against the query's threshold, 8 rows at a time;
 // only rows that pass (a few per query in all, once the heap is full) leave the vector path.
-template <class SL>
 __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
     const Lut& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
-    float off, SL& sl) {
+    float off, Shortlist& sl) {
   const int64_t base = j * kRows;
   if (n - base < kRows) {  // last, partial block
     for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
@@ -665,19 +606,6 @@ __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
     int bits = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(ub, th, _CMP_GE_OQ),
                                                 _mm256_cmp_ps(a, ninf, _CMP_GT_OQ)));
     if (!bits) continue;
-    if constexpr (std::is_same_v<SL, ApproxList>) {
-      // the passing lanes' scores and rows appended in one compress (err = 0: ub = s)
-      sl.reserve8();
-      const __m256i perm =
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(kCompress.idx[bits]));
-      _mm256_storeu_ps(sl.s.data() + sl.n, _mm256_permutevar8x32_ps(ub, perm));
-      _mm256_storeu_si256(
-          reinterpret_cast<__m256i*>(sl.row.data() + sl.n),
-          _mm256_add_epi32(perm, _mm256_set1_epi32(static_cast<int32_t>(base + g))));
-      sl.n += __builtin_popcount(static_cast<unsigned>(bits));
-      if (sl.n >= 2 * sl.k) sl.compact();
-      continue;
-    }
     // consider()'s float operations, lane by lane: the passing rows are admitted from these
     // vectors (re-deriving each score in scalar code cost more than the admission itself).
     // An admission can raise the threshold, so each row is tested against the current one.
@@ -692,11 +620,11 @@ __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
   }
 }
 
-template <class SL>
 __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_t* blocked,
                                                       int64_t rb, int64_t n, int64_t j0,
                                                       int64_t j1, const float* mult,
-                                                      const float* add, float off, SL& sl) {
+                                                      const float* add, float off,
+                                                      Shortlist& sl) {
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[1] = {L.q8.data()};
   // b = 3 holds 2 blocks per pass in registers, b = 1, 2, 4 four
@@ -715,12 +643,12 @@ __attribute__((target("avx2"))) void scan_blocks_avx2(const Lut& L, const uint8_
 }
 
 // NQ queries over the same blocks: each code byte is loaded and split once for NQ tables.
-template <int NQ, class SL>
+template <int NQ>
 __attribute__((target("avx2"))) void scan_blocksq_avx2(const Lut* const* L, const uint8_t* blocked,
                                                        int64_t rb, int64_t n, int64_t j0,
                                                        int64_t j1, const float* mult,
                                                        const float* add, const float* off,
-                                                       SL* const* sl) {
+                                                       Shortlist* const* sl) {
   alignas(32) uint32_t tot[4 * kRows];
   const uint8_t* q8[NQ];
   for (int q = 0; q < NQ; ++q) q8[q] = L[q]->q8.data();
@@ -739,15 +667,14 @@ inline int queries_per_pass(int b) { return b == 3 ? 2 : 3; }
 
 // Scans the first count queries of the lut/shortlist arrays (count a multiple of nq, which is
 // queries_per_pass: 2 or 3) over blocks [j0, j1), nq at a time, with per-query offsets off.
-template <class SL>
-void scan_query_groups(int nq, const Lut* const* L, SL* const* sl, int64_t count,
+void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl, int64_t count,
                        const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
                        const float* mult, const float* add, const float* off) {
   for (int64_t g = 0; g + nq <= count; g += nq) {
     if (nq == 2)
-      scan_blocksq_avx2<2, SL>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+      scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else
-      scan_blocksq_avx2<3, SL>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+      scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
   }
 }
 
@@ -763,9 +690,8 @@ bool simd_avx2() {
 
 namespace {
 
-template <class SL>
 void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
-                 int64_t j1, const float* mult, const float* add, float off, SL& sl) {
+                 int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {
   if (simd_avx2())
     scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   else
@@ -830,9 +756,9 @@ float exact_score(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t i) {
 
 // One query's blocks [0, nb) split between t threads, each scanned by scan(j0, j1, shortlist)
 // into its own shortlist (finish() merges them).
-template <class SL = Shortlist, class Scan>
-std::vector<SL> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
-  std::vector<SL> sls(static_cast<size_t>(t), SL(k));
+template <class Scan>
+std::vector<Shortlist> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
+  std::vector<Shortlist> sls(static_cast<size_t>(t), Shortlist(k));
   const int64_t chunk = (nb + t - 1) / t;
   run_workers(t, [&](int64_t w) {
     scan(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk), sls[static_cast<size_t>(w)]);
@@ -840,9 +766,8 @@ std::vector<SL> split_blocks(int64_t nb, int64_t t, int64_t k, Scan&& scan) {
   return sls;
 }
 
-template <class SL>
-std::vector<SL*> pointers(std::vector<SL>& sls) {
-  std::vector<SL*> parts;
+std::vector<Shortlist*> pointers(std::vector<Shortlist>& sls) {
+  std::vector<Shortlist*> parts;
   for (auto& s : sls) parts.push_back(&s);
   return parts;
 }
@@ -910,34 +835,6 @@ void finish_approx(const std::vector<Shortlist*>& parts, int64_t k, float* vals,
     for (const auto& c : s->cand)
       if (c.ub >= th) hits.emplace_back(c.ub, c.row);
   write_topk(hits, k, vals, idx);
-}
-
-// ApproxList's results: the top k of all parts' (score, row) pairs, ties to the lower row - what
-// finish_approx gives for the same rows.
-void finish_approx_list(const std::vector<ApproxList*>& parts, int64_t k, float* vals,
-                        int64_t* idx) {
-  std::vector<Hit> hits;
-  for (auto* p : parts)
-    for (int64_t r = 0; r < p->n; ++r)
-      hits.emplace_back(p->s[static_cast<size_t>(r)], p->row[static_cast<size_t>(r)]);
-  write_topk(hits, k, vals, idx);
-}
-
-// The rows of an ApproxList scan whose score reaches the k-th best of all parts (ties included):
-// the rows finish_approx's threshold keeps from Shortlists of the same scan.
-std::vector<int64_t> approx_rows(const std::vector<ApproxList*>& parts, int64_t k) {
-  thread_local std::vector<float> all, tmp;
-  all.clear();
-  for (auto* p : parts) all.insert(all.end(), p->s.begin(), p->s.begin() + p->n);
-  std::vector<int64_t> rows;
-  if (all.empty()) return rows;
-  const int64_t m = static_cast<int64_t>(all.size());
-  const float th = m < k ? -std::numeric_limits<float>::infinity()
-                         : select_kth_largest(all.data(), m, k, tmp);
-  for (auto* p : parts)
-    for (int64_t r = 0; r < p->n; ++r)
-      if (p->s[static_cast<size_t>(r)] >= th) rows.push_back(p->row[static_cast<size_t>(r)]);
-  return rows;
 }
 
 // ---- several terms per row (fast_scan_terms) ------------------------------------------------
@@ -1099,7 +996,7 @@ namespace {
 // fin(qi, lut, shortlists) that writes query qi's results. approx: tables without the exact
 // float copy and with a zero error bound, so a shortlist holds the rows of the best
 // approximate (quantized-table) scores, each with that score as its bound.
-template <class SL, class Finish>
+template <class Finish>
 void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
                     int b, const float* centroids, const float* mult, const float* add,
                     int64_t k_scan, bool approx, int nthreads, Finish&& fin) {
@@ -1121,14 +1018,14 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
       for (int64_t g0 = w * group; g0 < nq; g0 += tq * group) {
         const int64_t g1 = std::min(nq, g0 + group);
         std::vector<Lut> luts;
-        std::vector<SL> sls;
+        std::vector<Shortlist> sls;
         for (int64_t qi = g0; qi < g1; ++qi) {
           luts.push_back(lut(qi));
           sls.emplace_back(k_scan);
         }
         const size_t ng = luts.size();
         std::vector<const Lut*> lp;
-        std::vector<SL*> sp;
+        std::vector<Shortlist*> sp;
         for (size_t g = 0; g < ng; ++g) lp.push_back(&luts[g]), sp.push_back(&sls[g]);
         const std::vector<float> zero(ng, 0.0f);
         const int qpp = queries_per_pass(b);
@@ -1141,7 +1038,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
             scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
         }
         for (size_t g = 0; g < luts.size(); ++g)
-          fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<SL*>{&sls[g]});
+          fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<Shortlist*>{&sls[g]});
       }
     };
     run_workers(tq, work);
@@ -1150,7 +1047,8 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* block
   // Few queries: split the blocks between threads, merge their shortlists.
   for (int64_t qi = 0; qi < nq; ++qi) {
     const Lut L = lut(qi);
-    std::vector<SL> sls = split_blocks<SL>(nb, t, k_scan, [&](int64_t j0, int64_t j1, SL& sl) {
+    std::vector<Shortlist> sls = split_blocks(nb, t, k_scan, [&](int64_t j0, int64_t j1,
+                                                                 Shortlist& sl) {
       scan_blocks(L, blocked, rb, n, j0, j1, mult, add, 0.f, sl);
     });
     fin(qi, L, pointers(sls));
@@ -1163,21 +1061,14 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                const float* centroids, const float* mult, const float* add, int64_t k,
                bool approx, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = fs_row_bytes(d, b);
-  if (approx && n < (int64_t{1} << 31)) {  // (score, int32 row) pairs, filled 8 lanes at a time
-    fast_scan_impl<ApproxList>(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx,
-                               nthreads, [&](int64_t qi, const Lut&, std::vector<ApproxList*> p) {
-                                 finish_approx_list(p, k, out_vals + qi * k, out_idx + qi * k);
-                               });
-    return;
-  }
-  fast_scan_impl<Shortlist>(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
-                            [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
-                              if (approx)
-                                finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
-                              else
-                                finish(L, blocked, rb, mult, add, std::move(parts), k,
-                                       out_vals + qi * k, out_idx + qi * k);
-                            });
+  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
+                 [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
+                   if (approx)
+                     finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
+                   else
+                     finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
+                            out_idx + qi * k);
+                 });
 }
 
 void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
@@ -1185,59 +1076,59 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
                          const float* mult, const float* add, const float* add1, int64_t k1,
                          int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = (d * b + 7) / 8;
-  // the exact full-code scores of a query's first-stage rows, the best k written
-  auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
-    const float* q = qr + qi * d;
-    thread_local std::vector<float> T;
-    rescore_table(q, d, b, centroids, T);
-    // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
-    // a few rows ahead of the one being scored, so the misses overlap.
-    constexpr size_t kAhead = 8;
-    auto fetch = [&](size_t r) {
-      const uint8_t* p = packed + rows[r] * rb;
-      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
-    };
-    for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
-    std::vector<Hit> hits;
-    hits.reserve(rows.size());
-    for (size_t r = 0; r < rows.size(); ++r) {
-      if (r + kAhead < rows.size()) fetch(r + kAhead);
-      const int64_t i = rows[r];
-      hits.emplace_back(
-          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
-              add[i],
-          i);
-    }
-    write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
-  };
-  // the rows of the k1 best approximate sign scores (ties included); ApproxList below 2^31 rows
-  if (n < (int64_t{1} << 31)) {
-    fast_scan_impl<ApproxList>(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
-                               [&](int64_t qi, const Lut&, std::vector<ApproxList*> parts) {
-                                 second(qi, approx_rows(parts, k1));
-                               });
-    return;
-  }
-  fast_scan_impl<Shortlist>(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
-                            [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
-                              const float th = final_threshold(parts, k1);
-                              std::vector<int64_t> rows;
-                              for (auto* sl : parts)
-                                for (const auto& c : sl->cand)
-                                  if (c.ub >= th) rows.push_back(c.row);
-                              second(qi, rows);
-                            });
+  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+                 [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
+                   // the rows of the k1 best approximate sign scores (ties included), then
+                   // their exact full-code scores
+                   const float th = final_threshold(parts, k1);
+                   const float* q = qr + qi * d;
+                   thread_local std::vector<float> T;
+                   rescore_table(q, d, b, centroids, T);
+                   std::vector<int64_t> rows;
+                   for (auto* sl : parts)
+                     for (const auto& c : sl->cand)
+                       if (c.ub >= th) rows.push_back(c.row);
+                   // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
+                   // a few rows ahead of the one being scored, so the misses overlap.
+                   constexpr size_t kAhead = 8;
+                   auto fetch = [&](size_t r) {
+                     const uint8_t* p = packed + rows[r] * rb;
+                     for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
+                   };
+                   for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
+                   std::vector<Hit> hits;
+                   hits.reserve(rows.size());
+                   for (size_t r = 0; r < rows.size(); ++r) {
+                     if (r + kAhead < rows.size()) fetch(r + kAhead);
+                     const int64_t i = rows[r];
+                     hits.emplace_back(
+                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
+                             add[i],
+                         i);
+                   }
+                   write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+                 });
 }
 
-// ivf_fast_scan's work for one thread's queries, with the shortlist SL: ApproxList for an
-// approximate scan (the first stage of a refinement), Shortlist otherwise.
-template <class SL>
-void ivf_fast_scan_queries(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked,
-                           int64_t n, int b, const float* centroids, const float* mult,
-                           const float* add, const int64_t* list_blocks, int64_t nlist,
-                           const int64_t* probes, const float* offsets, int64_t nprobe,
-                           int64_t k, bool approx, float* out_vals, int64_t* out_idx,
-                           int nthreads) {
+void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
+                   int b, const float* centroids, const float* mult, const float* add,
+                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
+                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
+                   float* out_vals, int64_t* out_idx, int nthreads) {
+  // Many queries: each thread takes a contiguous share of them, lists and all. Splitting the
+  // lists between threads instead gave every query a shortlist per thread, each filling its own
+  // k from half the rows (1.7x the admissions), and scaled 1.55x on 2 threads.
+  if (nthreads > 1 && nq >= 64 * int64_t{nthreads}) {
+    const int64_t t = nthreads, chunk = (nq + t - 1) / t;
+    run_workers(t, [&](int64_t w) {
+      const int64_t lo = std::min(nq, w * chunk), hi = std::min(nq, lo + chunk);
+      if (lo < hi)
+        ivf_fast_scan(qr + lo * d, hi - lo, d, blocked, n, b, centroids, mult, add, list_blocks,
+                      nlist, probes + lo * nprobe, offsets + lo * nprobe, nprobe, k, approx,
+                      out_vals + lo * k, out_idx + lo * k, 1);
+    });
+    return;
+  }
   const int64_t rb = fs_row_bytes(d, b);
   // Queries are handled in batches whose tables (5 bytes * 16 * 2 rb each) stay within 64 MB;
   // within a batch the probes are inverted so that each probed list is read once for all the
@@ -1273,8 +1164,8 @@ void ivf_fast_scan_queries(const float* qr, int64_t nq, int64_t d, const uint8_t
                               static_cast<int64_t>(order.size()),
                               std::max<int64_t>(1, (work_blocks + m) / 32)}));
     // Shortlists per (thread, query): no locks; finish() merges a query's parts.
-    std::vector<std::vector<SL>> sls(static_cast<size_t>(t));
-    for (auto& v : sls) v.assign(static_cast<size_t>(m), SL(k));
+    std::vector<std::vector<Shortlist>> sls(static_cast<size_t>(t));
+    for (auto& v : sls) v.assign(static_cast<size_t>(m), Shortlist(k));
     // Few queries keep the float tables: each candidate's re-score is then M lookups, not d
     // multiply-adds with index arithmetic (one query, Fashion-MNIST 4 bits, nprobe 4: the
     // re-score was most of the kernel's 115 us). Thousands of queries drop them (160 rb bytes
@@ -1295,7 +1186,7 @@ void ivf_fast_scan_queries(const float* qr, int64_t nq, int64_t d, const uint8_t
     auto scan = [&](int64_t w) {
       auto& mine = sls[static_cast<size_t>(w)];
       std::vector<const Lut*> lp;
-      std::vector<SL*> sp;
+      std::vector<Shortlist*> sp;
       std::vector<float> off;
       for (int64_t o; (o = next_list.fetch_add(1)) < static_cast<int64_t>(order.size());) {
         const int64_t l = order[static_cast<size_t>(o)];
@@ -1318,52 +1209,19 @@ void ivf_fast_scan_queries(const float* qr, int64_t nq, int64_t d, const uint8_t
     };
     auto finish_all = [&](int64_t w) {
       for (int64_t qi = w; qi < m; qi += t) {
-        std::vector<SL*> parts;
+        std::vector<Shortlist*> parts;
         for (auto& v : sls) parts.push_back(&v[static_cast<size_t>(qi)]);
-        if constexpr (std::is_same_v<SL, ApproxList>) {
-          finish_approx_list(parts, k, out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
-        } else if (approx) {
+        if (approx)
           finish_approx(parts, k, out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
-        } else {
+        else
           finish(luts[static_cast<size_t>(qi)], blocked, rb, mult, add, parts, k,
                  out_vals + (q0 + qi) * k, out_idx + (q0 + qi) * k);
-        }
       }
     };
     run_workers(t, [&](int64_t) { build(); });
     run_workers(t, scan);
     run_workers(t, finish_all);
   }
-}
-
-void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
-                   int b, const float* centroids, const float* mult, const float* add,
-                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
-                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
-                   float* out_vals, int64_t* out_idx, int nthreads) {
-  // Many queries: each thread takes a contiguous share of them, lists and all. Splitting the
-  // lists between threads instead gave every query a shortlist per thread, each filling its own
-  // k from half the rows (1.7x the admissions), and scaled 1.55x on 2 threads.
-  if (nthreads > 1 && nq >= 64 * int64_t{nthreads}) {
-    const int64_t t = nthreads, chunk = (nq + t - 1) / t;
-    run_workers(t, [&](int64_t w) {
-      const int64_t lo = std::min(nq, w * chunk), hi = std::min(nq, lo + chunk);
-      if (lo < hi)
-        ivf_fast_scan(qr + lo * d, hi - lo, d, blocked, n, b, centroids, mult, add, list_blocks,
-                      nlist, probes + lo * nprobe, offsets + lo * nprobe, nprobe, k, approx,
-                      out_vals + lo * k, out_idx + lo * k, 1);
-    });
-    return;
-  }
-  // an approximate scan of fewer than 2^31 rows keeps (score, int32 row) pairs (ApproxList)
-  if (approx && n < (int64_t{1} << 31))
-    ivf_fast_scan_queries<ApproxList>(qr, nq, d, blocked, n, b, centroids, mult, add,
-                                      list_blocks, nlist, probes, offsets, nprobe, k, approx,
-                                      out_vals, out_idx, nthreads);
-  else
-    ivf_fast_scan_queries<Shortlist>(qr, nq, d, blocked, n, b, centroids, mult, add,
-                                     list_blocks, nlist, probes, offsets, nprobe, k, approx,
-                                     out_vals, out_idx, nthreads);
 }
 
 void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,

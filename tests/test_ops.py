@@ -511,10 +511,9 @@ def test_row_sqnorms_matches_reference(backend, rng):
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("distinct", [3, None])
 def test_ivf_fast_scan_approx_is_the_table_top_k(b, distinct):
-    """A refinement's first stage keeps (table score, row) pairs (ApproxList, filled 8 lanes at
-    a time): its top k is exactly the first k of all probed rows ranked by the same scores, ties
-    to the lower row — with hundreds of tied rows (3 distinct codes) and with 200 queries split
-    between threads."""
+    """A refinement's first stage (table scores, no re-score): its top k is exactly the first k
+    of all probed rows ranked by the same scores, ties to the lower row — with hundreds of tied
+    rows (3 distinct codes) and with 200 queries split between threads."""
     if "cpu" not in ops.available_backends():
         pytest.skip("tqvec._C not built")
     rng = np.random.default_rng(b)

@@ -80,14 +80,14 @@ def measure(kind, index, xq, gt, single) -> dict:
     import faiss
     import torch
 
+    from tqvec.benchmark import best_time
+
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
     index.search(xq[:10], 10)  # warm-up (builds tqvec's search layout)
-    batch = 0.0
-    for _ in range(3):  # best of three calls: single calls moved +-15 % run to run
-        t = time.perf_counter()
-        _, I = index.search(xq, 10)
-        batch = max(batch, len(xq) / (time.perf_counter() - t))
+    _, I = index.search(xq, 10)
+    # best of up to three calls (tqvec bench's timing): single calls moved +-15 % run to run
+    batch = len(xq) / best_time(lambda: index.search(xq, 10))
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
     t = time.perf_counter()

@@ -20,6 +20,20 @@ void run_workers(int64_t t, F&& fn) {
   for (auto& th : pool) th.join();
 }
 
+// Many queries (at least min_per_thread per thread): fn(lo, hi) for contiguous shares of
+// [0, nq), one per thread, each to be run single-threaded; returns false (and runs nothing) for
+// fewer, where the caller parallelizes inside one call instead.
+template <class F>
+bool split_queries(int64_t nq, int nthreads, int64_t min_per_thread, F&& fn) {
+  if (nthreads <= 1 || nq < min_per_thread * int64_t{nthreads}) return false;
+  const int64_t t = nthreads, chunk = (nq + t - 1) / t;
+  run_workers(t, [&](int64_t w) {
+    const int64_t lo = std::min(nq, w * chunk), hi = std::min(nq, lo + chunk);
+    if (lo < hi) fn(lo, hi);
+  });
+  return true;
+}
+
 // min_rows: the rows per thread below which one thread does it all (kMinRowsPerThread suits
 // rows of a few hundred bytes of work; pass fewer for heavier rows).
 template <class F>

@@ -222,13 +222,13 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                int nthreads) {
   const bool avx2 = simd_avx2(), fma = avx2 && __builtin_cpu_supports("fma");
   const auto dot = avx2 ? dot_avx2 : dot_portable;
+  constexpr int64_t kQ = 4, kC = 3, kBlockC = 16 * kC;  // tile: kQ queries x kC lists
   // queries [lo, hi): <q, c_l> for every list — 4 x 3 register tiles over blocks of kBlockC
   // lists that stay in L2 while all the queries pass (reading all 800 KB of centroids from L3
   // per tile of queries bound the tiles by L3 bandwidth: 8.6 ms for 1,000 queries); queries past
   // the last whole tile 8 lists at a time, leftover lists pair by pair (the same bits) — then
   // each query's scores and top nprobe
   auto work = [&](int64_t lo, int64_t hi) {
-    constexpr int64_t kQ = 4, kC = 3, kBlockC = 16 * kC;
     const int64_t m = hi - lo, m_tiled = fma ? m / kQ * kQ : 0;
     std::vector<float> ip(static_cast<size_t>(m * nlist));
     const float* qs = q + lo * d;
@@ -273,9 +273,9 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
   };
   // a thread start (~20 us) pays from ~64k multiply-adds of work per thread; whole tiles each
   const int64_t t = std::max<int64_t>(
-      1, std::min<int64_t>({static_cast<int64_t>(nthreads), (nq + 3) / 4,
+      1, std::min<int64_t>({static_cast<int64_t>(nthreads), (nq + kQ - 1) / kQ,
                             nq * nlist * d / 65536}));
-  const int64_t chunk = (nq + t * 4 - 1) / (t * 4) * 4;
+  const int64_t chunk = (nq + t * kQ - 1) / (t * kQ) * kQ;
   run_workers(t, [&](int64_t w) { work(std::min(nq, w * chunk), std::min(nq, (w + 1) * chunk)); });
 }
 

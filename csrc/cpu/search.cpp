@@ -81,14 +81,10 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
                 int64_t* I, int nthreads) {
   // Many queries: each thread runs the whole search for a contiguous share of them (one thread
   // start, not one per step, and each share's candidates re-ranked while still cached).
-  if (nthreads > 1 && nq >= 64 * int64_t{nthreads}) {
-    const int64_t t = nthreads, chunk = (nq + t - 1) / t;
-    run_workers(t, [&](int64_t w) {
-      const int64_t lo = std::min(nq, w * chunk), hi = std::min(nq, lo + chunk);
-      if (lo < hi) ivf_search(a, q + lo * a.d, hi - lo, k, D + lo * k, I + lo * k, 1);
-    });
+  if (split_queries(nq, nthreads, 64, [&](int64_t lo, int64_t hi) {
+        ivf_search(a, q + lo * a.d, hi - lo, k, D + lo * k, I + lo * k, 1);
+      }))
     return;
-  }
   const int64_t d = a.d, np = a.nprobe, kk = a.kk;
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<int64_t> probes(nqs * np), idx(nqs * kk);

@@ -61,24 +61,24 @@ inline void write_topk(std::vector<Hit>& hits, int64_t k, float* vals, int64_t* 
   for (int64_t i = 0; no_nan && i < n; ++i) no_nan = hits[i].first == hits[i].first;
   if (!no_nan) {
     std::partial_sort(hits.begin(), hits.begin() + m, hits.end(), better);
-  } else if (n > m) {
-    // The m-th best score by the branch-free select, the hits that reach it, then a sort of
-    // those few: partial_sort's heap (O(n log m) mispredicted comparisons) was 8 % of a batched
-    // IVF scan at k = 40 over ~100 hits. Ties at the m-th score all pass and sort by row: the
-    // same m hits, in the same order, as partial_sort gives.
-    thread_local std::vector<float> sc, tmp;
-    sc.resize(static_cast<size_t>(n));
-    for (int64_t i = 0; i < n; ++i) sc[i] = hits[i].first;
-    const float th = select_kth_largest(sc.data(), n, m, tmp);
-    int64_t w = 0;
-    for (int64_t i = 0; i < n; ++i) {
-      hits[w] = hits[i];
-      w += hits[i].first >= th;
-    }
-    hits.resize(static_cast<size_t>(w));
-    std::sort(hits.begin(), hits.end(), better);
   } else {
-    std::sort(hits.begin(), hits.end(), better);  // partial_sort of all n was a heap sort
+    if (n > m) {
+      // Only the hits that reach the m-th best score (the branch-free select) are sorted:
+      // partial_sort's heap (O(n log m) mispredicted comparisons) was 8 % of a batched IVF
+      // scan at k = 40 over ~100 hits, and its partial sort of all n a heap sort. Ties at the
+      // m-th score all pass and sort by row: the same m hits, in the same order.
+      thread_local std::vector<float> sc, tmp;
+      sc.resize(static_cast<size_t>(n));
+      for (int64_t i = 0; i < n; ++i) sc[i] = hits[i].first;
+      const float th = select_kth_largest(sc.data(), n, m, tmp);
+      int64_t w = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        hits[w] = hits[i];
+        w += hits[i].first >= th;
+      }
+      hits.resize(static_cast<size_t>(w));
+    }
+    std::sort(hits.begin(), hits.end(), better);
   }
   for (int64_t r = 0; r < k; ++r) {
     vals[r] = r < m ? hits[static_cast<size_t>(r)].first

@@ -353,9 +353,8 @@ class FlatIndex:
         rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
                   and self.codec.variant == "mse" else None)
         if fast and rotate is not None and dev.type == "cpu":
-            # an L2 index's centring (q - mu) runs in the call; inner product and cosine add
-            # <q, mu> per query (_centre), given to the call
-            # and an uncentred cosine index's unit rows too
+            # the call prepares the query itself: an L2 index's centring (q - mu), an uncentred
+            # cosine index's unit rows; a centred inner-product one is given <q, mu> (_centre)
             mu = (self._center.numpy() if self.centered and self._center is not None
                   and self._scoring == METRIC_L2 else None)
             state["one_call"] = ops.FlatSearch.prepare(

@@ -272,11 +272,11 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQ2,Prefilter(4)", "TQprod2", "QJL64",
-                                  "Center,TQ2", "TQ3f"])
+                                  "Center,TQ2", "Center,TQ1u", "TQ3f"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy; for
-    uncentred TurboQuant-mse codes one compiled call, ops.FlatSearch), torch queries the general
+    TurboQuant-mse codes one compiled call, ops.FlatSearch), torch queries the general
     one: bit-identical results; bad input still gets the general errors."""
     xb, xq = _data(rng, n=3000, d=48, nq=7)
     index = tqvec.index_factory(48, spec, metric)
@@ -389,6 +389,48 @@ def test_centering(metric, rng, tmp_path):
     np.testing.assert_array_equal(back.search(xq, 10)[1], I2)
     with pytest.raises(ValueError, match="index must be empty to fit"):
         index.train(xb)
+
+
+@pytest.mark.parametrize("spec", ["Center,TQ2", "Center,TQ1u", "Center,QJL64"])
+def test_centred_inner_product_correction(spec, rng, tmp_path):
+    """A centred inner-product index scores <q, mu> + <mu, y> + est<q - mu, y> (y = x - mu):
+    only <q - mu, y> comes from the codes, so a query at the centre is scored exactly, on every
+    search path, after remove_ids and after write/read; the correction costs 4 bytes/row. A
+    centred cosine index is the centred inner product of unit vectors."""
+    d = 64
+    xb = rng.standard_normal((2000, d)).astype(np.float32) + 2.0
+    index = tqvec.index_factory(d, spec, "ip")
+    index.train(xb)
+    index.add(xb)
+    assert index.code_size == tqvec.index_factory(d, spec[len("Center,"):], "ip").code_size + 4
+    q = index.center[None, :]
+    exact = xb @ q[0]
+    for query in (q, torch.from_numpy(q)):
+        D, I = index.search(query, len(xb))
+        np.testing.assert_allclose(D[0], exact[I[0]], rtol=1e-4, atol=1e-4)
+    lims, D, I = index.range_search(q, -1e30)
+    np.testing.assert_allclose(D, exact[I], rtol=1e-4, atol=1e-4)
+    assert index.remove_ids(np.arange(0, 2000, 3)) == 667
+    D, I = index.search(q, 50)
+    np.testing.assert_allclose(D[0], exact[I[0]], rtol=1e-4, atol=1e-4)
+    tqvec.write_index(index, str(tmp_path / "c.tqv"))
+    back = tqvec.read_index(str(tmp_path / "c.tqv"))
+    xq = np.concatenate([q, rng.standard_normal((5, d)).astype(np.float32) + 2.0])
+    D, I = index.search(xq, 10)
+    D2, I2 = back.search(xq, 10)
+    np.testing.assert_array_equal(I2, I)
+    np.testing.assert_array_equal(D2, D)
+    cos = tqvec.index_factory(d, spec, "cosine")
+    cos.train(xb)
+    cos.add(xb)
+    unit = xb / np.linalg.norm(xb, axis=1, keepdims=True)
+    ip = tqvec.FlatIndex(cos.codec, "ip", center=cos.center)
+    ip.add(unit)
+    qu = xq / np.linalg.norm(xq, axis=1, keepdims=True)
+    Dc, Ic = cos.search(xq, 10)
+    Di, Ii = ip.search(qu, 10)
+    np.testing.assert_array_equal(Ic, Ii)
+    np.testing.assert_allclose(Dc, Di, rtol=1e-5, atol=1e-5)
 
 
 def test_center_vector_and_rejections(rng):

@@ -508,6 +508,19 @@ def test_row_sqnorms_matches_reference(backend, rng):
         ops.row_sqnorms(torch.zeros(3), backend=backend)
 
 
+def test_row_dots_matches_reference(backend, rng):
+    """<x_i, v> per row (a centred inner-product index's <q, mu>, one function for every search
+    path): within float-summation tolerance of the torch sum; wrong shapes are refused."""
+    for n, d in [(1, 784), (5, 7), (3, 0), (0, 16), (9, 384)]:
+        x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+        v = torch.from_numpy(rng.standard_normal(d).astype(np.float32))
+        got = ops.row_dots(on(backend, x), on(backend, v), backend=backend).cpu()
+        assert got.shape == (n,) and got.dtype == torch.float32
+        torch.testing.assert_close(got, ops.ref.row_dots_ref(x, v), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"x must be \(n, d\) and v \(d,\)"):
+        ops.row_dots(torch.zeros(3, 4), torch.zeros(3), backend=backend)
+
+
 @pytest.mark.parametrize("b", [1, 3])
 @pytest.mark.parametrize("distinct", [3, None])
 def test_ivf_fast_scan_approx_is_the_table_top_k(b, distinct):

@@ -94,6 +94,9 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
 // out[i] = ||x_i||^2 of the n rows of x (n, d) float32 (rescore.cpp; row_sqnorms_ref): the
 // ||q||^2 of an L2 search, one function for the one-call and the general path (same bits).
 void row_sqnorms(const float* x, int64_t n, int64_t d, float* out);
+// out[i] = <x_i, v> (rescore.cpp; row_dots_ref): a centred inner-product index's <q, mu>, one
+// function for the one-call and the general path.
+void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out);
 
 // Exact re-ranking of candidates (rescore.cpp; rescore_topk_ref): query i's candidates
 // j = rows[i, r] (-1 = none) of x (n, d) float32, scored by the metric's similarity
@@ -142,10 +145,13 @@ struct FlatSearchArgs {
   int metric;            // RescoreMetric of the index's scores
   const float* center;   // (d) subtracted from the queries (an L2 index's centring), or nullptr
   bool normalize;        // cosine: q / max(sqrt(row_sqnorms(q)), 1e-30) first
+  // (d) or nullptr: row_dots(q, ip_center) added to each query's values (after normalize): a
+  // centred inner-product index's <q, mu>
+  const float* ip_center;
 };
-// ||q - center||^2 by row_sqnorms for L2; qoff (nq) added to the values, or nullptr.
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int64_t nq,
-                 int64_t k, float* D, int64_t* I, int nthreads);
+// ||q - center||^2 by row_sqnorms for L2.
+void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                 int64_t* I, int nthreads);
 
 // A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
 // the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes

@@ -64,7 +64,7 @@ tqvec::RotationArgs checked_rotation(const CArr<const int64_t>& perms,
 // flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
 struct FlatSearcher {
   CArr<const int64_t> perms, ids;
-  CArr<const float> signs, codebook, mult, add, cfull, add1, center;
+  CArr<const float> signs, codebook, mult, add, cfull, add1, center, ip_center;
   CArr<const uint8_t> blocked, packed;
   tqvec::FlatSearchArgs args;
 };
@@ -340,6 +340,13 @@ NB_MODULE(_C, m) {
     nb::gil_scoped_release rel;
     tqvec::row_sqnorms(x.data(), x.shape(0), x.shape(1), out.data());
   });
+  m.def("row_dots", [](CArr<const float> x, CArr<const float> v, CArr<float> out) {
+    require(x.ndim() == 2 && v.ndim() == 1 && v.shape(0) == x.shape(1) && out.ndim() == 1 &&
+                out.shape(0) == x.shape(0),
+            "row_dots: x must be (n, d), v (d,) and out (n,)");
+    nb::gil_scoped_release rel;
+    tqvec::row_dots(x.data(), x.shape(0), x.shape(1), v.data(), out.data());
+  });
   m.def("rescore_topk", [](CArr<const float> q, CArr<const float> x, CArr<const int64_t> rows,
                            int metric, int64_t k, CArr<float> vals, CArr<int64_t> idx,
                            int nthreads) {
@@ -477,7 +484,7 @@ NB_MODULE(_C, m) {
               CArr<const float> mult, CArr<const float> add, CArr<const int64_t> ids,
               CArr<const uint8_t> packed, int bfull, CArr<const float> cfull,
               CArr<const float> add1, int64_t prefilter, int metric, CArr<const float> center,
-              bool normalize) {
+              bool normalize, CArr<const float> ip_center) {
              require(perms.ndim() == 2 && signs.ndim() == 2 && blocked.ndim() == 3 &&
                          codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
                          ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
@@ -508,6 +515,11 @@ NB_MODULE(_C, m) {
                                             center.shape(0) == static_cast<size_t>(d)),
                      "FlatSearcher: center must be empty or (d,)");
              require(!(normalize && center.shape(0)), "FlatSearcher: normalize or center");
+             require(ip_center.ndim() == 1 &&
+                         (ip_center.shape(0) == 0 ||
+                          (ip_center.shape(0) == static_cast<size_t>(d) && metric == 0 &&
+                           center.shape(0) == 0)),
+                     "FlatSearcher: ip_center must be empty or (d,), with the ip metric");
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
@@ -526,12 +538,13 @@ NB_MODULE(_C, m) {
              a.metric = metric;
              a.center = center.shape(0) ? center.data() : nullptr;
              a.normalize = normalize;
-             new (self) FlatSearcher{perms, ids, signs, codebook, mult, add, cfull, add1, center,
-                                     blocked, packed, a};
+             a.ip_center = ip_center.shape(0) ? ip_center.data() : nullptr;
+             new (self) FlatSearcher{perms, ids,    signs,     codebook, mult,   add, cfull,
+                                     add1,  center, ip_center, blocked,  packed, a};
            })
-      .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<const float> qoff,
-                        CArr<float> D, CArr<int64_t> I, int nthreads) {
-        require(q.ndim() == 2 && qoff.ndim() == 1 && D.ndim() == 2 && I.ndim() == 2,
+      .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<float> D, CArr<int64_t> I,
+                        int nthreads) {
+        require(q.ndim() == 2 && D.ndim() == 2 && I.ndim() == 2,
                 "FlatSearcher.search: bad ranks");
         const int64_t nq = q.shape(0), k = D.shape(1);
         require(q.shape(1) == static_cast<size_t>(s.args.d),
@@ -539,13 +552,10 @@ NB_MODULE(_C, m) {
         require(k >= 1 && D.shape(0) == static_cast<size_t>(nq) &&
                     I.shape(0) == static_cast<size_t>(nq) && I.shape(1) == D.shape(1),
                 "FlatSearcher.search: outputs");
-        require(qoff.shape(0) == 0 || qoff.shape(0) == static_cast<size_t>(nq),
-                "FlatSearcher.search: qoff must be empty or hold nq offsets");
-        const float* off = qoff.shape(0) ? qoff.data() : nullptr;
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
         if (nq)
-          tqvec::flat_search(s.args, q.data(), off, nq, k, D.data(), I.data(), nthreads);
+          tqvec::flat_search(s.args, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
       });
 }

@@ -170,6 +170,11 @@ void row_sqnorms(const float* x, int64_t n, int64_t d, float* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, x + i * d, d);
 }
 
+void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out) {
+  const auto dot = simd_avx2() ? dot_avx2 : dot_portable;
+  for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, v, d);
+}
+
 void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, int metric, int64_t k, float* vals, int64_t* idx, int nthreads) {
   const bool avx2 = simd_avx2();

@@ -36,11 +36,11 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
 
 }  // namespace
 
-void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int64_t nq,
-                 int64_t k, float* D, int64_t* I, int nthreads) {
+void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                 int64_t* I, int nthreads) {
   const int64_t d = a.d, kk = std::min(k, a.n);
   const size_t nqs = static_cast<size_t>(nq);
-  std::vector<float> qr(nqs * d), vals(nqs * kk), qc, qsq;
+  std::vector<float> qr(nqs * d), vals(nqs * kk), qc, qsq, qoff;
   std::vector<int64_t> idx(nqs * kk);
   if (a.normalize) {  // unit rows: the float operations of the index's _unit_rows
     qsq.resize(nqs);
@@ -56,6 +56,10 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];
     q = qc.data();
+  }
+  if (a.ip_center != nullptr) {  // <q, mu>, added to the values (a centred inner product)
+    qoff.resize(nqs);
+    row_dots(q, nq, d, a.ip_center, qoff.data());
   }
   if (a.metric == kRescoreL2) {  // in Python these two torch steps cost ~20 us per query
     qsq.resize(nqs);
@@ -74,7 +78,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, const float* qoff, int
   if (l2)  // the similarity -||q - x||^2 = score - ||q||^2 (then reported negated)
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t r = 0; r < kk; ++r) vals[i * kk + r] = vals[i * kk + r] - qsq[i];
-  write_results(vals.data(), idx.data(), nq, kk, k, l2, qoff, a.ids, D, I);
+  write_results(vals.data(), idx.data(), nq, kk, k, l2, qoff.empty() ? nullptr : qoff.data(),
+                a.ids, D, I);
 }
 
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,

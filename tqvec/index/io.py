@@ -33,6 +33,18 @@ def _codes_from(prefix: str, arrays: dict, codec: Codec) -> Codes:
     return codec.check_codes(Codes(payload, sc, codec.params))
 
 
+def _ipcorr_from(arrays: dict, ntotal: int) -> torch.Tensor:
+    """A centred inner-product index's per-row correction; zeros (the estimator without it) for
+    files written before it existed."""
+    if "ipcorr" not in arrays:
+        return torch.zeros(ntotal, dtype=torch.float32)
+    corr = torch.from_numpy(np.array(arrays["ipcorr"], dtype=np.float32))
+    if corr.shape != (ntotal,) or not torch.isfinite(corr).all():
+        raise ValueError(f"ipcorr must be {ntotal} finite float32 values, got "
+                         f"{tuple(corr.shape)}")
+    return corr
+
+
 def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
     """Write an index atomically (versioned, checksummed, never pickled)."""
     if not isinstance(index, FlatIndex):
@@ -57,6 +69,8 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
             raise ValueError("index must be trained before it is written (center='fit' has no "
                              "center yet)")
         arrays["center"] = index.center
+        if index._ipcorr.numel():
+            arrays["ipcorr"] = index._ipcorr.cpu().numpy()
     if isinstance(index, IVFIndex):
         meta.update(type="ivf", nlist=index.nlist, nprobe=index.nprobe, seed=index.seed,
                     niter=index.niter, trained=index.is_trained)
@@ -124,6 +138,8 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
                 index._rowterm = index._row_terms(lists, codes)
             else:
                 index._sqnorms = index._sqnorms_of(codec, codes)
+                if index._corrects_ip:
+                    index._ipcorr = _ipcorr_from(arrays, ntotal)
         index._next_id = int(meta["next_id"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{p!r} does not match its header: {e}") from e

@@ -27,8 +27,8 @@ __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quanti
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "FlatSearch", "rescore_topk",
-           "rescore_topk_np", "decode_attention", "row_bytes", "fast_scan_row_bytes",
-           "FAST_SCAN_BITS"]
+           "rescore_topk_np", "row_sqnorms", "row_dots", "decode_attention", "row_bytes",
+           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -411,8 +411,9 @@ class FlatSearch:
     """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
     rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` ->
     ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
-    ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus ``qoff``), with the same float
-    operations as the composed ops (the flat index's general path), so the same bits.
+    ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus ``row_dots(q, ip_center)``
+    where given: a centred inner-product index's <q, mu>), with the same float operations as
+    the composed ops (the flat index's general path), so the same bits.
     ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
 
     def __init__(self, searcher: Any):
@@ -420,8 +421,8 @@ class FlatSearch:
 
     @classmethod
     def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
-                prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False
-                ) -> FlatSearch | None:
+                prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False,
+                ip_center: np.ndarray | None = None) -> FlatSearch | None:
         if metric not in RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
         if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
@@ -438,17 +439,16 @@ class FlatSearch:
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
             int(prefilter), _cpu._RESCORE_METRICS[metric],
             _NONE if center is None else np.ascontiguousarray(center, np.float32),
-            bool(normalize)))
+            bool(normalize),
+            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32)))
 
-    def search(self, q: np.ndarray, k: int, qoff: np.ndarray | None = None
-               ) -> tuple[np.ndarray, np.ndarray] | None:
-        """q (nq, d) C-contiguous float32 (``center`` or ``normalize``, where given, apply
-        here; l2 then subtracts ``row_sqnorms`` of the result), qoff (nq,) float32 added to each
-        query's values (a centred inner-product index's <q, mu>) -> (D (nq, k) float32, I (nq,
-        k) int64); None if q holds a NaN or an infinity."""
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """q (nq, d) C-contiguous float32 (``center``, ``normalize`` and ``ip_center``, where
+        given, apply here; l2 then subtracts ``row_sqnorms`` of the result) -> (D (nq, k)
+        float32, I (nq, k) int64); None if q holds a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        if not self._searcher.search(q, _NONE if qoff is None else qoff, D, I, _cpu._threads()):
+        if not self._searcher.search(q, D, I, _cpu._threads()):
             return None
         return D, I
 
@@ -508,6 +508,17 @@ def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     if x.dim() != 2:
         raise ValueError(f"x must be (n, d), got shape {tuple(x.shape)}")
     return _pick("row_sqnorms", x.device, backend)(x.to(torch.float32).contiguous())
+
+
+def row_dots(x: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """<x_i, v> of each row of x (n, d) with v (d,): (n,) float32. A centred inner-product
+    index adds <q, mu> with this one function in every path, ``FlatSearch`` included (same
+    bits)."""
+    if x.dim() != 2 or v.shape != (x.shape[1],):
+        raise ValueError(f"x must be (n, d) and v (d,), got shapes {tuple(x.shape)} and "
+                         f"{tuple(v.shape)}")
+    return _pick("row_dots", x.device, backend)(x.to(torch.float32).contiguous(),
+                                                 v.to(x.device, torch.float32).contiguous())
 
 
 def rescore_topk(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int,

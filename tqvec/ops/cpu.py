@@ -229,6 +229,12 @@ def row_sqnorms_cpu(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def row_dots_cpu(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    out = np.empty(x.shape[0], dtype=np.float32)
+    _C.row_dots(x.numpy(), v.numpy(), out)
+    return torch.from_numpy(out)
+
+
 _RESCORE_METRICS = {"ip": 0, "l2": 1, "cosine": 2}  # kernels.h RescoreMetric
 
 

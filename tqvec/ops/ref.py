@@ -287,6 +287,12 @@ def row_sqnorms_ref(x: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(1)
 
 
+def row_dots_ref(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """<x_i, v> of each row of x (n, d) float32 with v (d,): (n,) float32 (a centred
+    inner-product index's <q, mu>)."""
+    return (x * v[None, :]).sum(1)
+
+
 def rescore_topk_ref(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact re-ranking of candidate rows: q (nq, d), x (n, d) float32, rows (nq, kk) int64 (-1 =

@@ -1,11 +1,13 @@
-"""Recall@10 of tqvec's codecs over rotation seeds: how much of a recall difference between two
-indexes at equal bytes is the luck of one random rotation.
+"""Recall@10 of tqvec's codecs and of faiss's rotated quantizers over rotation seeds: how much
+of a recall difference between two indexes at equal bytes is the luck of one random rotation.
 
-    python bench/seeds.py [--dataset minilm-384-angular] [--specs TQ1 TQ1u ...] [--seeds 4]
+    python bench/seeds.py [--dataset minilm-384-angular] [--specs TQ1 TQ1u ...]
+                          [--faiss RR,RaBitQfs RR,EDEN1 ...] [--seeds 4]
 
-Each spec is built with seeds 0 .. n-1 (the benchmarks use seed 0) on the same 60k base and
-1,000 queries; writes bench/results/seeds_<dataset>.{json,md} with every seed's recall@10, the
-mean and the range.
+Each spec is built with seeds 0 .. n-1 (the benchmarks use seed 0; faiss's factory uses 12345,
+its ``RR`` matrix is re-drawn here with ``RandomRotationMatrix.init(seed)`` before training) on
+the same 60k base and 1,000 queries (cosine: faiss gets unit rows and the inner product); writes
+bench/results/seeds_<dataset>.{json,md} with every seed's recall@10, the mean and the range.
 """
 
 from __future__ import annotations
@@ -20,6 +22,29 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 DEFAULT_SPECS = ("TQ1", "TQ1u", "Center,TQ1u", "TQ2", "TQ2u", "Center,TQ2u", "Center,TQ2f")
+DEFAULT_FAISS = ("RR,RaBitQfs", "RR,EDEN1", "RR,RaBitQfs2", "RR,EDEN2")
+
+
+def faiss_recall(spec: str, seed: int, xb: np.ndarray, xq: np.ndarray, gt: np.ndarray,
+                 metric: str) -> tuple[float, int]:
+    """recall@10 and bytes/vector of a faiss ``RR,...`` index whose rotation is drawn from seed."""
+    import faiss
+
+    from tqvec.benchmark import recall
+
+    if metric == "cosine":
+        xb = xb / np.linalg.norm(xb, axis=1, keepdims=True)
+        xq = xq / np.linalg.norm(xq, axis=1, keepdims=True)
+    index = faiss.index_factory(xb.shape[1], spec,
+                                faiss.METRIC_L2 if metric == "l2" else faiss.METRIC_INNER_PRODUCT)
+    rr = faiss.downcast_VectorTransform(faiss.downcast_index(index).chain.at(0))
+    if not isinstance(rr, faiss.RandomRotationMatrix):
+        raise ValueError(f"faiss spec must start with RR, (a seeded rotation), got {spec!r}")
+    rr.init(seed)  # train() then keeps it (is_trained)
+    index.train(xb)
+    index.add(xb)
+    _, I = index.search(np.ascontiguousarray(xq, np.float32), 10)
+    return recall(I, gt, 10), int(index.sa_code_size())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", default="minilm-384-angular")
     ap.add_argument("--specs", nargs="+", default=list(DEFAULT_SPECS))
+    ap.add_argument("--faiss", nargs="*", default=list(DEFAULT_FAISS),
+                    help="faiss specs starting with RR, (none: tqvec only)")
     ap.add_argument("--seeds", type=int, default=4)
     ap.add_argument("--nq", type=int, default=1000)
     ap.add_argument("--out", default=os.path.join("bench", "results"))
@@ -48,9 +75,16 @@ def main(argv: list[str] | None = None) -> int:
             index.add(xb)
             _, I = index.search(xq, 10)
             rec.append(recall(I, gt, 10))
-        rows.append({"spec": spec, "bytes": int(index.code_size), "recall@10": rec,
+        rows.append({"spec": f"tqvec {spec}", "bytes": int(index.code_size), "recall@10": rec,
                      "mean": float(np.mean(rec)), "min": float(min(rec)), "max": float(max(rec))})
-        print(f"{spec:16s} {index.code_size:4d} B  " + " ".join(f"{r:.4f}" for r in rec)
+        print(f"tqvec {spec:16s} {index.code_size:4d} B  " + " ".join(f"{r:.4f}" for r in rec)
+              + f"  mean {np.mean(rec):.4f}", flush=True)
+    for spec in a.faiss:
+        got = [faiss_recall(spec, seed, xb, xq, gt, metric) for seed in range(a.seeds)]
+        rec = [r for r, _ in got]
+        rows.append({"spec": f"faiss {spec}", "bytes": got[0][1], "recall@10": rec,
+                     "mean": float(np.mean(rec)), "min": float(min(rec)), "max": float(max(rec))})
+        print(f"faiss {spec:16s} {got[0][1]:4d} B  " + " ".join(f"{r:.4f}" for r in rec)
               + f"  mean {np.mean(rec):.4f}", flush=True)
     name = os.path.basename(a.dataset).split("-")[0].split(".")[0]
     stem = os.path.join(a.out, f"seeds_{name}")
@@ -62,7 +96,9 @@ def main(argv: list[str] | None = None) -> int:
     cmd = " ".join(["python bench/seeds.py", *(sys.argv[1:] if argv is None else argv)])
     lines = [f"# recall@10 over rotation seeds: {a.dataset} ({len(xb):,} x {d}, {len(xq)} "
              f"queries, {metric})", "",
-             f"Command: `{cmd}`. Seeds 0..{a.seeds - 1} (the benchmarks use seed 0).", "",
+             f"Command: `{cmd}`. Seeds 0..{a.seeds - 1} (tqvec's benchmarks use seed 0, "
+             "faiss's factory 12345). Machine: "
+             f"{res['machine'].get('cpu')}, {res['machine'].get('cpus')} CPUs.", "",
              "| spec | bytes/vec | " + " | ".join(f"seed {s}" for s in range(a.seeds))
              + " | mean | range |", "|---" * (a.seeds + 4) + "|"]
     for r in rows:

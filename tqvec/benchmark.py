@@ -45,8 +45,9 @@ def faiss_specs(d: int, b: int) -> list[str]:
 
 
 def tqvec_specs(b: int) -> list[str]:
-    # Center: mu fitted by train; f: the least-squares scale (same bytes)
-    out = [f"TQ{b}", f"TQ{b}u", f"TQ{b}f", f"TQprod{b}", f"Center,TQ{b}", f"Center,TQ{b}f"]
+    # Center: mu fitted by train; f: the least-squares scale (same bytes); u: the unbiased one
+    out = [f"TQ{b}", f"TQ{b}u", f"TQ{b}f", f"TQprod{b}", f"Center,TQ{b}", f"Center,TQ{b}f",
+           f"Center,TQ{b}u"]
     if b >= 2:
         out.append(f"TQ{b},Prefilter(10)")  # sign-bit first pass, the same bytes as TQ{b}
     if b <= 2:

@@ -393,10 +393,12 @@ def test_centering(metric, rng, tmp_path):
 
 @pytest.mark.parametrize("spec", ["Center,TQ2", "Center,TQ1u", "Center,QJL64"])
 def test_centred_inner_product_correction(spec, rng, tmp_path):
-    """A centred inner-product index scores <q, mu> + <mu, y> + est<q - mu, y> (y = x - mu):
-    only <q - mu, y> comes from the codes, so a query at the centre is scored exactly, on every
-    search path, after remove_ids and after write/read; the correction costs 4 bytes/row. A
-    centred cosine index is the centred inner product of unit vectors."""
+    """A centred inner-product index scores <q, mu> + a <mu, y> + est<q - mu, y> (y = x - mu):
+    only <q - mu, y> comes from the codes, so a query at the centre is scored ||mu||^2 +
+    a <mu, y> — exactly <mu, x> for the unbiased estimators (a = 1), a = cos(y, y_hat) for the
+    norm-rescaled mse codes — on every search path, after remove_ids and after write/read; the
+    correction costs 4 bytes/row. A centred cosine index is the centred inner product of unit
+    vectors."""
     d = 64
     xb = rng.standard_normal((2000, d)).astype(np.float32) + 2.0
     index = tqvec.index_factory(d, spec, "ip")
@@ -404,7 +406,11 @@ def test_centred_inner_product_correction(spec, rng, tmp_path):
     index.add(xb)
     assert index.code_size == tqvec.index_factory(d, spec[len("Center,"):], "ip").code_size + 4
     q = index.center[None, :]
-    exact = xb @ q[0]
+    y, y_hat = xb - q, index.reconstruct_n(0, len(xb)) - q
+    a = 1.0 if index.codec.unbiased_ip else (
+        (y * y_hat).sum(1) / np.linalg.norm(y, axis=1) / np.linalg.norm(y_hat, axis=1))
+    assert np.all(a > 0.5) and np.all(a <= 1.0)
+    exact = (q * q).sum() + a * (y @ q[0])
     for query in (q, torch.from_numpy(q)):
         D, I = index.search(query, len(xb))
         np.testing.assert_allclose(D[0], exact[I[0]], rtol=1e-4, atol=1e-4)

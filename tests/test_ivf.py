@@ -28,9 +28,11 @@ def _trained(spec, metric, xb, nprobe, **kw):
     return index
 
 
-def _oracle(index, xq, k):
+def _oracle(index, xq, k, xb):
     """Brute force over the reconstructions c + r_hat, within the probed lists: for the biased
-    mse codes the index's estimator is exactly the metric on x_hat (module docstring)."""
+    mse codes the index's estimator is exactly the metric on x_hat (module docstring), for the
+    inner product <q, x_hat> + a <c, r> - <c, r_hat> with a = <r, r_hat> / ||r||^2 (only
+    <q - c, r> comes from the codes)."""
     rec = index.reconstruct_n(0, index.ntotal).astype(np.float64)
     q = xq.astype(np.float64)
     if index.metric_type == tqvec.index.METRIC_COSINE:
@@ -38,7 +40,11 @@ def _oracle(index, xq, k):
     cent = index.centroids.numpy().astype(np.float64)
     lists = index._lists.numpy()
     if index.metric_type == tqvec.index.METRIC_INNER_PRODUCT:
-        s, probe = q @ rec.T, q @ cent.T
+        c = cent[lists]
+        r, r_hat = xb.astype(np.float64) - c, rec - c
+        a = (r * r_hat).sum(1) / (r * r).sum(1)
+        corr = a * (c * r).sum(1) - (c * r_hat).sum(1)
+        s, probe = q @ rec.T + corr[None, :], q @ cent.T
     else:
         s = -((q[:, None, :] - rec[None]) ** 2).sum(-1)
         probe = -((q[:, None, :] - cent[None]) ** 2).sum(-1)
@@ -56,7 +62,7 @@ def test_search_equals_brute_force_over_the_reconstruction(spec, metric, rng):
     index = _trained(spec, metric, xb, nprobe=4)
     D, I = index.search(xq, 10)
     assert D.dtype == np.float32 and I.dtype == np.int64 and D.shape == (20, 10)
-    s, top = _oracle(index, xq, 10)
+    s, top = _oracle(index, xq, 10, xb)
     want = -s if metric == "l2" else (1 + s / 2 if metric == "cosine" else s)
     for i in range(len(xq)):  # tie-aware: where ids differ the distances agree
         if not np.array_equal(I[i], top[i]):
@@ -78,7 +84,11 @@ def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):
         D1, I1 = fast.search(xq, 20, **kw)
         D2, I2 = slow.search(xq, 20, **kw)
         assert "scanner" in fast._ivf and "scanner" not in slow._ivf
-        np.testing.assert_array_equal(I1, I2)
+        # the same ranking up to the order of ties (1-bit scores tie often; the two paths sum
+        # the inner product's row correction in another order)
+        mis = I1 != I2
+        assert mis.mean() < 0.01
+        np.testing.assert_allclose(D1[mis], D2[mis], rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(D1, D2, rtol=1e-5, atol=1e-3)
     assert set(I1[I1 >= 0].tolist()) <= set(allowed.tolist())
 
@@ -176,7 +186,7 @@ def test_ids_removal_reconstruct_range_search(rng):
 
 
 @pytest.mark.parametrize("spec", ["IVF8,TQ4", "IVF8,TQ3,Refine(TQ8)", "IVF8,QJL64,Refine(Flat)"])
-@pytest.mark.parametrize("metric", ["l2", "cosine"])
+@pytest.mark.parametrize("metric", ["l2", "cosine", "ip"])
 def test_write_read_round_trip(tmp_path, spec, metric, rng):
     xb, xq = _clustered(rng, n=600)
     index = _trained(spec, metric, xb, nprobe=3)
@@ -187,8 +197,12 @@ def test_write_read_round_trip(tmp_path, spec, metric, rng):
     D1, I1 = index.search(xq, 7)
     D2, I2 = back.search(xq, 7)
     np.testing.assert_array_equal(I1, I2)
-    # the per-row terms are recomputed on read (not stored), in a different float order
+    # the per-row terms are recomputed on read (l2, cosine: in a different float order) or
+    # stored (ip: a <c, r> - est<c, r> needs the vectors; 4 bytes per row)
     np.testing.assert_allclose(D1, D2, rtol=1e-6, atol=1e-5)
+    if metric == "ip":
+        np.testing.assert_array_equal(back._rowterm.numpy(), index._rowterm.numpy())
+        assert index.code_size == tqvec.index_factory(32, spec, "l2").code_size + 4
     untrained = tqvec.index_factory(32, spec, metric)
     tqvec.write_index(untrained, tmp_path / "u.tqv")
     assert not tqvec.read_index(tmp_path / "u.tqv").is_trained

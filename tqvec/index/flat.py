@@ -29,8 +29,12 @@ unit vectors) <q, x> = <q, mu> + <q, y> = <q, mu> + <mu, y> + <q - mu, y>: <q, m
 query, <mu, y> is exact per row, known when the row is added, and only <q - mu, y> is left to the
 codes (RaBitQ's estimator, Gao & Long 2024). Estimating all of <q, y> from the codes instead adds
 the code's error on <mu, y>, a per-row noise that no query removes. As the estimators are linear
-in the query, est<q - mu, y> + <mu, y> = est<q, y> + (<mu, y> - est<mu, y>): the index stores that
-per-row correction (``_ipcorr``, float32, 4 bytes per vector) and adds it to every row's score.
+in the query, est<q - mu, y> + a <mu, y> = est<q, y> + (a <mu, y> - est<mu, y>): the index stores
+that per-row correction (``_ipcorr``, float32, 4 bytes per vector) and adds it to every row's
+score. a = 1 for the unbiased estimators; a biased one scales <q - mu, y> by about
+a = est<y, y> / ||y||^2 (cos(y, y_hat) with the norm-rescaled mse codes, ~0.8 at 1 bit), and the
+exact term gets the same factor so that the two parts keep their weights (IVF over MiniLM, inner
+product, 1 bit: recall@10 0.693 without the correction, 0.666 with a = 1, 0.722 with a).
 MiniLM-384 at 1 bit (``Center,TQ1u``, seeds 0-3): recall@10 0.727 -> 0.735.
 
 Search scores blocks of codes against blocks of queries (the codec's ``score``) and keeps a
@@ -126,6 +130,23 @@ def metric_code(metric: Any) -> int:
 
 def metric_name(code: int) -> str:
     return {METRIC_INNER_PRODUCT: "ip", METRIC_L2: "l2", METRIC_COSINE: "cosine"}[code]
+
+
+def ip_row_correction(codec: Codec, codes: Codes, y: torch.Tensor, v: torch.Tensor,
+                      est_v: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+    """a_i <v_i, y_i> - est<v_i, y_i> per row (module docstring): y (n, d) the rows the codes
+    hold, v (d,) or (n, d) the vector whose product with them is known exactly (the center, an
+    IVF row's centroid), est_v (n,) the index's estimate of <v_i, y_i> (``weight`` times the
+    codec's score; None: 1). a = 1 for unbiased estimators, else est<y_i, y_i> / ||y_i||^2."""
+    exact = (y * v).sum(1) if v.dim() == 2 else y @ v
+    if codec.unbiased_ip:
+        return (exact - est_v).to(torch.float32)
+    est_y = (y * codec.decode(codes).to(y.device, torch.float32)).sum(1)  # score = <q, decode>
+    if weight is not None:
+        est_y = est_y * weight
+    sq = (y * y).sum(1)
+    a = torch.where(sq > 0, est_y / sq.clamp_min(1e-30), torch.zeros_like(sq))
+    return (a * exact - est_v).to(torch.float32)
 
 
 class FlatIndex:
@@ -412,10 +433,12 @@ class FlatIndex:
         elif isinstance(self.refine, Codec):
             ref = self.refine.encode(td)
         per_row = {"_sqnorms": self._sqnorms_of(self.codec, codes)}
-        if self._corrects_ip:  # <mu, y> exact minus the codes' estimate of it
-            mu = self._center.to(td.device)
-            est = self._scores(mu[None, :], codes, per_row["_sqnorms"])[0]
-            per_row["_ipcorr"] = (td.to(torch.float32) @ mu - est).to(torch.float32)
+        if self._corrects_ip:  # a <mu, y> minus the codes' estimate of <mu, y>
+            mu, sqn = self._center.to(td.device), per_row["_sqnorms"]
+            est = self._scores(mu[None, :], codes, sqn)[0]
+            weight = 1.0 / torch.sqrt(sqn.clamp_min(1e-30)) if sqn.numel() else None
+            per_row["_ipcorr"] = ip_row_correction(self.codec, codes, td.to(torch.float32), mu,
+                                                   est, weight)
         return codes, ref, per_row
 
     def _invalidate(self) -> None:

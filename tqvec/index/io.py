@@ -33,14 +33,15 @@ def _codes_from(prefix: str, arrays: dict, codec: Codec) -> Codes:
     return codec.check_codes(Codes(payload, sc, codec.params))
 
 
-def _ipcorr_from(arrays: dict, ntotal: int) -> torch.Tensor:
-    """A centred inner-product index's per-row correction; zeros (the estimator without it) for
-    files written before it existed."""
-    if "ipcorr" not in arrays:
+def _ipcorr_from(arrays: dict, ntotal: int, name: str = "ipcorr") -> torch.Tensor:
+    """An inner-product index's per-row correction (a centred flat index's ``ipcorr``, an IVF
+    index's ``ivf.rowterm``); zeros (the estimator without it) for files written before it
+    existed."""
+    if name not in arrays:
         return torch.zeros(ntotal, dtype=torch.float32)
-    corr = torch.from_numpy(np.array(arrays["ipcorr"], dtype=np.float32))
+    corr = torch.from_numpy(np.array(arrays[name], dtype=np.float32))
     if corr.shape != (ntotal,) or not torch.isfinite(corr).all():
-        raise ValueError(f"ipcorr must be {ntotal} finite float32 values, got "
+        raise ValueError(f"{name} must be {ntotal} finite float32 values, got "
                          f"{tuple(corr.shape)}")
     return corr
 
@@ -77,6 +78,8 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
         if index.is_trained:
             arrays["ivf.centroids"] = index.centroids.numpy()
             arrays["ivf.lists"] = index._lists.numpy()
+            if index._corrects_ip:  # <c, r> - est<c, r>: not derivable from the codes
+                arrays["ivf.rowterm"] = index._rowterm.numpy()
     write_container(path, _KIND, meta, arrays)
 
 
@@ -135,7 +138,8 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
                 index._ref = torch.from_numpy(np.asarray(arrays["refine.vectors"]))
             if isinstance(index, IVFIndex):
                 index._lists = lists
-                index._rowterm = index._row_terms(lists, codes)
+                index._rowterm = (_ipcorr_from(arrays, ntotal, "ivf.rowterm")
+                                  if index._corrects_ip else index._row_terms(lists, codes))
             else:
                 index._sqnorms = index._sqnorms_of(codec, codes)
                 if index._corrects_ip:

@@ -9,20 +9,23 @@ Because r is smaller than x, the codec's error, proportional to the norm it enco
 it: on Fashion-MNIST at 4 bits recall@10 rises above the flat index's (see README). Scores are the
 flat index's estimators with the centroid part computed exactly (Jegou et al. 2011, IVF-ADC):
 
-* ``ip``: <q, c> + est<q, r>;
+* ``ip``: <q, c> + a <c, r> + est<q - c, r> (RaBitQ's estimator, as the flat index's centred
+  inner product: only <q - c, r> comes from the codes; <c, r> is exact, stored per row, with the
+  estimator's scale a; see ``flat``'s module docstring);
 * ``l2``: ||q - c||^2 - 2 est<q, r> + 2 est<c, r> + N(r), i.e. the distance to the reconstruction
   c + r_hat for the biased mse codes (N = ||r_hat||^2) and an unbiased estimate for the unbiased
   ones (N = ||r||^2), the same pairing as the flat index (issue #6, lesson (a));
 * ``cosine``: vectors and queries are normalized, ranked by the ``l2`` estimate and reported as
   cosine = 1 - d^2 / 2 (on the unit sphere the two orders agree).
 
-The row term -2 est<c, r> - N(r) is computed once at add time, so a query's score of row j in
-list l is ``w est<q, r_j> + row_j + offset(q, l)`` with offset = -||q - c_l||^2 (l2) or <q, c_l>
-(ip): TurboQuant-mse codes at 1, 2, 3 and 4 bits on CPU are scanned by ``ops.IVFFastScan`` over
-a list-major blocked copy (built at the first search after a change, like the flat index's), every
-other codec by the codec's own scorer list by list. Float32 numpy queries without a filter take a
-short path (``_search_fast_numpy``) with the same results bit for bit. Filtered search
-(``allowed_ids``) only sees the probed lists, as in faiss.
+The row term -2 est<c, r> - N(r) (l2; the codes hold it) or a <c, r> - est<c, r> (ip; 4 bytes per
+vector, as the estimators are linear in the query) is computed once at add time, so a query's
+score of row j in list l is ``w est<q, r_j> + row_j + offset(q, l)`` with offset = -||q - c_l||^2
+(l2) or <q, c_l> (ip): TurboQuant-mse codes at 1, 2, 3 and 4 bits on CPU are scanned by
+``ops.IVFFastScan`` over a list-major blocked copy (built at the first search after a change,
+like the flat index's), every other codec by the codec's own scorer list by list. Float32 numpy
+queries without a filter take a short path (``_search_fast_numpy``) with the same results bit for
+bit. Filtered search (``allowed_ids``) only sees the probed lists, as in faiss.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from .flat import (
     FlatIndex,
     _normalized,
     _unit_rows,
+    ip_row_correction,
     metric_name,
 )
 
@@ -90,7 +94,8 @@ class IVFIndex(FlatIndex):
         """Remove every vector; the trained centroids stay (as in faiss)."""
         super().reset()
         self._lists = torch.empty(0, dtype=torch.int64)   # list of each row, add order
-        self._rowterm = torch.empty(0, dtype=torch.float32)  # -2 est<c, r> - N(r); 0 for ip
+        # -2 est<c, r> - N(r) (l2, cosine); <c, r> - est<c, r> (ip)
+        self._rowterm = torch.empty(0, dtype=torch.float32)
         self._ivf: dict[str, Any] | None = None
 
     @property
@@ -138,19 +143,29 @@ class IVFIndex(FlatIndex):
             out[s:s + xb.shape[0]] = torch.argmin(cn[None, :] - 2 * xb @ c.T, dim=1)
         return out
 
-    def _row_terms(self, lists: torch.Tensor, codes: Codes) -> torch.Tensor:
-        """-2 est<c_l, r> - N(r) per row (l2, cosine); zeros for inner product."""
+    @property
+    def _corrects_ip(self) -> bool:
+        """An inner-product IVF index stores a <c, r> - est<c, r> per row (module docstring)."""
+        return self.metric_type == METRIC_INNER_PRODUCT
+
+    def _row_terms(self, lists: torch.Tensor, codes: Codes,
+                   resid: torch.Tensor | None = None) -> torch.Tensor:
+        """-2 est<c_l, r> - N(r) per row (l2, cosine); for inner product a <c_l, r> -
+        est<c_l, r> from the residuals ``resid`` (None: zeros, est<q, r> alone)."""
         out = torch.zeros(len(codes), dtype=torch.float32)
-        if self.metric_type == METRIC_INNER_PRODUCT or len(codes) == 0:
+        ip = self.metric_type == METRIC_INNER_PRODUCT
+        if len(codes) == 0 or (ip and resid is None):
             return out
-        out -= self._sqnorms_of(self.codec, codes).cpu()
+        est = torch.zeros(len(codes), dtype=torch.float32)  # est<c_l, r> per row
         order = torch.argsort(lists, stable=True)
         bounds = torch.searchsorted(lists[order], torch.arange(self.nlist + 1))
         for li in torch.nonzero(bounds[1:] > bounds[:-1])[:, 0].tolist():
             rows = order[bounds[li]:bounds[li + 1]]
-            est = self.codec.score(self.centroids[li:li + 1], codes[rows])[0]
-            out[rows] -= 2 * est.cpu()
-        return out
+            est[rows] = self.codec.score(self.centroids[li:li + 1], codes[rows])[0].cpu()
+        if ip:
+            return ip_row_correction(self.codec, codes, resid.to(torch.float32).cpu(),
+                                     self.centroids[lists], est, None)
+        return -self._sqnorms_of(self.codec, codes).cpu() - 2 * est
 
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if not self.is_trained:
@@ -163,13 +178,15 @@ class IVFIndex(FlatIndex):
         if self.metric_type == METRIC_COSINE:
             x = _normalized(x)
         lists = self._assign(x)
-        codes = self.codec.encode(x - self.centroids[lists])
+        c = self.centroids[lists]
+        codes = self.codec.encode(x - c)
         ref = None
         if self.refine == "flat":
             ref = t.to(torch.float32).clone()
         elif isinstance(self.refine, Codec):
             ref = self.refine.encode(x)
-        return codes, ref, {"_lists": lists, "_rowterm": self._row_terms(lists, codes)}
+        resid = x - c if self._corrects_ip else None
+        return codes, ref, {"_lists": lists, "_rowterm": self._row_terms(lists, codes, resid)}
 
     def _invalidate(self) -> None:
         super()._invalidate()

@@ -20,10 +20,12 @@ spec                codec                                                    byt
 first and ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra
 bytes: the sign plane is the top bit of each index).
 ``Center,`` in front (``Center,TQ2``) codes x - mu with mu the mean of the rows passed to
-``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``).
+``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``);
+for ip and cosine it stores 4 more bytes per vector (the exact <mu, x - mu> term).
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
-are those of the codes (plus nlist * d * 4 bytes of centroids per index).
+are those of the codes (plus nlist * d * 4 bytes of centroids per index; ip: 4 more bytes per
+vector, the exact <c, x - c> term).
 """
 
 from __future__ import annotations

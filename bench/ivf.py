@@ -3,12 +3,13 @@ and faiss's IVF RaBitQ, over an nprobe sweep, one process run.
 
     python bench/ivf.py [--dataset fashion-mnist-784-euclidean] [--nlist 256] [--nq 1000]
 
-For each method and nprobe: recall@10 (k = 10), batch QPS (all queries in one call, best of
-three calls, 2 threads), single-query QPS (1 thread, --single queries). Both refinements
-re-rank k_factor * k = 40 candidates with the exact vectors. The summary gives, per method,
-the fastest setting with recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with
-refinement at recall >= 0.9) and the ratio to faiss's best at that target. Writes
-bench/results/ivf_<dataset>.{json,md,png}.
+For each method, nprobe and (with a refinement) k_factor: recall@10 (k = 10), batch QPS (all
+queries in one call, best of three calls, 2 threads), single-query QPS (1 thread, --single
+queries one by one, best of up to three passes). Both refinements re-rank k_factor * k
+candidates with the exact vectors, k_factor 2, 3 or 4 on both sides (query-time parameters, as
+ann-benchmarks sweeps them). The summary gives, per method, the fastest setting with recall@10
+>= each target (issue #6: QPS >= faiss IVF,PQfs with refinement at recall >= 0.9) and the
+ratio to faiss's best at that target. Writes bench/results/ivf_<dataset>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 NPROBES = (1, 2, 4, 8, 16, 32, 64)
 TARGETS = (0.8, 0.9, 0.95)
-K_FACTOR = 4
+K_FACTORS = (2, 3, 4)  # refinements only
 
 
 def methods(d: int, nlist: int) -> list[tuple[str, str]]:
@@ -45,7 +46,7 @@ def build(kind: str, spec: str, d: int, metric: str, xb: np.ndarray):
 
     t0 = time.perf_counter()
     if kind == "tqvec":
-        index = tqvec.index_factory(d, spec, metric, k_factor=K_FACTOR)
+        index = tqvec.index_factory(d, spec, metric)
         index.train(xb)
         index.add(xb)
         size = index.code_size
@@ -56,20 +57,26 @@ def build(kind: str, spec: str, d: int, metric: str, xb: np.ndarray):
         # takes minutes); tqvec's k-means subsamples to 256 points per list itself
         index.train(xb[np.random.default_rng(0).permutation(len(xb))[:20000]])
         index.add(xb)
-        if spec.endswith(",RFlat"):
-            faiss.downcast_index(index).k_factor = K_FACTOR
         size = index.sa_code_size() if not spec.endswith(",RFlat") else (
             faiss.downcast_index(index).base_index.sa_code_size() + 4 * d)
     return index, int(size), time.perf_counter() - t0
 
 
-def set_nprobe(kind: str, index, p: int) -> None:
+def refines(spec: str) -> bool:
+    return spec.endswith(",RFlat") or "Refine(" in spec
+
+
+def set_params(kind: str, index, p: int, kf: int | None) -> None:
     import faiss
 
     if kind == "tqvec":
         index.nprobe = p
+        if kf is not None:
+            index.k_factor = kf
     else:
         faiss.ParameterSpace().set_index_parameter(index, "nprobe", p)
+        if kf is not None:
+            faiss.downcast_index(index).k_factor = kf
 
 
 def recall(I: np.ndarray, gt: np.ndarray, k: int = 10) -> float:
@@ -90,17 +97,23 @@ def measure(kind, index, xq, gt, single) -> dict:
     batch = len(xq) / best_time(lambda: index.search(xq, 10))
     torch.set_num_threads(1)
     faiss.omp_set_num_threads(1)
-    t = time.perf_counter()
-    for i in range(single):
-        index.search(xq[i:i + 1], 10)
-    one = single / (time.perf_counter() - t)
+    def one_by_one() -> None:
+        for i in range(single):
+            index.search(xq[i:i + 1], 10)
+
+    one = single / best_time(one_by_one)  # best of up to 3 passes, as tqvec bench
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
     return {"recall@10": recall(I, gt), "qps_batch_2t": batch, "qps_single_1t": one}
 
 
+def setting(r: dict) -> str:
+    """nprobe, and k_factor where the method refines: "4" or "4, kf 2"."""
+    return f"{r['nprobe']}" + (f", kf {r['k_factor']}" if r.get("k_factor") else "")
+
+
 def summary(rows: list[dict]) -> list[dict]:
-    """Per method and target: the fastest nprobe reaching it (batch and single separately)."""
+    """Per method and target: the fastest setting reaching it (batch and single separately)."""
     out = []
     for method in dict.fromkeys(r["method"] for r in rows):
         mine = [r for r in rows if r["method"] == method]
@@ -111,8 +124,8 @@ def summary(rows: list[dict]) -> list[dict]:
             bb = max(ok, key=lambda r: r["qps_batch_2t"])
             bs = max(ok, key=lambda r: r["qps_single_1t"])
             out.append({"method": method, "bytes": mine[0]["bytes"], "target": tgt,
-                        "batch_qps": bb["qps_batch_2t"], "batch_nprobe": bb["nprobe"],
-                        "single_qps": bs["qps_single_1t"], "single_nprobe": bs["nprobe"]})
+                        "batch_qps": bb["qps_batch_2t"], "batch_setting": setting(bb),
+                        "single_qps": bs["qps_single_1t"], "single_setting": setting(bs)})
     for s in out:  # ratio to the best faiss method at the same target
         fa = [t for t in out if t["target"] == s["target"] and t["method"].startswith("faiss")]
         if fa:
@@ -128,23 +141,24 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
     lines = [f"# IVF search: {res['dataset']} ({res['n']:,} x {res['d']}, {res['nq']} queries, "
              f"{res['metric']}, nlist {res['nlist']})", "",
              f"Command: `python bench/ivf.py {' '.join(argv)}`. Machine: {m.get('cpu')}, "
-             f"{m['cpus']} CPUs. k = 10; refinements re-rank {K_FACTOR} x 10 candidates with "
-             "the exact vectors (+4 d bytes/vector). Batch: all queries in one call, best of "
-             "three calls.", "",
+             f"{m['cpus']} CPUs. k = 10; refinements re-rank k_factor (kf: "
+             f"{' or '.join(map(str, K_FACTORS))}) x 10 candidates with the exact vectors (+4 d "
+             "bytes/vector). Batch: all queries in one call, best of three calls; single: one "
+             "query per call, best of up to three passes.", "",
              "## Fastest setting reaching each recall@10 target", "",
              "| target | method | bytes/vec | batch QPS 2t (nprobe) | vs faiss best | "
              "single QPS 1t (nprobe) | vs faiss best |", "|---" * 7 + "|"]
     for s in sorted(res["summary"], key=lambda s: (s["target"], -s["batch_qps"])):
         lines.append(f"| {s['target']} | {s['method']} | {s['bytes']} | "
-                     f"{s['batch_qps']:,.0f} ({s['batch_nprobe']}) | "
+                     f"{s['batch_qps']:,.0f} ({s['batch_setting']}) | "
                      f"{s.get('batch_vs_faiss_best', float('nan')):.2f} | "
-                     f"{s['single_qps']:,.0f} ({s['single_nprobe']}) | "
+                     f"{s['single_qps']:,.0f} ({s['single_setting']}) | "
                      f"{s.get('single_vs_faiss_best', float('nan')):.2f} |")
     lines += ["", "## Every setting", "",
               "| method | bytes/vec | build s | nprobe | recall@10 | batch QPS 2t | "
               "single QPS 1t |", "|---" * 7 + "|"]
     for r in res["rows"]:
-        lines.append(f"| {r['method']} | {r['bytes']} | {r['build_s']:.2f} | {r['nprobe']} | "
+        lines.append(f"| {r['method']} | {r['bytes']} | {r['build_s']:.2f} | {setting(r)} | "
                      f"{r['recall@10']:.3f} | {r['qps_batch_2t']:,.0f} | "
                      f"{r['qps_single_1t']:,.0f} |")
     with open(stem + ".md", "w") as f:
@@ -157,11 +171,13 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(8, 5))
-    for i, method in enumerate(dict.fromkeys(r["method"] for r in res["rows"])):
-        mine = [r for r in res["rows"] if r["method"] == method]
+    curves = dict.fromkeys((r["method"], r.get("k_factor")) for r in res["rows"])
+    for i, (method, kf) in enumerate(curves):
+        mine = [r for r in res["rows"] if r["method"] == method and r.get("k_factor") == kf]
         ax.plot([r["recall@10"] for r in mine], [r["qps_batch_2t"] for r in mine],
                 "o-" if method.startswith("tqvec") else "s--", color=f"C{i % 10}",
-                label=f"{method} ({mine[0]['bytes']} B)", markersize=3)
+                label=f"{method}{f', kf {kf}' if kf else ''} ({mine[0]['bytes']} B)",
+                markersize=3)
     ax.set_yscale("log")
     ax.set_xlabel("recall@10")
     ax.set_ylabel("batch QPS (2 threads)")
@@ -200,14 +216,15 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # a faiss type missing from this build
             print(f"  {kind} {spec}: skipped ({str(e).splitlines()[0][:80]})")
             continue
-        for p in NPROBES:
-            set_nprobe(kind, index, p)
-            r = {"method": f"{kind} {spec}", "bytes": size, "build_s": secs, "nprobe": p,
-                 **measure(kind, index, xq, gt, a.single)}
-            res["rows"].append(r)
-            print(f"  {r['method']:<34} {size:>5} B nprobe {p:>3}  R@10 {r['recall@10']:.3f}  "
-                  f"batch {r['qps_batch_2t']:>8,.0f}  single {r['qps_single_1t']:>7,.0f}  "
-                  f"build {secs:.1f}s", flush=True)
+        for kf in (K_FACTORS if refines(spec) else (None,)):
+            for p in NPROBES:
+                set_params(kind, index, p, kf)
+                r = {"method": f"{kind} {spec}", "bytes": size, "build_s": secs, "nprobe": p,
+                     "k_factor": kf, **measure(kind, index, xq, gt, a.single)}
+                res["rows"].append(r)
+                print(f"  {r['method']:<34} {size:>5} B {setting(r):>10}  "
+                      f"R@10 {r['recall@10']:.3f}  batch {r['qps_batch_2t']:>8,.0f}  "
+                      f"single {r['qps_single_1t']:>7,.0f}  build {secs:.1f}s", flush=True)
         res["summary"] = summary(res["rows"])
         write(res, stem, argv)
     print(open(stem + ".md").read())

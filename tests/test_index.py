@@ -426,6 +426,10 @@ def test_centred_inner_product_correction(spec, rng, tmp_path):
     D2, I2 = back.search(xq, 10)
     np.testing.assert_array_equal(I2, I)
     np.testing.assert_array_equal(D2, D)
+    index._ipcorr = index._ipcorr[:-1]  # a file whose correction does not match its rows
+    tqvec.write_index(index, str(tmp_path / "bad.tqv"))
+    with pytest.raises(FormatError, match="ipcorr must be"):
+        tqvec.read_index(str(tmp_path / "bad.tqv"))
     cos = tqvec.index_factory(d, spec, "cosine")
     cos.train(xb)
     cos.add(xb)

@@ -141,7 +141,10 @@ def ip_row_correction(codec: Codec, codes: Codes, y: torch.Tensor, v: torch.Tens
     exact = (y * v).sum(1) if v.dim() == 2 else y @ v
     if codec.unbiased_ip:
         return (exact - est_v).to(torch.float32)
-    est_y = (y * codec.decode(codes).to(y.device, torch.float32)).sum(1)  # score = <q, decode>
+    est_y = torch.empty_like(exact)  # <y_i, decode_i> (a codec's score is <q, decode>), by blocks
+    for s in range(0, len(codes), _CODE_BLOCK):
+        e = min(len(codes), s + _CODE_BLOCK)
+        est_y[s:e] = (y[s:e] * codec.decode(codes[s:e]).to(y.device, torch.float32)).sum(1)
     if weight is not None:
         est_y = est_y * weight
     sq = (y * y).sum(1)
@@ -296,7 +299,7 @@ class FlatIndex:
         self._ref: Codes | torch.Tensor | None = None
         # N(x) (l2 / cosine), on self.device like the codes
         self._sqnorms = torch.empty(0, dtype=torch.float32, device=self.device)
-        # <mu, y> - est<mu, y> per row of a centred inner-product index (module docstring)
+        # a <mu, y> - est<mu, y> per row of a centred inner-product index (module docstring)
         self._ipcorr = torch.empty(0, dtype=torch.float32, device=self.device)
         self._ids = torch.empty(0, dtype=torch.int64)
         self._pos: dict[int, int] | None = None

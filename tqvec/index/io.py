@@ -78,7 +78,7 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
         if index.is_trained:
             arrays["ivf.centroids"] = index.centroids.numpy()
             arrays["ivf.lists"] = index._lists.numpy()
-            if index._corrects_ip:  # <c, r> - est<c, r>: not derivable from the codes
+            if index._corrects_ip:  # a <c, r> - est<c, r>: not derivable from the codes
                 arrays["ivf.rowterm"] = index._rowterm.numpy()
     write_container(path, _KIND, meta, arrays)
 

@@ -321,8 +321,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
-    flat and IVF scans, the exact re-score of Refine(Flat), a one-row rotation, the probe's
-    register tiles, ||q||^2."""
+    flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
+    every width), a one-row rotation, the probe's register tiles, ||q||^2 and <q, v>."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -353,6 +353,14 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    rot = __import__('tqvec.random').random.make_rotation('hadamard', d, 1)\n"
         "    out.append(ops.hadamard_rotate(qr[:1], rot.perms, rot.signs, rot.p).numpy())\n"
         "    out.append(ops.row_sqnorms(qr).numpy())\n"
+        "    out.append(ops.row_dots(qr, qr[0]).numpy())\n"
+        "    for bb, dd in [(1, d), (2, d), (3, 37), (4, d), (5, 50), (8, d), (8, 13)]:\n"
+        "        ii = torch.from_numpy(rng.integers(0, 1 << bb, (n, dd)).astype(np.uint8))\n"
+        "        cc = torch.from_numpy(np.sort(rng.standard_normal(1 << bb)).astype(np.float32))\n"
+        "        qq = torch.from_numpy(rng.standard_normal((3, dd)).astype(np.float32))\n"
+        "        rr = torch.from_numpy(rng.integers(-1, n, (3, 30)))\n"
+        "        out += [t.numpy() for t in ops.lut_rescore(qq, ops.pack_bits(ii, bb), cc,\n"
+        "            torch.ones(n), torch.zeros(n), rr, bb, 10)]\n"
         "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
         "    for metric in ('ip', 'l2', 'cosine'):\n"
         "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"

@@ -125,6 +125,10 @@ void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, 
       rescore_table(q, d, b, centroids, T);
       TopK top(k);
       for (int64_t c = 0; c < r; ++c) {
+        // the candidates are scattered rows: request the next one's while this one is scored
+        const int64_t nxt = c + 1 < r ? rows[qi * r + c + 1] : -1;
+        if (nxt >= 0 && nxt < n)
+          for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(packed + nxt * rb + o);
         const int64_t i = rows[qi * r + c];
         if (i < 0 || i >= n) continue;
         top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids) * mult[i] + add[i],

@@ -1,15 +1,17 @@
-"""IVF search: tqvec ``IVF{nlist},TQ{b}[,Refine(Flat)]`` vs faiss ``IVF{nlist},PQ{M}x4fs[,RFlat]``
-and faiss's IVF RaBitQ, over an nprobe sweep, one process run.
+"""IVF search: tqvec ``IVF{nlist},TQ{b}[,Refine(Flat)|Refine(TQ8)]`` vs faiss
+``IVF{nlist},PQ{M}x4fs[,RFlat|,Refine(SQ8)]`` and faiss's IVF RaBitQ, over an nprobe sweep, one
+process run.
 
     python bench/ivf.py [--dataset fashion-mnist-784-euclidean] [--nlist 256] [--nq 1000]
 
 For each method, nprobe and (with a refinement) k_factor: recall@10 (k = 10), batch QPS (all
 queries in one call, best of three calls, 2 threads), single-query QPS (1 thread, --single
-queries one by one, best of up to three passes). Both refinements re-rank k_factor * k
-candidates with the exact vectors, k_factor 2, 3 or 4 on both sides (query-time parameters, as
-ann-benchmarks sweeps them). The summary gives, per method, the fastest setting with recall@10
->= each target (issue #6: QPS >= faiss IVF,PQfs with refinement at recall >= 0.9) and the
-ratio to faiss's best at that target. Writes bench/results/ivf_<dataset>.{json,md,png}.
+queries one by one, best of up to three passes). Refinements re-rank k_factor * k candidates
+(exact vectors, or 8-bit codes: TQ8 / faiss's SQ8), k_factor 2, 3 or 4 on both sides
+(query-time parameters, as ann-benchmarks sweeps them). The summary gives, per method, the
+fastest setting with recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with refinement
+at recall >= 0.9) and the ratio to faiss's best at that target. Writes
+bench/results/ivf_<dataset>.{json,md,png}.
 """
 
 from __future__ import annotations
@@ -32,9 +34,11 @@ K_FACTORS = (2, 3, 4)  # refinements only
 def methods(d: int, nlist: int) -> list[tuple[str, str]]:
     out = [("tqvec", f"IVF{nlist},TQ{b}") for b in (1, 2, 4)]
     out += [("tqvec", f"IVF{nlist},TQ{b},Refine(Flat)") for b in (1, 2)]
+    out.append(("tqvec", f"IVF{nlist},TQ1,Refine(TQ8)"))  # ~1/4 of the refinement's bytes
     for m in (d // 4, d // 2):  # 1 and 2 bits per dimension
         out.append(("faiss", f"IVF{nlist},PQ{m}x4fs"))
     out += [("faiss", f"IVF{nlist},PQ{m}x4fs,RFlat") for m in (d // 4, d // 2)]
+    out.append(("faiss", f"IVF{nlist},PQ{d // 4}x4fs,Refine(SQ8)"))
     out += [("faiss", f"RR,IVF{nlist},RaBitQfs{b}") for b in (2, 4)]
     return out
 
@@ -57,8 +61,11 @@ def build(kind: str, spec: str, d: int, metric: str, xb: np.ndarray):
         # takes minutes); tqvec's k-means subsamples to 256 points per list itself
         index.train(xb[np.random.default_rng(0).permutation(len(xb))[:20000]])
         index.add(xb)
-        size = index.sa_code_size() if not spec.endswith(",RFlat") else (
-            faiss.downcast_index(index).base_index.sa_code_size() + 4 * d)
+        if refines(spec):  # the codes plus the refinement's (exact vectors: 4 d)
+            ri = faiss.downcast_index(index)
+            size = ri.base_index.sa_code_size() + ri.refine_index.sa_code_size()
+        else:
+            size = index.sa_code_size()
     return index, int(size), time.perf_counter() - t0
 
 
@@ -143,8 +150,9 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
              f"Command: `python bench/ivf.py {' '.join(argv)}`. Machine: {m.get('cpu')}, "
              f"{m['cpus']} CPUs. k = 10; refinements re-rank k_factor (kf: "
              f"{' or '.join(map(str, K_FACTORS))}) x 10 candidates with the exact vectors (+4 d "
-             "bytes/vector). Batch: all queries in one call, best of three calls; single: one "
-             "query per call, best of up to three passes.", "",
+             "bytes/vector) or 8-bit codes (TQ8, faiss's SQ8: + d). Batch: all queries in one "
+             "call, best of three calls; single: one query per call, best of up to three "
+             "passes.", "",
              "## Fastest setting reaching each recall@10 target", "",
              "| target | method | bytes/vec | batch QPS 2t (nprobe) | vs faiss best | "
              "single QPS 1t (nprobe) | vs faiss best |", "|---" * 7 + "|"]

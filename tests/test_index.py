@@ -272,12 +272,14 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQ2,Prefilter(4)", "TQprod2", "QJL64",
-                                  "Center,TQ2", "Center,TQ1u", "TQ3f"])
+                                  "Center,TQ2", "Center,TQ1u", "TQ3f", "TQ1,Refine(TQ8)",
+                                  "Center,TQ2,Refine(TQ4)", "TQ2,Refine(Flat)"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy; for
-    TurboQuant-mse codes one compiled call, ops.FlatSearch), torch queries the general
-    one: bit-identical results; bad input still gets the general errors."""
+    TurboQuant-mse codes one compiled call, ops.FlatSearch, refinement included, k_factor read
+    at each search), torch queries the general one: bit-identical results; bad input still
+    gets the general errors."""
     xb, xq = _data(rng, n=3000, d=48, nq=7)
     index = tqvec.index_factory(48, spec, metric)
     index.train(xb)
@@ -288,6 +290,9 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
         assert (state.get("one_call") is not None) == one_call
     assert_numpy_path_matches(index, [xq[:1], xq])
     assert_numpy_path_matches(index, [np.zeros((2, 48), np.float32)])  # cosine: zero rows stay 0
+    if "Refine" in spec:
+        index.k_factor = 2
+        assert_numpy_path_matches(index, [xq[:3]])
     index.remove_ids(np.arange(0, 3000, 5) * 3 + 1)  # the state follows removals (and ids)
     _, I1 = assert_numpy_path_matches(index, [xq[:2]])
     assert not np.isin(I1, np.arange(0, 3000, 5) * 3 + 1).any()

@@ -148,6 +148,18 @@ struct FlatSearchArgs {
   // (d) or nullptr: row_dots(q, ip_center) added to each query's values (after normalize): a
   // centred inner-product index's <q, mu>
   const float* ip_center;
+  // A refinement (prefilter 0): the scan keeps kk = k_factor k candidates by its tables alone
+  // (approx), then re-scores them — exact vectors ref_x (n, d) by rescore_topk, or TurboQuant-mse
+  // codes ref_packed (n, ceil(d ref_b / 8)) by lut_rescore of the query rotated by ref_rot with
+  // ref_cent, ref_mult, ref_add (the flat index's _refine_lut_state). Neither: nullptr.
+  const float* ref_x;
+  const uint8_t* ref_packed;
+  int ref_b;
+  RotationArgs ref_rot;
+  const float* ref_cent;
+  const float* ref_mult;
+  const float* ref_add;
+  int64_t k_factor;
 };
 // ||q - center||^2 by row_sqnorms for L2.
 void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,

@@ -66,6 +66,10 @@ struct FlatSearcher {
   CArr<const int64_t> perms, ids;
   CArr<const float> signs, codebook, mult, add, cfull, add1, center, ip_center;
   CArr<const uint8_t> blocked, packed;
+  CArr<const float> ref_x;
+  CArr<const uint8_t> ref_packed;
+  CArr<const int64_t> ref_perms;
+  CArr<const float> ref_signs, ref_cent, ref_mult, ref_add;
   tqvec::FlatSearchArgs args;
 };
 
@@ -484,7 +488,10 @@ NB_MODULE(_C, m) {
               CArr<const float> mult, CArr<const float> add, CArr<const int64_t> ids,
               CArr<const uint8_t> packed, int bfull, CArr<const float> cfull,
               CArr<const float> add1, int64_t prefilter, int metric, CArr<const float> center,
-              bool normalize, CArr<const float> ip_center) {
+              bool normalize, CArr<const float> ip_center, CArr<const float> ref_x,
+              CArr<const uint8_t> ref_packed, int ref_b, CArr<const int64_t> ref_perms,
+              CArr<const float> ref_signs, int64_t ref_p, CArr<const float> ref_cent,
+              CArr<const float> ref_mult, CArr<const float> ref_add) {
              require(perms.ndim() == 2 && signs.ndim() == 2 && blocked.ndim() == 3 &&
                          codebook.ndim() == 1 && mult.ndim() == 1 && add.ndim() == 1 &&
                          ids.ndim() == 1 && packed.ndim() == 2 && cfull.ndim() == 1 &&
@@ -520,6 +527,27 @@ NB_MODULE(_C, m) {
                           (ip_center.shape(0) == static_cast<size_t>(d) && metric == 0 &&
                            center.shape(0) == 0)),
                      "FlatSearcher: ip_center must be empty or (d,), with the ip metric");
+             // a refinement: exact vectors (n, d), or TurboQuant-mse codes with their rotation
+             const bool rx = ref_x.ndim() == 2 && ref_x.shape(0) > 0;
+             const bool rp = ref_packed.ndim() == 2 && ref_packed.shape(0) > 0;
+             require(!(rx && rp) && (!(rx || rp) || !two),
+                     "FlatSearcher: one refinement, and not with a prefilter");
+             require(!rx || (ref_x.shape(0) == static_cast<size_t>(n) &&
+                             ref_x.shape(1) == static_cast<size_t>(d)),
+                     "FlatSearcher: ref_x must be (n, d)");
+             tqvec::RotationArgs ref_rot{};
+             if (rp) {
+               check_bits(ref_b);
+               require(ref_packed.shape(0) == static_cast<size_t>(n) &&
+                           ref_packed.shape(1) == static_cast<size_t>(rb(d, ref_b)) &&
+                           ref_mult.ndim() == 1 && ref_add.ndim() == 1 &&
+                           ref_mult.shape(0) == static_cast<size_t>(n) &&
+                           ref_add.shape(0) == static_cast<size_t>(n),
+                       "FlatSearcher: ref_packed must be (n, ceil(d ref_b / 8)), ref_mult and "
+                       "ref_add (n,)");
+               check_centroids(ref_cent, ref_b, "FlatSearcher");
+               ref_rot = checked_rotation(ref_perms, ref_signs, ref_p, d, "FlatSearcher");
+             }
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
@@ -539,11 +567,22 @@ NB_MODULE(_C, m) {
              a.center = center.shape(0) ? center.data() : nullptr;
              a.normalize = normalize;
              a.ip_center = ip_center.shape(0) ? ip_center.data() : nullptr;
-             new (self) FlatSearcher{perms, ids,    signs,     codebook, mult,   add, cfull,
-                                     add1,  center, ip_center, blocked,  packed, a};
+             a.ref_x = rx ? ref_x.data() : nullptr;
+             a.ref_packed = rp ? ref_packed.data() : nullptr;
+             a.ref_b = ref_b;
+             a.ref_rot = ref_rot;
+             a.ref_cent = ref_cent.data();
+             a.ref_mult = ref_mult.data();
+             a.ref_add = ref_add.data();
+             a.k_factor = 1;
+             new (self) FlatSearcher{perms,     ids,       signs,      codebook,  mult,
+                                     add,       cfull,     add1,       center,    ip_center,
+                                     blocked,   packed,    ref_x,      ref_packed, ref_perms,
+                                     ref_signs, ref_cent,  ref_mult,   ref_add,   a};
            })
       .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<float> D, CArr<int64_t> I,
-                        int nthreads) {
+                        int nthreads, int64_t k_factor) {
+        require(k_factor >= 1, "FlatSearcher.search: k_factor must be >= 1");
         require(q.ndim() == 2 && D.ndim() == 2 && I.ndim() == 2,
                 "FlatSearcher.search: bad ranks");
         const int64_t nq = q.shape(0), k = D.shape(1);
@@ -554,8 +593,9 @@ NB_MODULE(_C, m) {
                 "FlatSearcher.search: outputs");
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
-        if (nq)
-          tqvec::flat_search(s.args, q.data(), nq, k, D.data(), I.data(), nthreads);
+        tqvec::FlatSearchArgs a = s.args;  // the index's k_factor may change between searches
+        a.k_factor = k_factor;
+        if (nq) tqvec::flat_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
       });
 }

@@ -67,6 +67,33 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   }
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
+  const bool l2 = a.metric == kRescoreL2;
+  const float* off = qoff.empty() ? nullptr : qoff.data();
+  if (a.ref_x != nullptr || a.ref_packed != nullptr) {
+    // kk = k_factor k candidates by the tables alone, then the refinement's best min(k, kk)
+    const int64_t kc = std::min(a.n, k * a.k_factor), m = std::min(k, kc);
+    std::vector<float> cv(nqs * kc), rv(nqs * m);
+    std::vector<int64_t> ci(nqs * kc), ri(nqs * m);
+    fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kc, true,
+              cv.data(), ci.data(), nthreads);
+    for (size_t t = 0; t < nqs * kc; ++t)  // the general path's rows: -1 where not finite
+      if (!std::isfinite(cv[t])) ci[t] = -1;
+    if (a.ref_x != nullptr) {
+      rescore_topk(q, nq, d, a.ref_x, ci.data(), kc, a.metric, m, rv.data(), ri.data(),
+                   nthreads);
+    } else {
+      std::vector<float> q2(nqs * d);
+      hadamard_rotate(q, nq, d, a.ref_rot.perms, a.ref_rot.signs, a.ref_rot.rounds, a.ref_rot.p,
+                      false, q2.data(), nthreads);
+      lut_rescore(q2.data(), nq, d, a.ref_packed, a.n, a.ref_b, a.ref_cent, a.ref_mult,
+                  a.ref_add, ci.data(), kc, m, rv.data(), ri.data(), nthreads);
+      if (l2)  // -||q - x_hat||^2 = score - ||q||^2
+        for (size_t i = 0; i < nqs; ++i)
+          for (int64_t r = 0; r < m; ++r) rv[i * m + r] = rv[i * m + r] - qsq[i];
+    }
+    write_results(rv.data(), ri.data(), nq, m, k, l2, off, a.ids, D, I);
+    return;
+  }
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
     fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.n, a.codebook, a.packed, a.bfull,
                         a.cfull, a.mult, a.add, a.add1, a.prefilter * kk, kk, vals.data(),
@@ -74,12 +101,10 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   else
     fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kk, false,
               vals.data(), idx.data(), nthreads);
-  const bool l2 = a.metric == kRescoreL2;
   if (l2)  // the similarity -||q - x||^2 = score - ||q||^2 (then reported negated)
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t r = 0; r < kk; ++r) vals[i * kk + r] = vals[i * kk + r] - qsq[i];
-  write_results(vals.data(), idx.data(), nq, kk, k, l2, qoff.empty() ? nullptr : qoff.data(),
-                a.ids, D, I);
+  write_results(vals.data(), idx.data(), nq, kk, k, l2, off, a.ids, D, I);
 }
 
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,

@@ -403,11 +403,22 @@ class FlatIndex:
             mu = (self._center.numpy() if self.centered and self._center is not None
                   else None)
             l2 = self._scoring == METRIC_L2
-            state["one_call"] = ops.FlatSearch.prepare(
-                rotate, state["signs"] or state["scanner"], self._ids.numpy(),
-                metric_name(self._scoring), self._prefilter, center=mu if l2 else None,
-                normalize=self.metric_type == METRIC_COSINE,
-                ip_center=None if l2 else mu)
+            # a refinement in the call too: exact vectors, or TurboQuant-mse codes re-scored
+            # in their rotated domain (not with a prefilter; other codecs: the general path)
+            ref_x = ref_codes = None
+            lut = self._refine_lut_state()
+            if self.refine == "flat" and self._ref is not None:
+                ref_x = self._ref.numpy()
+            elif lut is not None:
+                ref_codes = (self.refine.query_rotation(), lut["packed"], lut["bits"],
+                             lut["cents"], lut["mult"], lut["add"])
+            if self.refine is None or (not self._prefilter
+                                       and (ref_x is not None or ref_codes is not None)):
+                state["one_call"] = ops.FlatSearch.prepare(
+                    rotate, state["signs"] or state["scanner"], self._ids.numpy(),
+                    metric_name(self._scoring), self._prefilter, center=mu if l2 else None,
+                    normalize=self.metric_type == METRIC_COSINE,
+                    ip_center=None if l2 else mu, ref_x=ref_x, ref_codes=ref_codes)
         self._scan = state
         return self._scan
 
@@ -668,22 +679,24 @@ class FlatIndex:
         codes through the caches, so every step after it runs cold: at one query (60k x 384,
         1 bit) the general path's ~40 tensor/numpy steps cost as much as the scan itself."""
         if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and 0 < x.shape[0] <= _QUERY_BLOCK and x.shape[1] == self.d
-                and self.refine is None):
+                and 0 < x.shape[0] <= _QUERY_BLOCK and x.shape[1] == self.d):
             return None
         with self._lock:
-            scan, n, ids = self._scan_state(), self._n, self._ids
-        kk = min(n, k)
+            scan, n, ids, kf = self._scan_state(), self._n, self._ids, self.k_factor
+        kk = min(n, k * kf if self.refine is not None else k)  # as search() takes them
         if scan is None or not scan["fast"] or not self._fast_rows_ok(n, kk):
             return None
         one = scan.get("one_call")
+        if self.refine is not None and one is None:
+            return None
         q = np.ascontiguousarray(x)
         if one is not None:
-            # the query's preparation (unit rows, q - mu and ||q - mu||^2, <q, mu>) and the
-            # check for NaN/Inf in the call, with the general path's float operations (those
-            # numpy and torch steps cost ~20-60 us per query, cache-cold after the previous
-            # scan); None: the general path reports the bad input
-            return one.search(q, k)
+            # the query's preparation (unit rows, q - mu and ||q - mu||^2, <q, mu>), the check
+            # for NaN/Inf and a refinement in the call, with the general path's float
+            # operations (those numpy and torch steps cost ~20-60 us per query, cache-cold
+            # after the previous scan; a refinement's ~200 more); None: the general path
+            # reports the bad input
+            return one.search(q, k, kf)
         if not np.isfinite(x).all():
             return None
         if self.metric_type == METRIC_COSINE:
@@ -813,9 +826,8 @@ class FlatIndex:
                                         lut["cents"], lut["mult"], lut["add"], rows,
                                         lut["bits"], min(k, kk))
             vals, pos = vals.numpy(), pos.numpy()
-            if self._scoring == METRIC_L2:
-                qn = qc.numpy()
-                vals = vals - (qn * qn).sum(1, keepdims=True)
+            if self._scoring == METRIC_L2:  # ops.row_sqnorms: the one-call search's (same bits)
+                vals = vals - ops.row_sqnorms(qc).numpy()[:, None]
             return vals, pos
         if isinstance(ref, Codes):
             flat = torch.from_numpy(p.reshape(-1)).clamp_min(0).to(ref.device)

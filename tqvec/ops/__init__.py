@@ -422,7 +422,11 @@ class FlatSearch:
     @classmethod
     def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
                 prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False,
-                ip_center: np.ndarray | None = None) -> FlatSearch | None:
+                ip_center: np.ndarray | None = None, ref_x: np.ndarray | None = None,
+                ref_codes: tuple | None = None) -> FlatSearch | None:
+        """``ref_x`` (n, d) float32 exact vectors or ``ref_codes`` = (rotate, packed, b,
+        centroids, mult, add) TurboQuant-mse codes: a refinement of k_factor k candidates that
+        the scan ranks by its tables alone (``rescore_topk`` / ``lut_rescore``; no prefilter)."""
         if metric not in RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
         if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
@@ -434,21 +438,39 @@ class FlatSearch:
         else:
             packed, bfull = np.zeros((0, 1), np.uint8), 1
             cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
+        none2, none8 = np.zeros((0, 1), np.float32), np.zeros((0, 1), np.uint8)
+        rx, rp, rb, rperm, rsign, rpp, rc, rm, ra = (none2, none8, 1, np.zeros((0, 1), np.int64),
+                                                     none2, 1, _NONE, _NONE, _NONE)
+        if ref_x is not None:
+            rx = np.ascontiguousarray(ref_x, np.float32)
+        elif ref_codes is not None:
+            rot2, packed2, rb, rc, rm, ra = ref_codes
+            if rot2._np is None:
+                return None
+            rperm, rsign = rot2._np
+            rpp = rot2.p
+            rp = np.ascontiguousarray(packed2.numpy() if isinstance(packed2, torch.Tensor)
+                                      else packed2, np.uint8)
+            rc, rm, ra = (np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t,
+                                               np.float32) for t in (rc, rm, ra))
         return cls(_cpu._C.FlatSearcher(
             perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
             int(prefilter), _cpu._RESCORE_METRICS[metric],
             _NONE if center is None else np.ascontiguousarray(center, np.float32),
             bool(normalize),
-            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32)))
+            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32),
+            rx, rp, int(rb), rperm, rsign, int(rpp), rc, rm, ra))
 
-    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def search(self, q: np.ndarray, k: int, k_factor: int = 1
+               ) -> tuple[np.ndarray, np.ndarray] | None:
         """q (nq, d) C-contiguous float32 (``center``, ``normalize`` and ``ip_center``, where
-        given, apply here; l2 then subtracts ``row_sqnorms`` of the result) -> (D (nq, k)
-        float32, I (nq, k) int64); None if q holds a NaN or an infinity."""
+        given, apply here; l2 then subtracts ``row_sqnorms`` of the result); with a refinement,
+        k_factor k candidates re-scored -> (D (nq, k) float32, I (nq, k) int64); None if q holds
+        a NaN or an infinity."""
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
-        if not self._searcher.search(q, D, I, _cpu._threads()):
+        if not self._searcher.search(q, D, I, _cpu._threads(), int(k_factor)):
             return None
         return D, I
 

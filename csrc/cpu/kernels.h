@@ -121,6 +121,18 @@ struct RotationArgs {
   int64_t p;
 };
 
+// A refinement by TurboQuant-mse codes (search.cpp's one-call searches): packed (n, ceil(d b /
+// 8)) rows re-scored by lut_rescore of the query rotated by rot, with the index's refinement
+// table terms (cent, mult, add; the flat index's _refine_lut_state). packed == nullptr: none.
+struct CodedRefine {
+  const uint8_t* packed;
+  int b;
+  RotationArgs rot;
+  const float* cent;
+  const float* mult;
+  const float* add;
+};
+
 // A whole flat search (search.cpp): rotate the queries (perms, signs: rounds x d, block p),
 // fast_scan the n rows (blocked codes, b bits, codebook, mult, add) for the best min(k, n), or
 // with packed != nullptr fast_scan_two_stage (blocked: the sign plane, codebook its 2
@@ -148,17 +160,11 @@ struct FlatSearchArgs {
   // (d) or nullptr: row_dots(q, ip_center) added to each query's values (after normalize): a
   // centred inner-product index's <q, mu>
   const float* ip_center;
-  // A refinement (prefilter 0): the scan keeps kk = k_factor k candidates by its tables alone
-  // (approx), then re-scores them — exact vectors ref_x (n, d) by rescore_topk, or TurboQuant-mse
-  // codes ref_packed (n, ceil(d ref_b / 8)) by lut_rescore of the query rotated by ref_rot with
-  // ref_cent, ref_mult, ref_add (the flat index's _refine_lut_state). Neither: nullptr.
+  // A refinement (prefilter 0): the scan keeps k_factor k candidates by its tables alone
+  // (approx), then re-scores them — exact vectors ref_x (n, d) by rescore_topk, or the codes of
+  // ref_codes. Neither: ref_x == ref_codes.packed == nullptr.
   const float* ref_x;
-  const uint8_t* ref_packed;
-  int ref_b;
-  RotationArgs ref_rot;
-  const float* ref_cent;
-  const float* ref_mult;
-  const float* ref_add;
+  CodedRefine ref_codes;
   int64_t k_factor;
 };
 // ||q - center||^2 by row_sqnorms for L2.
@@ -184,7 +190,9 @@ struct IvfSearchArgs {
   const int64_t* list_blocks;  // (nlist + 1)
   const int64_t* pos;          // (npad)
   const int64_t* ids;          // (n)
-  const float* ref;            // (n, d) or nullptr: no refinement
+  const float* ref;            // (n, d) or nullptr: no exact refinement
+  CodedRefine ref_codes;       // or a refinement by codes (packed nullptr: none) of
+  int64_t ref_n;               // n rows
   int metric;                  // RescoreMetric of the index
   int64_t kk;                  // candidates per query (k * k_factor with ref, else k)
 };

@@ -61,6 +61,31 @@ tqvec::RotationArgs checked_rotation(const CArr<const int64_t>& perms,
   return {perms.data(), signs.data(), static_cast<int>(rounds), p};
 }
 
+// A refinement by TurboQuant-mse codes for the one-call searches, checked once: n rows packed
+// (n, ceil(d b / 8)), their rotation, centroids, mult and add (n,). packed empty: none.
+tqvec::CodedRefine coded_refine(const CArr<const uint8_t>& packed, int b,
+                                const CArr<const int64_t>& perms, const CArr<const float>& signs,
+                                int64_t p, const CArr<const float>& cent,
+                                const CArr<const float>& mult, const CArr<const float>& add,
+                                int64_t n, int64_t d, const char* op) {
+  tqvec::CodedRefine r{};
+  if (packed.ndim() != 2 || packed.shape(0) == 0) return r;
+  check_bits(b);
+  require(packed.shape(0) == static_cast<size_t>(n) &&
+              packed.shape(1) == static_cast<size_t>(rb(d, b)) && mult.ndim() == 1 &&
+              add.ndim() == 1 && mult.shape(0) == static_cast<size_t>(n) &&
+              add.shape(0) == static_cast<size_t>(n),
+          op, ": ref_packed must be (n, ceil(d ref_b / 8)), ref_mult and ref_add (n,)");
+  check_centroids(cent, b, op);
+  r.packed = packed.data();
+  r.b = b;
+  r.rot = checked_rotation(perms, signs, p, d, op);
+  r.cent = cent.data();
+  r.mult = mult.data();
+  r.add = add.data();
+  return r;
+}
+
 // flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
 struct FlatSearcher {
   CArr<const int64_t> perms, ids;
@@ -86,7 +111,9 @@ bool all_finite(const float* x, int64_t n) {
 struct IvfSearcher {
   CArr<const float> centroids, csq, signs, codebook, mult, add, ref;
   CArr<const int64_t> perms, list_blocks, pos, ids;
-  CArr<const uint8_t> blocked;
+  CArr<const uint8_t> blocked, ref_packed;
+  CArr<const int64_t> ref_perms;
+  CArr<const float> ref_signs, ref_cent, ref_mult, ref_add;
   tqvec::IvfSearchArgs args;
 };
 
@@ -410,7 +437,10 @@ NB_MODULE(_C, m) {
               CArr<const uint8_t> blocked, int b, CArr<const float> codebook,
               CArr<const float> mult, CArr<const float> add, CArr<const int64_t> list_blocks,
               CArr<const int64_t> pos, CArr<const int64_t> ids, CArr<const float> ref,
-              int metric) {
+              int metric, CArr<const uint8_t> ref_packed, int ref_b,
+              CArr<const int64_t> ref_perms, CArr<const float> ref_signs, int64_t ref_p,
+              CArr<const float> ref_cent, CArr<const float> ref_mult,
+              CArr<const float> ref_add) {
              require(centroids.ndim() == 2 && csq.ndim() == 1 && perms.ndim() == 2 &&
                          signs.ndim() == 2 && blocked.ndim() == 3 && codebook.ndim() == 1 &&
                          mult.ndim() == 1 && add.ndim() == 1 && list_blocks.ndim() == 1 &&
@@ -443,6 +473,10 @@ NB_MODULE(_C, m) {
                                            ref.shape(1) == static_cast<size_t>(d)),
                      "IVFSearcher: ref must be (n, d) or empty");
              require(metric >= 0 && metric <= 2, "IVFSearcher: metric must be 0, 1 or 2");
+             const tqvec::CodedRefine rc =
+                 coded_refine(ref_packed, ref_b, ref_perms, ref_signs, ref_p, ref_cent, ref_mult,
+                              ref_add, n, d, "IVFSearcher");
+             require(!(rc.packed && ref.shape(0)), "IVFSearcher: one refinement");
              tqvec::IvfSearchArgs a{};
              a.d = d;
              a.nlist = nlist;
@@ -459,9 +493,13 @@ NB_MODULE(_C, m) {
              a.pos = pos.data();
              a.ids = ids.data();
              a.ref = ref.shape(0) ? ref.data() : nullptr;
+             a.ref_codes = rc;
+             a.ref_n = n;
              a.metric = metric;
-             new (self) IvfSearcher{centroids, csq, signs, codebook, mult, add, ref, perms,
-                                    list_blocks, pos, ids, blocked, a};
+             new (self) IvfSearcher{centroids, csq,        signs,     codebook,  mult,
+                                    add,       ref,        perms,     list_blocks, pos,
+                                    ids,       blocked,    ref_packed, ref_perms, ref_signs,
+                                    ref_cent,  ref_mult,   ref_add,   a};
            })
       .def("search", [](IvfSearcher& s, CArr<const float> q, int64_t nprobe, int64_t kk,
                         CArr<float> D, CArr<int64_t> I, int nthreads) {
@@ -529,25 +567,14 @@ NB_MODULE(_C, m) {
                      "FlatSearcher: ip_center must be empty or (d,), with the ip metric");
              // a refinement: exact vectors (n, d), or TurboQuant-mse codes with their rotation
              const bool rx = ref_x.ndim() == 2 && ref_x.shape(0) > 0;
-             const bool rp = ref_packed.ndim() == 2 && ref_packed.shape(0) > 0;
-             require(!(rx && rp) && (!(rx || rp) || !two),
+             const tqvec::CodedRefine rc =
+                 coded_refine(ref_packed, ref_b, ref_perms, ref_signs, ref_p, ref_cent, ref_mult,
+                              ref_add, n, d, "FlatSearcher");
+             require(!(rx && rc.packed) && (!(rx || rc.packed) || !two),
                      "FlatSearcher: one refinement, and not with a prefilter");
              require(!rx || (ref_x.shape(0) == static_cast<size_t>(n) &&
                              ref_x.shape(1) == static_cast<size_t>(d)),
                      "FlatSearcher: ref_x must be (n, d)");
-             tqvec::RotationArgs ref_rot{};
-             if (rp) {
-               check_bits(ref_b);
-               require(ref_packed.shape(0) == static_cast<size_t>(n) &&
-                           ref_packed.shape(1) == static_cast<size_t>(rb(d, ref_b)) &&
-                           ref_mult.ndim() == 1 && ref_add.ndim() == 1 &&
-                           ref_mult.shape(0) == static_cast<size_t>(n) &&
-                           ref_add.shape(0) == static_cast<size_t>(n),
-                       "FlatSearcher: ref_packed must be (n, ceil(d ref_b / 8)), ref_mult and "
-                       "ref_add (n,)");
-               check_centroids(ref_cent, ref_b, "FlatSearcher");
-               ref_rot = checked_rotation(ref_perms, ref_signs, ref_p, d, "FlatSearcher");
-             }
              tqvec::FlatSearchArgs a{};
              a.d = d;
              a.n = n;
@@ -568,12 +595,7 @@ NB_MODULE(_C, m) {
              a.normalize = normalize;
              a.ip_center = ip_center.shape(0) ? ip_center.data() : nullptr;
              a.ref_x = rx ? ref_x.data() : nullptr;
-             a.ref_packed = rp ? ref_packed.data() : nullptr;
-             a.ref_b = ref_b;
-             a.ref_rot = ref_rot;
-             a.ref_cent = ref_cent.data();
-             a.ref_mult = ref_mult.data();
-             a.ref_add = ref_add.data();
+             a.ref_codes = rc;
              a.k_factor = 1;
              new (self) FlatSearcher{perms,     ids,       signs,      codebook,  mult,
                                      add,       cfull,     add1,       center,    ip_center,

@@ -34,6 +34,22 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
     }
 }
 
+// The best m of each query's kc candidate rows (-1 = none) by the codes of r: lut_rescore of
+// the query rotated for them; qsq (nq) or nullptr: subtracted (L2: -||q - x_hat||^2), as the
+// flat index's _rerank_np does with ops.row_sqnorms.
+void refine_by_codes(const CodedRefine& r, const float* q, int64_t nq, int64_t d, int64_t n,
+                     const int64_t* rows, int64_t kc, const float* qsq, int64_t m, float* vals,
+                     int64_t* idx, int nthreads) {
+  std::vector<float> q2(static_cast<size_t>(nq * d));
+  hadamard_rotate(q, nq, d, r.rot.perms, r.rot.signs, r.rot.rounds, r.rot.p, false, q2.data(),
+                  nthreads);
+  lut_rescore(q2.data(), nq, d, r.packed, n, r.b, r.cent, r.mult, r.add, rows, kc, m, vals, idx,
+              nthreads);
+  if (qsq != nullptr)
+    for (int64_t i = 0; i < nq; ++i)
+      for (int64_t t = 0; t < m; ++t) vals[i * m + t] = vals[i * m + t] - qsq[i];
+}
+
 }  // namespace
 
 void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
@@ -69,7 +85,7 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
                   nthreads);
   const bool l2 = a.metric == kRescoreL2;
   const float* off = qoff.empty() ? nullptr : qoff.data();
-  if (a.ref_x != nullptr || a.ref_packed != nullptr) {
+  if (a.ref_x != nullptr || a.ref_codes.packed != nullptr) {
     // kk = k_factor k candidates by the tables alone, then the refinement's best min(k, kk)
     const int64_t kc = std::min(a.n, k * a.k_factor), m = std::min(k, kc);
     std::vector<float> cv(nqs * kc), rv(nqs * m);
@@ -78,19 +94,12 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
               cv.data(), ci.data(), nthreads);
     for (size_t t = 0; t < nqs * kc; ++t)  // the general path's rows: -1 where not finite
       if (!std::isfinite(cv[t])) ci[t] = -1;
-    if (a.ref_x != nullptr) {
+    if (a.ref_x != nullptr)
       rescore_topk(q, nq, d, a.ref_x, ci.data(), kc, a.metric, m, rv.data(), ri.data(),
                    nthreads);
-    } else {
-      std::vector<float> q2(nqs * d);
-      hadamard_rotate(q, nq, d, a.ref_rot.perms, a.ref_rot.signs, a.ref_rot.rounds, a.ref_rot.p,
-                      false, q2.data(), nthreads);
-      lut_rescore(q2.data(), nq, d, a.ref_packed, a.n, a.ref_b, a.ref_cent, a.ref_mult,
-                  a.ref_add, ci.data(), kc, m, rv.data(), ri.data(), nthreads);
-      if (l2)  // -||q - x_hat||^2 = score - ||q||^2
-        for (size_t i = 0; i < nqs; ++i)
-          for (int64_t r = 0; r < m; ++r) rv[i * m + r] = rv[i * m + r] - qsq[i];
-    }
+    else
+      refine_by_codes(a.ref_codes, q, nq, d, a.n, ci.data(), kc, l2 ? qsq.data() : nullptr, m,
+                      rv.data(), ri.data(), nthreads);
     write_results(rv.data(), ri.data(), nq, m, k, l2, off, a.ids, D, I);
     return;
   }
@@ -126,21 +135,32 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
                   nthreads);
   // with a refinement, which re-ranks them, the candidates by the 8-bit tables alone
   ivf_fast_scan(qr.data(), nq, d, a.blocked, a.npad, a.b, a.codebook, a.mult, a.add,
-                a.list_blocks, a.nlist, probes.data(), offsets.data(), np, kk, a.ref != nullptr,
-                vals.data(), idx.data(), nthreads);
+                a.list_blocks, a.nlist, probes.data(), offsets.data(), np, kk,
+                a.ref != nullptr || a.ref_codes.packed != nullptr, vals.data(), idx.data(),
+                nthreads);
   for (size_t t = 0; t < nqs * kk; ++t) {
     if (idx[t] >= 0) idx[t] = a.pos[idx[t]];  // padded row -> add-order position
     // cosine is ranked by the l2 estimate on unit vectors and reported as 1 - d^2 / 2
     if (a.metric == kRescoreCosine) vals[t] = 1.f + 0.5f * vals[t];
   }
   int64_t m = kk;
-  if (a.ref != nullptr) {
+  if (a.ref != nullptr || a.ref_codes.packed != nullptr) {
     m = std::min(k, kk);
     std::vector<int64_t> rows(nqs * kk);
     for (size_t t = 0; t < nqs * kk; ++t) rows[t] = std::isfinite(vals[t]) ? idx[t] : -1;
-    std::vector<float> v2(nqs * m);
+    std::vector<float> v2(nqs * m), qsq;
     std::vector<int64_t> i2(nqs * m);
-    rescore_topk(q, nq, d, a.ref, rows.data(), kk, a.metric, m, v2.data(), i2.data(), nthreads);
+    if (a.ref != nullptr) {
+      rescore_topk(q, nq, d, a.ref, rows.data(), kk, a.metric, m, v2.data(), i2.data(),
+                   nthreads);
+    } else {
+      if (a.metric == kRescoreL2) {
+        qsq.resize(nqs);
+        row_sqnorms(q, nq, d, qsq.data());
+      }
+      refine_by_codes(a.ref_codes, q, nq, d, a.ref_n, rows.data(), kk,
+                      qsq.empty() ? nullptr : qsq.data(), m, v2.data(), i2.data(), nthreads);
+    }
     vals.swap(v2);
     idx.swap(i2);
   }

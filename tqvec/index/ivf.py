@@ -257,10 +257,15 @@ class IVFIndex(FlatIndex):
                 torch.where(valid, mult[src], torch.zeros(())), add, list_blocks, bits,
                 self.codec.backend))
             rotate = self.codec.query_rotation()
-            if rotate is not None and self.refine in (None, "flat"):
+            lut = self._refine_lut_state()  # a TurboQuant-mse refinement's tables, or None
+            ref_codes = None if lut is None else (
+                self.refine.query_rotation(), lut["packed"], lut["bits"], lut["cents"],
+                lut["mult"], lut["add"])
+            if rotate is not None and (self.refine in (None, "flat") or ref_codes is not None):
                 st["one_call"] = ops.IVFSearch.prepare(
                     self._prober, rotate, st["scanner"], st["pos_np"], self._ids.numpy(),
-                    self._ref if self.refine == "flat" else None, metric_name(self.metric_type))
+                    self._ref if self.refine == "flat" else None, metric_name(self.metric_type),
+                    ref_codes=ref_codes)
         self._ivf = st
         return st
 

@@ -407,6 +407,25 @@ class IVFProbe:
 _NONE = np.zeros(0, dtype=np.float32)
 
 
+def _ref_code_args(ref_codes: tuple | None) -> tuple | None:
+    """The compiled searchers' refinement-by-codes arguments (packed, b, perms, signs, p,
+    centroids, mult, add) from ``ref_codes`` = (rotate, packed, b, centroids, mult, add), or
+    empty ones (no such refinement); None where the rotation is not a compiled Hadamard one."""
+    if ref_codes is None:
+        return (np.zeros((0, 1), np.uint8), 1, np.zeros((0, 1), np.int64),
+                np.zeros((0, 1), np.float32), 1, _NONE, _NONE, _NONE)
+    rot, packed, b, cents, mult, add = ref_codes
+    if rot._np is None:
+        return None
+    perms, signs = rot._np
+
+    def as_np(t: Any, dt: Any) -> np.ndarray:
+        return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t, dt)
+
+    return (as_np(packed, np.uint8), int(b), perms, signs, int(rot.p), as_np(cents, np.float32),
+            as_np(mult, np.float32), as_np(add, np.float32))
+
+
 class FlatSearch:
     """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
     rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` ->
@@ -438,21 +457,11 @@ class FlatSearch:
         else:
             packed, bfull = np.zeros((0, 1), np.uint8), 1
             cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
-        none2, none8 = np.zeros((0, 1), np.float32), np.zeros((0, 1), np.uint8)
-        rx, rp, rb, rperm, rsign, rpp, rc, rm, ra = (none2, none8, 1, np.zeros((0, 1), np.int64),
-                                                     none2, 1, _NONE, _NONE, _NONE)
-        if ref_x is not None:
-            rx = np.ascontiguousarray(ref_x, np.float32)
-        elif ref_codes is not None:
-            rot2, packed2, rb, rc, rm, ra = ref_codes
-            if rot2._np is None:
-                return None
-            rperm, rsign = rot2._np
-            rpp = rot2.p
-            rp = np.ascontiguousarray(packed2.numpy() if isinstance(packed2, torch.Tensor)
-                                      else packed2, np.uint8)
-            rc, rm, ra = (np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t,
-                                               np.float32) for t in (rc, rm, ra))
+        rx = (np.zeros((0, 1), np.float32) if ref_x is None
+              else np.ascontiguousarray(ref_x, np.float32))
+        codes = _ref_code_args(ref_codes)
+        if codes is None:
+            return None
         return cls(_cpu._C.FlatSearcher(
             perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
             np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
@@ -460,7 +469,7 @@ class FlatSearch:
             _NONE if center is None else np.ascontiguousarray(center, np.float32),
             bool(normalize),
             _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32),
-            rx, rp, int(rb), rperm, rsign, int(rpp), rc, rm, ra))
+            rx, *codes))
 
     def search(self, q: np.ndarray, k: int, k_factor: int = 1
                ) -> tuple[np.ndarray, np.ndarray] | None:
@@ -477,10 +486,11 @@ class FlatSearch:
 
 class IVFSearch:
     """A whole IVF search of a few float32 numpy queries in one compiled call: the composition
-    ``IVFProbe.probe`` -> ``HadamardRotate`` -> ``IVFFastScan.search`` (approximate with exact
-    vectors ``ref``) -> padded rows to positions (``pos``) -> ``rescore_topk`` with ``ref`` ->
-    ``(D, I)`` as faiss returns them (L2 distances, ``ids[position]``, padding), with the same
-    float operations as the composed ops (the IVF index's general path), so the same bits. At
+    ``IVFProbe.probe`` -> ``HadamardRotate`` -> ``IVFFastScan.search`` (approximate with a
+    refinement) -> padded rows to positions (``pos``) -> ``rescore_topk`` with exact vectors
+    ``ref`` or ``lut_rescore`` with codes ``ref_codes`` -> ``(D, I)`` as faiss returns them (L2
+    distances, ``ids[position]``, padding), with the same float operations as the composed ops
+    (the IVF index's general path), so the same bits. At
     one query the Python steps between those kernels cost more than the kernels. Build it with
     ``prepare``, which returns None where the parts do not all run on the compiled CPU kernels."""
 
@@ -489,7 +499,10 @@ class IVFSearch:
 
     @classmethod
     def prepare(cls, probe: IVFProbe, rotate: HadamardRotate, scan: IVFFastScan, pos: np.ndarray,
-                ids: np.ndarray, ref: torch.Tensor | None, metric: str) -> IVFSearch | None:
+                ids: np.ndarray, ref: torch.Tensor | None, metric: str,
+                ref_codes: tuple | None = None) -> IVFSearch | None:
+        """``ref`` (n, d) exact vectors or ``ref_codes`` = (rotate, packed, b, centroids, mult,
+        add) TurboQuant-mse codes (``FlatSearch.prepare``'s): the refinement, or neither."""
         if metric not in RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
         if probe._np is None or rotate._np is None or scan._np is None:
@@ -502,10 +515,13 @@ class IVFSearch:
         d = cen.shape[1]
         ref_np = (np.zeros((0, d), np.float32) if ref is None
                   else ref.to(torch.float32).contiguous().numpy())
+        codes = _ref_code_args(ref_codes)
+        if codes is None:
+            return None
         searcher = _cpu._C.IVFSearcher(
             cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
             np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
-            _cpu._RESCORE_METRICS[metric])
+            _cpu._RESCORE_METRICS[metric], *codes)
         return cls(searcher)
 
     def search(self, q: np.ndarray, nprobe: int, kk: int, k: int

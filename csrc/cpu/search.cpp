@@ -56,8 +56,7 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
                  int64_t* I, int nthreads) {
   const int64_t d = a.d, kk = std::min(k, a.n);
   const size_t nqs = static_cast<size_t>(nq);
-  std::vector<float> qr(nqs * d), vals(nqs * kk), qc, qsq, qoff;
-  std::vector<int64_t> idx(nqs * kk);
+  std::vector<float> qr(nqs * d), qc, qsq, qoff;
   if (a.normalize) {  // unit rows: the float operations of the index's _unit_rows
     qsq.resize(nqs);
     row_sqnorms(q, nq, d, qsq.data());
@@ -103,6 +102,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
     write_results(rv.data(), ri.data(), nq, m, k, l2, off, a.ids, D, I);
     return;
   }
+  std::vector<float> vals(nqs * kk);
+  std::vector<int64_t> idx(nqs * kk);
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
     fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.n, a.codebook, a.packed, a.bfull,
                         a.cfull, a.mult, a.add, a.add1, a.prefilter * kk, kk, vals.data(),

@@ -5,10 +5,14 @@ import pytest
 
 from tests.bounds import GAUSS_LLOYD_MAX, TQ_MSE_D128, mse_lower, mse_upper
 from tqvec.codebooks import (
+    _CosPower,
+    _grid_mse,
     angle_codebook,
     gaussian_codebook,
+    grid_half_step,
     polar_expected_mse,
     sphere_codebook,
+    sphere_grid_codebook,
 )
 
 
@@ -79,3 +83,48 @@ def test_angle_codebooks():
 def test_codebook_rejects_bad_bits(bad):
     with pytest.raises(ValueError, match="bits must be in 1..8"):
         sphere_codebook(64, bad)
+
+
+@pytest.mark.parametrize("d,b", [(2, 3), (3, 2), (64, 1), (128, 2), (384, 4), (784, 8)])
+def test_grid_codebook_is_an_exact_float32_grid_with_the_least_error(d, b):
+    """c[i] = hs (2 i - K + 1) exactly in float32 (what the kernels' affine decode relies on),
+    symmetric with the middle threshold exactly 0 (the sign bit), thresholds at the midpoints;
+    its MSE is at least Lloyd-Max's (equal at 1 bit, where a symmetric 2-level codebook is a
+    grid, and at d = 3) and no other step does better."""
+    cb = sphere_grid_codebook(d, b)
+    K = 1 << b
+    c32 = cb.centroids.astype(np.float32)
+    hs = grid_half_step(c32)
+    assert hs > 0 and float(np.float32(hs)) == hs
+    np.testing.assert_array_equal(cb.centroids, hs * (2.0 * np.arange(K) - (K - 1)))
+    assert cb.thresholds[K // 2 - 1] == 0.0
+    np.testing.assert_allclose(cb.thresholds, (cb.centroids[:-1] + cb.centroids[1:]) / 2,
+                               atol=1e-15)
+    lm = sphere_codebook(d, b)
+    if b == 1 or d == 3:  # d = 3: a uniform law, whose Lloyd-Max codebook is a grid
+        assert cb.mse == pytest.approx(lm.mse, rel=1e-6)
+    else:
+        assert cb.mse > lm.mse
+    dist = _CosPower(d - 2, "sin")
+    for f in (0.99, 1.01):
+        assert _grid_mse(dist, K, hs * f) * d > cb.mse
+
+
+def test_grid_codebook_mse_by_monte_carlo(rng):
+    """The quadrature's MSE against sampled unit vectors (d = 128, 2 and 8 bits)."""
+    d = 128
+    x = rng.standard_normal((20000, d))
+    u = (x / np.linalg.norm(x, axis=1, keepdims=True)).ravel()
+    for b in (2, 8):
+        cb = sphere_grid_codebook(d, b)
+        q = cb.centroids[np.searchsorted(cb.thresholds, u, side="right")]
+        assert float(((u - q) ** 2).mean() * d) == pytest.approx(cb.mse, rel=0.02)
+
+
+def test_grid_half_step_refuses_non_grids():
+    assert grid_half_step(sphere_codebook(64, 3).centroids.astype(np.float32)) == 0.0
+    assert grid_half_step(np.array([1.0], np.float32)) == 0.0
+    assert grid_half_step(np.array([0.5, -0.5], np.float32)) == 0.0  # descending
+    assert grid_half_step(np.array([-1.5, -0.5, 0.5, 1.5], np.float32)) == 0.5
+    with pytest.raises(ValueError, match="bits"):
+        sphere_grid_codebook(64, 9)

@@ -27,7 +27,8 @@ def _same_neighbours(I1, I2, D1, D2, tol):
             np.testing.assert_allclose(D1[i], D2[i], rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("spec", ["TQ2", "TQ4", "TQ3u", "TQ2f", "TQprod3", "Polar", "QJL64"])
+@pytest.mark.parametrize("spec", ["TQ2", "TQ4", "TQ3u", "TQ2f", "TQ3g", "TQprod3", "Polar",
+                                  "QJL64"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_search_equals_brute_force_over_the_estimator(spec, metric, rng):
     """Oracle: brute force over the decoded vectors x_hat, with N(x) = ||x_hat||^2 for the
@@ -42,7 +43,7 @@ def test_search_equals_brute_force_over_the_estimator(spec, metric, rng):
     n_x = (xb.astype(np.float64) ** 2).sum(1) if index.codec.unbiased_ip else (rec**2).sum(1)
     ip = xq.astype(np.float64) @ rec.T
     if metric == "ip":
-        rescaled = spec in ("TQ2", "TQ4")  # biased codes that store ||x||
+        rescaled = spec in ("TQ2", "TQ4", "TQ3g")  # biased codes that store ||x||
         sim = ip * (np.linalg.norm(xb, axis=1) / np.linalg.norm(rec, axis=1))[None, :] \
             if rescaled else ip
     elif metric == "l2":
@@ -154,7 +155,8 @@ def test_refinement_improves_recall(rng):
 
 
 @pytest.mark.parametrize("spec", ["TQ1,Refine(TQ8)", "TQ2,Refine(TQ4)", "Center,TQ2,Refine(TQ8)",
-                                  "IVF8,TQ2,Refine(TQ8)"])
+                                  "IVF8,TQ2,Refine(TQ8)", "TQ1,Refine(TQ8g)",
+                                  "IVF8,TQ2,Refine(TQ8g)"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_codec_refinement_rescored_in_the_rotated_domain(spec, metric, rng):
     """A TurboQuant-mse refinement re-scores candidates with ops.lut_rescore (rotated-domain
@@ -236,7 +238,43 @@ def test_torch_inputs_and_single_query(rng):
     assert I.shape == (1, 3) and I[0, 0] == 0
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_refinement_rotation_shared_or_its_own(metric, rng):
+    """index_factory gives the refinement the codes' seed, so the compiled call rotates each
+    query once for both; a refinement with its own seed (files written before) is rotated
+    separately. Either way the one-call results equal the general path's bit for bit, and
+    IVF's too."""
+    if "cpu" not in tqvec.available_backends():
+        pytest.skip("compiled module missing")
+    from tqvec.index import FlatIndex, IVFIndex
+
+    xb, xq = _data(rng, n=3000, d=48, nq=9)
+    shared = tqvec.index_factory(48, "TQ1,Refine(TQ8g)", metric)
+    assert shared.refine.seed == shared.codec.seed
+    own = FlatIndex(tqvec.TurboQuant(48, 1), metric,
+                    refine=tqvec.TurboQuant(48, 8, seed=7, codebook="grid"))
+    ivf = IVFIndex(tqvec.TurboQuant(48, 1), 8, metric, refine=tqvec.TurboQuant(48, 8, seed=7))
+    ivf.train(xb)
+    for index in (shared, own, ivf):
+        index.add(xb)
+        if index is not ivf:
+            assert index._scan_state().get("one_call") is not None
+        assert_numpy_path_matches(index, [xq[:1], xq])
+
+
+@pytest.mark.parametrize("spec,scale,codebook", [("TQ8g", "norm", "grid"),
+                                               ("TQ2gu", "unbiased", "grid"),
+                                               ("TQ3gf", "fit", "grid"),
+                                               ("TQ3f", "fit", "lloyd-max")])
+def test_factory_codebook_and_scale_suffixes(spec, scale, codebook):
+    index = tqvec.index_factory(32, spec)
+    assert (index.codec.scale, index.codec.codebook_kind) == (scale, codebook)
+    b = int(spec[2])
+    assert index.code_size == b * 4 + 4 + (2 if scale == "unbiased" else 0)
+
+
 @pytest.mark.parametrize("spec,msg", [("PQ8", "index spec component must be one of"),
+                                      ("TQ2ug", "index spec component must be one of"),
                                       ("IVF,TQ4", "for an IVF index"),
                                       ("Flat", "Flat is only a refinement"),
                                       ("TQ4,Refine(TQ8", "spec must look like")])
@@ -273,7 +311,8 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
 
 @pytest.mark.parametrize("spec", ["TQ1", "TQ3", "TQ2,Prefilter(4)", "TQprod2", "QJL64",
                                   "Center,TQ2", "Center,TQ1u", "TQ3f", "TQ1,Refine(TQ8)",
-                                  "Center,TQ2,Refine(TQ4)", "TQ2,Refine(Flat)"])
+                                  "Center,TQ2,Refine(TQ4)", "TQ2,Refine(Flat)", "TQ3g",
+                                  "TQ1,Refine(TQ8g)"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     """float32 numpy queries take the short CPU path (FlatIndex._search_fast_numpy; for

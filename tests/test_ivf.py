@@ -94,7 +94,7 @@ def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):
 
 
 @pytest.mark.parametrize("spec", ["IVF16,TQ1", "IVF16,TQ3", "IVF16,TQ2,Refine(Flat)",
-                                  "IVF16,TQ1,Refine(TQ8)"])
+                                  "IVF16,TQ1,Refine(TQ8)", "IVF16,TQ1,Refine(TQ8g)"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     """float32 numpy queries take IVFIndex._search_fast_numpy, torch queries the general path:

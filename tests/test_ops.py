@@ -228,14 +228,47 @@ def test_lut_rescore_matches_reference(backend, b, rng):
     assert not torch.isin(p1[p1 >= 0], torch.arange(0, n, 9)).any()
 
 
-@pytest.mark.parametrize("b", [2, 3, 4, 8])
-def test_fast_scan_two_stage(backend, b, rng):
+@pytest.mark.parametrize("b", [3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("d", [8, 24, 37, 784])
+def test_lut_rescore_grid_codebook_matches_reference(backend, b, d, rng):
+    """A grid codebook (sphere_grid_codebook: c[i] = hs (2 i - K + 1) exactly) is decoded by
+    the CPU kernel affinely, hs * sum q_j (2 idx_j - K + 1), not gathered: the same scores as
+    the reference's table lookups within float rounding, at every width and with d mod 16 of 0,
+    8 and neither. A table one ulp off the grid is gathered (the general path), same scores."""
+    if backend == "cuda":
+        pytest.skip("lut_rescore is a CPU kernel (the reference runs on GPUs)")
+    from tqvec.codebooks import grid_half_step, sphere_grid_codebook
+
+    n, nq, r = 500, 5, 40
+    qr, packed, _, mult, add = scan_case(rng, nq, n, d, b, excluded_every=9)
+    c = torch.from_numpy(sphere_grid_codebook(max(d, 2), b).centroids.astype(np.float32))
+    assert grid_half_step(c.numpy()) > 0
+    off = c.clone()
+    off[0] = torch.nextafter(off[0], torch.tensor(0.0))
+    assert grid_half_step(off.numpy()) == 0.0
+    rows = torch.from_numpy(np.stack([rng.choice(n, r, replace=False) for _ in range(nq)]))
+    rows[:, -3:] = -1
+    for cb in (c, off):
+        v0, p0 = ops.ref.lut_rescore_ref(qr, packed, cb, mult, add, rows, b, 10)
+        v1, p1 = ops.lut_rescore(qr, packed, cb, mult, add, rows, b, 10, backend=backend)
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-5 * max(1.0, d ** 0.5 / 4))
+        assert (p1 == p0).float().mean() > 0.95
+
+
+@pytest.mark.parametrize("b,grid", [(2, False), (3, False), (4, False), (8, False), (3, True),
+                                    (8, True)])
+def test_fast_scan_two_stage(backend, b, grid, rng):
     """With k1 >= n every row reaches the second stage: exactly lut_scan's top k. With a small
-    k1 the results are exact full-code scores of rows the sign pass ranked high."""
+    k1 the results are exact full-code scores of rows the sign pass ranked high. A grid
+    codebook's second stage decodes affinely (lut_rescore's path)."""
     if backend == "cuda":
         pytest.skip("fast_scan_two_stage is a CPU kernel")
     n, d, nq, k = 3000, 64, 5, 10
     qr, packed, c, mult, add = scan_case(rng, nq, n, d, b, excluded_every=11)
+    if grid:
+        from tqvec.codebooks import sphere_grid_codebook
+
+        c = torch.from_numpy(sphere_grid_codebook(d, b).centroids.astype(np.float32))
     idx = ops.unpack_bits(packed, d, b)
     signs = ops.block_codes(ops.pack_bits(idx >> (b - 1), 1), d, 1)
     c1 = torch.tensor([-1.0, 1.0]) * c.abs().mean()
@@ -322,7 +355,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
-    every width), a one-row rotation, the probe's register tiles, ||q||^2 and <q, v>."""
+    every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
+    ||q||^2 and <q, v>."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -331,6 +365,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     script = (
         "import numpy as np, torch, sys\n"
         "from tqvec import ops\n"
+        "from tqvec.codebooks import sphere_grid_codebook\n"
         "rng = np.random.default_rng(3)\n"
         "out = []\n"
         "for b, d, n in [(1, 100, 1000), (2, 96, 777), (3, 100, 999), (4, 384, 2000)]:\n"
@@ -354,13 +389,17 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    out.append(ops.hadamard_rotate(qr[:1], rot.perms, rot.signs, rot.p).numpy())\n"
         "    out.append(ops.row_sqnorms(qr).numpy())\n"
         "    out.append(ops.row_dots(qr, qr[0]).numpy())\n"
-        "    for bb, dd in [(1, d), (2, d), (3, 37), (4, d), (5, 50), (8, d), (8, 13)]:\n"
+        "    for bb, dd in [(1, d), (2, d), (3, 37), (4, d), (5, 50), (6, 24), (7, 40), (8, d),\n"
+        "                   (8, 13)]:\n"
         "        ii = torch.from_numpy(rng.integers(0, 1 << bb, (n, dd)).astype(np.uint8))\n"
         "        cc = torch.from_numpy(np.sort(rng.standard_normal(1 << bb)).astype(np.float32))\n"
+        "        cg = torch.from_numpy(sphere_grid_codebook(max(dd, 2), bb).centroids.astype(\n"
+        "            np.float32))\n"
         "        qq = torch.from_numpy(rng.standard_normal((3, dd)).astype(np.float32))\n"
         "        rr = torch.from_numpy(rng.integers(-1, n, (3, 30)))\n"
-        "        out += [t.numpy() for t in ops.lut_rescore(qq, ops.pack_bits(ii, bb), cc,\n"
-        "            torch.ones(n), torch.zeros(n), rr, bb, 10)]\n"
+        "        for cb in (cc, cg):\n"
+        "            out += [t.numpy() for t in ops.lut_rescore(qq, ops.pack_bits(ii, bb), cb,\n"
+        "                torch.ones(n), torch.zeros(n), rr, bb, 10)]\n"
         "    rows = torch.from_numpy(rng.integers(-1, n, (3, 40)))\n"
         "    for metric in ('ip', 'l2', 'cosine'):\n"
         "        out += [t.numpy() for t in ops.rescore_topk(qr, qr.new_tensor(\n"

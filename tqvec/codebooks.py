@@ -3,6 +3,12 @@
 * ``sphere_codebook(d, b)``: Lloyd-Max for one coordinate of a uniform point on S^{d-1}, the
   density f(x) ∝ (1 - x^2)^((d-3)/2) on [-1, 1] (TurboQuant paper, Lemma 1; a rescaled
   Beta((d-1)/2, (d-1)/2)), for any d >= 2 and b = 1..8.
+* ``sphere_grid_codebook(d, b)``: the best *uniform grid* for the same coordinate law: centroids
+  (i - (K-1)/2) * step, thresholds at the midpoints, the step chosen to minimize the MSE. It
+  costs distortion against Lloyd-Max (d = 784: 0.1186 vs 0.1172 at 2 bits, 8.7e-5 vs 4.1e-5 at 8;
+  identical at 1 bit, where every symmetric 2-level codebook is a grid), but an index decodes
+  affinely, c[i] = (step / 2) (2 i - K + 1): a kernel scores a row with integer-to-float
+  conversions and multiplies instead of a table gather per coordinate (an 8-bit refinement).
 * ``angle_codebook(level, b)``: Lloyd-Max for the PolarQuant angle of a given level of the
   recursive polar transform of a Gaussian vector (PolarQuant paper, Lemma 2): level 1 uniform on
   [0, 2pi) (a circle, so the optimum is the uniform partition), level l >= 2 with density
@@ -27,8 +33,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["Codebook", "sphere_codebook", "angle_codebook", "gaussian_codebook",
-           "polar_expected_mse"]
+__all__ = ["Codebook", "sphere_codebook", "sphere_grid_codebook", "grid_half_step",
+           "angle_codebook", "gaussian_codebook", "polar_expected_mse"]
 
 _NODES, _WEIGHTS = np.polynomial.legendre.leggauss(128)
 
@@ -185,6 +191,61 @@ def sphere_codebook(d: int, b: int) -> Codebook:
     cb = _lloyd_max(dist, _compander_init(dist, K), -1.0, 1.0, tol=1e-13 / math.sqrt(d))
     cb = _symmetrize(cb, 0.0)
     return Codebook(cb.centroids, cb.thresholds, mse=cb.mse * d, iterations=cb.iterations)
+
+
+def _grid_mse(dist: _CosPower, K: int, half_step: float) -> float:
+    """E (v - Q(v))^2 of the grid c_i = half_step (2 i - K + 1), cells split at the midpoints."""
+    c = half_step * (2.0 * np.arange(K) - (K - 1))
+    edges = dist.v_inv(np.concatenate([[-1.0], (c[:-1] + c[1:]) / 2, [1.0]]))
+    th, wq = dist.cells(edges[:-1], edges[1:])
+    return float((wq * (dist.v(th) - c[:, None]) ** 2).sum() / wq.sum())
+
+
+def grid_half_step(centroids: np.ndarray) -> float:
+    """step / 2 if ``centroids`` (float32) are exactly the grid (step / 2) (2 i - K + 1) with
+    K >= 2, else 0.0: the test a kernel's affine decode relies on (tqvec/ops)."""
+    c = np.asarray(centroids, dtype=np.float32)
+    K = len(c)
+    if K < 2 or K % 2:
+        return 0.0
+    hs = c[K // 2]  # (2 (K/2) - K + 1) = 1: exactly the half step
+    want = (np.float64(hs) * (2.0 * np.arange(K) - (K - 1))).astype(np.float32)
+    return float(hs) if hs > 0 and np.array_equal(c, want) else 0.0
+
+
+@functools.lru_cache(maxsize=256)
+def sphere_grid_codebook(d: int, b: int) -> Codebook:
+    """MSE-optimal uniform grid for a coordinate of a uniform point on S^{d-1}: centroids
+    hs (2 i - K + 1), hs (half the step) a float32 number, so the float32 table is exactly that
+    grid (``grid_half_step`` recognizes it); thresholds at the midpoints; ``mse`` = d * cost.
+
+    The cost is unimodal in the step here (a log-concave density): a log-spaced scan brackets
+    the minimum, golden-section search narrows it to ~1e-9 relative.
+    """
+    if not isinstance(d, (int, np.integer)) or d < 2:
+        raise ValueError(f"dim must be an int >= 2, got {d!r}")
+    _check_bits(b)
+    dist = _CosPower(d - 2, "sin")
+    K = 1 << b
+    # The outermost centroid (K - 1) hs lies between 0.1 and ~12 coordinate standard deviations
+    # (1 / sqrt(d)); the grid clips past it.
+    top = np.exp(np.linspace(math.log(0.1), math.log(12.0), 200)) / math.sqrt(d)
+    hs_scan = np.minimum(top / (K - 1), 1.0 / (K - 1))
+    cost = [_grid_mse(dist, K, h) for h in hs_scan]
+    i = int(np.argmin(cost))
+    lo, hi = hs_scan[max(i - 1, 0)], hs_scan[min(i + 1, len(hs_scan) - 1)]
+    g = (math.sqrt(5.0) - 1.0) / 2.0
+    for _ in range(60):
+        x1, x2 = hi - g * (hi - lo), lo + g * (hi - lo)
+        if _grid_mse(dist, K, x1) < _grid_mse(dist, K, x2):
+            hi = x2
+        else:
+            lo = x1
+    hs = float(np.float32((lo + hi) / 2))
+    c = hs * (2.0 * np.arange(K) - (K - 1))
+    t = (c[:-1] + c[1:]) / 2
+    t[K // 2 - 1] = 0.0  # exactly the sign (it is 0 up to rounding already)
+    return Codebook(c, t, mse=_grid_mse(dist, K, hs) * d)
 
 
 @functools.lru_cache(maxsize=64)

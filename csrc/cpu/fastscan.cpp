@@ -1076,6 +1076,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
                          const float* mult, const float* add, const float* add1, int64_t k1,
                          int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = (d * b + 7) / 8;
+  const float hs = b >= 3 ? grid_half_step(centroids, b) : 0.0f;
   fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
                  [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
                    // the rows of the k1 best approximate sign scores (ties included), then
@@ -1102,7 +1103,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
                      if (r + kAhead < rows.size()) fetch(r + kAhead);
                      const int64_t i = rows[r];
                      hits.emplace_back(
-                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids) +
+                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) +
                              add[i],
                          i);
                    }

@@ -128,6 +128,7 @@ struct CodedRefine {
   const uint8_t* packed;
   int b;
   RotationArgs rot;
+  bool same_rotation;  // rot is the scan's: its rotated queries are re-used
   const float* cent;
   const float* mult;
   const float* add;

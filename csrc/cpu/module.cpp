@@ -5,6 +5,7 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 #include <string>
@@ -67,7 +68,8 @@ tqvec::CodedRefine coded_refine(const CArr<const uint8_t>& packed, int b,
                                 const CArr<const int64_t>& perms, const CArr<const float>& signs,
                                 int64_t p, const CArr<const float>& cent,
                                 const CArr<const float>& mult, const CArr<const float>& add,
-                                int64_t n, int64_t d, const char* op) {
+                                int64_t n, int64_t d, const tqvec::RotationArgs& base,
+                                const char* op) {
   tqvec::CodedRefine r{};
   if (packed.ndim() != 2 || packed.shape(0) == 0) return r;
   check_bits(b);
@@ -80,6 +82,12 @@ tqvec::CodedRefine coded_refine(const CArr<const uint8_t>& packed, int b,
   r.packed = packed.data();
   r.b = b;
   r.rot = checked_rotation(perms, signs, p, d, op);
+  // the scan's own rotation (a refinement made with the codes' seed, as index_factory does):
+  // the scan's rotated queries serve the re-scoring too
+  const size_t rd = static_cast<size_t>(r.rot.rounds) * static_cast<size_t>(d);
+  r.same_rotation = r.rot.p == base.p && r.rot.rounds == base.rounds &&
+                    std::equal(r.rot.perms, r.rot.perms + rd, base.perms) &&
+                    std::equal(r.rot.signs, r.rot.signs + rd, base.signs);
   r.cent = cent.data();
   r.mult = mult.data();
   r.add = add.data();
@@ -475,7 +483,7 @@ NB_MODULE(_C, m) {
              require(metric >= 0 && metric <= 2, "IVFSearcher: metric must be 0, 1 or 2");
              const tqvec::CodedRefine rc =
                  coded_refine(ref_packed, ref_b, ref_perms, ref_signs, ref_p, ref_cent, ref_mult,
-                              ref_add, n, d, "IVFSearcher");
+                              ref_add, n, d, rot, "IVFSearcher");
              require(!(rc.packed && ref.shape(0)), "IVFSearcher: one refinement");
              tqvec::IvfSearchArgs a{};
              a.d = d;
@@ -569,7 +577,7 @@ NB_MODULE(_C, m) {
              const bool rx = ref_x.ndim() == 2 && ref_x.shape(0) > 0;
              const tqvec::CodedRefine rc =
                  coded_refine(ref_packed, ref_b, ref_perms, ref_signs, ref_p, ref_cent, ref_mult,
-                              ref_add, n, d, "FlatSearcher");
+                              ref_add, n, d, rot, "FlatSearcher");
              require(!(rx && rc.packed) && (!(rx || rc.packed) || !two),
                      "FlatSearcher: one refinement, and not with a prefilter");
              require(!rx || (ref_x.shape(0) == static_cast<size_t>(n) &&

@@ -1,6 +1,7 @@
 // Exact scores of a few packed rows against one query (lut_rescore, and the second stage of
 // the two-stage fast scan): a table only where it pays for a small multiple of k rows — 16
-// entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build) — and none for b >= 3.
+// entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build) — and none for b >= 3,
+// where a grid codebook needs no gather either (grid_half_step: a call's one test).
 #pragma once
 #include <immintrin.h>
 
@@ -39,37 +40,106 @@ inline uint32_t code_at(const uint8_t* row, int b, int64_t j) {
   return (((hi8 << 8) | lo8) >> (bit & 7)) & ((1u << b) - 1u);
 }
 
-// Lane l of a[8] += q_j c[idx_j] for j = l (mod 8), j < n (a multiple of 8): a multiply then an
-// add (no FMA, as everywhere here) — the same float operations in the AVX2 version (one gather
-// of 8 centroids per step) and the portable one.
-inline void lanes8_portable(float* a, const float* q, const uint8_t* idx, int64_t n,
-                            const float* c) {
-  for (int64_t j = 0; j < n; j += 8)
-    for (int l = 0; l < 8; ++l) a[l] += q[j + l] * c[idx[j + l]];
+// Half the step hs of a grid codebook c[i] = hs (2 i - K + 1) (tqvec.codebooks'
+// sphere_grid_codebook: hs a float, every entry exactly that product), else 0.
+inline float grid_half_step(const float* c, int b) {
+  const int K = 1 << b;
+  const float hs = c[K / 2];
+  if (!(hs > 0.0f)) return 0.0f;
+  for (int i = 0; i < K; ++i)
+    if (c[i] != static_cast<float>(static_cast<double>(hs) * (2 * i - K + 1))) return 0.0f;
+  return hs;
 }
 
-__attribute__((target("avx2"))) inline void lanes8_avx2(float* a, const float* q,
-                                                        const uint8_t* idx, int64_t n,
-                                                        const float* c) {
-  __m256 acc = _mm256_loadu_ps(a);
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256i v =
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(idx + j)));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(q + j), _mm256_i32gather_ps(c, v, 4)));
+// The 8 indices of coordinates j0 .. j0 + 7 (j0 a multiple of 8) of a packed row of rb bytes.
+inline void unpack8(const uint8_t* row, int64_t rb, int b, int64_t j0, uint32_t* v) {
+  const int64_t off = j0 / 8 * b;  // 8 indices fill b whole bytes
+  uint64_t w = 0;                  // little-endian; a whole 8-byte load where the row has them
+  if (off + 8 <= rb)
+    std::memcpy(&w, row + off, 8);
+  else
+    for (int t = 0; t < b; ++t) w |= static_cast<uint64_t>(row[off + t]) << (8 * t);
+  for (int t = 0; t < 8; ++t) v[t] = static_cast<uint32_t>((w >> (t * b)) & ((1u << b) - 1u));
+}
+
+// b >= 3: a[16] += q_j v_j over the first d8 coordinates (d8 a multiple of 8), lane
+// 8 ((j / 8) mod 2) + (j mod 8), where v_j = c[idx_j], or for a grid codebook (hs > 0) the
+// integer 2 idx_j - K + 1 as a float (the row's sum is multiplied by hs once, at the end). A
+// multiply then an add (no FMA, as everywhere here): the same float operations in the portable
+// and the AVX2 versions. Two sets of 8 lanes, so the adds of consecutive steps do not wait on
+// each other.
+inline void row_lanes_portable(float* a, const float* q, const uint8_t* row, int64_t rb,
+                               int64_t d8, int b, const float* c, bool grid) {
+  const int km1 = (1 << b) - 1;
+  uint32_t v[8];
+  for (int64_t j = 0; j < d8; j += 8) {
+    if (b == 8)
+      for (int t = 0; t < 8; ++t) v[t] = row[j + t];
+    else
+      unpack8(row, rb, b, j, v);
+    float* acc = a + ((j >> 3) & 1) * 8;
+    for (int t = 0; t < 8; ++t)
+      acc[t] += q[j + t] * (grid ? static_cast<float>(static_cast<int>(2 * v[t]) - km1) : c[v[t]]);
   }
-  _mm256_storeu_ps(a, acc);
+}
+
+// The 8 products q_j v_j of coordinates j .. j + 7 (row_lanes' terms).
+template <bool Grid>
+__attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, const uint8_t* row,
+                                                            int64_t rb, int64_t j, int b,
+                                                            const float* c) {
+  const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
+  __m256i v;
+  if (b == 8) {
+    v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
+  } else if (b <= 4) {  // b = 3, 4: the 8 indices lie in one 32-bit word, lane t at bit t b
+    const int64_t off = j / 8 * b;
+    uint32_t w = 0;
+    if (off + 4 <= rb)
+      std::memcpy(&w, row + off, 4);
+    else
+      for (int t = 0; t < b; ++t) w |= static_cast<uint32_t>(row[off + t]) << (8 * t);
+    const __m256i sh = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32(b));
+    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), mask);
+  } else {
+    alignas(32) uint32_t vb[8];
+    unpack8(row, rb, b, j, vb);
+    v = _mm256_load_si256(reinterpret_cast<const __m256i*>(vb));
+  }
+  // grid: 2 idx - (K - 1), exactly, as a float
+  const __m256 cv = Grid ? _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(v, v), mask))
+                         : _mm256_i32gather_ps(c, v, 4);
+  return _mm256_mul_ps(_mm256_loadu_ps(q + j), cv);
+}
+
+template <bool Grid>
+__attribute__((target("avx2"))) inline void row_lanes_avx2(float* a, const float* q,
+                                                           const uint8_t* row, int64_t rb,
+                                                           int64_t d8, int b, const float* c) {
+  // two named accumulators (an array indexed by the step's parity lived on the stack: every
+  // add then waited on a store and a load)
+  __m256 acc0 = _mm256_loadu_ps(a), acc1 = _mm256_loadu_ps(a + 8);
+  int64_t j = 0;
+  for (; j + 16 <= d8; j += 16) {
+    acc0 = _mm256_add_ps(acc0, row_term_avx2<Grid>(q, row, rb, j, b, c));
+    acc1 = _mm256_add_ps(acc1, row_term_avx2<Grid>(q, row, rb, j + 8, b, c));
+  }
+  if (j < d8) acc0 = _mm256_add_ps(acc0, row_term_avx2<Grid>(q, row, rb, j, b, c));
+  _mm256_storeu_ps(a, acc0);
+  _mm256_storeu_ps(a + 8, acc1);
 }
 
 // <q, c[idx]> of one packed row (rb = ceil(d b / 8) bytes). b = 1, 2: through the nibble table of
 // rescore_table, in eight independent partial sums (byte p mod 4, low and high nibble) added in
-// order at the end. b >= 3: the products of lanes8 (indices unpacked to bytes a chunk at a
-// time), then the tail and the lanes in order. One running sum over a table per coordinate made
-// every row a chain of d dependent adds (~0.9 us at d = 784), and the 16-entry-per-nibble table
-// of b = 4 cost as much to build, 16 d products per query, as scoring 16 rows directly:
-// lut_rescore of 30 rows per query at d = 784 took 19 ms per 1,000 queries at 4 bits, 13 at 8
-// (Refine(TQ8) was slower than Refine(Flat)).
+// order at the end. b >= 3: row_lanes (no table; indices unpacked in registers for b = 3, 4, 8),
+// then the tail and the 16 lanes in order; a grid codebook (hs > 0, see grid_half_step) decodes
+// affinely instead of gathering c[idx]: hs (sum q_j (2 idx_j - K + 1)). One running sum over a
+// table per coordinate made every row a chain of d dependent adds (~0.9 us at d = 784), and the
+// 16-entry-per-nibble table of b = 4 cost as much to build, 16 d products per query, as scoring
+// 16 rows directly.
 inline float rescore_row(const float* q, const float* T, const uint8_t* row, int64_t d, int b,
-                         const float* c) {
+                         const float* c, float hs = 0.0f) {
   const int64_t rb = (d * b + 7) / 8;
   if (b == 1 || b == 2) {
     float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -87,43 +157,23 @@ inline float rescore_row(const float* q, const float* T, const uint8_t* row, int
     for (int u = 0; u < 8; ++u) t += s[u];
     return t;
   }
-  const bool avx2 = simd_avx2();
-  constexpr int64_t kChunk = 256;
-  alignas(32) uint8_t ib[kChunk];
-  float a[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  const bool grid = hs > 0.0f;
+  float a[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t d8 = d / 8 * 8;
-  for (int64_t j0 = 0; j0 < d8; j0 += kChunk) {
-    const int64_t n = std::min(kChunk, d8 - j0);
-    const uint8_t* idx = row + j0;
-    if (b == 4) {
-      for (int64_t j = 0; j < n; j += 2) {
-        const uint8_t v = row[(j0 + j) >> 1];
-        ib[j] = v & 15;
-        ib[j + 1] = v >> 4;
-      }
-      idx = ib;
-    } else if (b != 8) {  // 8 indices in b whole bytes (j0 + j is a multiple of 8)
-      const uint64_t mask = (1u << b) - 1u;
-      for (int64_t j = 0; j < n; j += 8) {
-        const int64_t off = (j0 + j) / 8 * b;
-        uint64_t w = 0;  // little-endian; a whole 8-byte load where the row has them
-        if (off + 8 <= rb)
-          std::memcpy(&w, row + off, 8);
-        else
-          for (int t = 0; t < b; ++t) w |= static_cast<uint64_t>(row[off + t]) << (8 * t);
-        for (int t = 0; t < 8; ++t) ib[j + t] = static_cast<uint8_t>((w >> (t * b)) & mask);
-      }
-      idx = ib;
-    }
-    if (avx2)
-      lanes8_avx2(a, q + j0, idx, n, c);
-    else
-      lanes8_portable(a, q + j0, idx, n, c);
-  }
+  if (!simd_avx2())
+    row_lanes_portable(a, q, row, rb, d8, b, c, grid);
+  else if (grid)
+    row_lanes_avx2<true>(a, q, row, rb, d8, b, c);
+  else
+    row_lanes_avx2<false>(a, q, row, rb, d8, b, c);
+  const int km1 = (1 << b) - 1;
   float s = 0.f;
-  for (int64_t j = d8; j < d; ++j) s += q[j] * c[code_at(row, b, j)];
-  for (int l = 0; l < 8; ++l) s += a[l];
-  return s;
+  for (int64_t j = d8; j < d; ++j) {
+    const uint32_t v = code_at(row, b, j);
+    s += q[j] * (grid ? static_cast<float>(static_cast<int>(2 * v) - km1) : c[v]);
+  }
+  for (int l = 0; l < 16; ++l) s += a[l];
+  return grid ? hs * s : s;
 }
 
 }  // namespace tqvec

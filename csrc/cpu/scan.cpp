@@ -118,6 +118,7 @@ void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, 
   const int64_t rb = (d * b + 7) / 8;
   // threads over queries; a query's candidates are few (a small multiple of k)
   const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nq * r / 256));
+  const float hs = b >= 3 ? grid_half_step(centroids, b) : 0.0f;
   run_workers(t, [&](int64_t w) {
     std::vector<float> T;
     for (int64_t qi = w; qi < nq; qi += t) {
@@ -131,7 +132,7 @@ void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, 
           for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(packed + nxt * rb + o);
         const int64_t i = rows[qi * r + c];
         if (i < 0 || i >= n) continue;
-        top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids) * mult[i] + add[i],
+        top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) * mult[i] + add[i],
                  i);
       }
       write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);

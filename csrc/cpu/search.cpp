@@ -37,13 +37,17 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
 // The best m of each query's kc candidate rows (-1 = none) by the codes of r: lut_rescore of
 // the query rotated for them; qsq (nq) or nullptr: subtracted (L2: -||q - x_hat||^2), as the
 // flat index's _rerank_np does with ops.row_sqnorms.
-void refine_by_codes(const CodedRefine& r, const float* q, int64_t nq, int64_t d, int64_t n,
-                     const int64_t* rows, int64_t kc, const float* qsq, int64_t m, float* vals,
-                     int64_t* idx, int nthreads) {
-  std::vector<float> q2(static_cast<size_t>(nq * d));
-  hadamard_rotate(q, nq, d, r.rot.perms, r.rot.signs, r.rot.rounds, r.rot.p, false, q2.data(),
-                  nthreads);
-  lut_rescore(q2.data(), nq, d, r.packed, n, r.b, r.cent, r.mult, r.add, rows, kc, m, vals, idx,
+void refine_by_codes(const CodedRefine& r, const float* q, const float* qr, int64_t nq,
+                     int64_t d, int64_t n, const int64_t* rows, int64_t kc, const float* qsq,
+                     int64_t m, float* vals, int64_t* idx, int nthreads) {
+  std::vector<float> q2;
+  if (!r.same_rotation) {  // qr: q rotated by the scan's rotation
+    q2.resize(static_cast<size_t>(nq * d));
+    hadamard_rotate(q, nq, d, r.rot.perms, r.rot.signs, r.rot.rounds, r.rot.p, false, q2.data(),
+                    nthreads);
+    qr = q2.data();
+  }
+  lut_rescore(qr, nq, d, r.packed, n, r.b, r.cent, r.mult, r.add, rows, kc, m, vals, idx,
               nthreads);
   if (qsq != nullptr)
     for (int64_t i = 0; i < nq; ++i)
@@ -97,7 +101,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
       rescore_topk(q, nq, d, a.ref_x, ci.data(), kc, a.metric, m, rv.data(), ri.data(),
                    nthreads);
     else
-      refine_by_codes(a.ref_codes, q, nq, d, a.n, ci.data(), kc, l2 ? qsq.data() : nullptr, m,
+      refine_by_codes(a.ref_codes, q, qr.data(), nq, d, a.n, ci.data(), kc,
+                      l2 ? qsq.data() : nullptr, m,
                       rv.data(), ri.data(), nthreads);
     write_results(rv.data(), ri.data(), nq, m, k, l2, off, a.ids, D, I);
     return;
@@ -159,7 +164,7 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
         qsq.resize(nqs);
         row_sqnorms(q, nq, d, qsq.data());
       }
-      refine_by_codes(a.ref_codes, q, nq, d, a.ref_n, rows.data(), kk,
+      refine_by_codes(a.ref_codes, q, qr.data(), nq, d, a.ref_n, rows.data(), kk,
                       qsq.empty() ? nullptr : qsq.data(), m, v2.data(), i2.data(), nthreads);
     }
     vals.swap(v2);

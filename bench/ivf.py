@@ -1,4 +1,4 @@
-"""IVF search: tqvec ``IVF{nlist},TQ{b}[,Refine(Flat)|Refine(TQ8)]`` vs faiss
+"""IVF search: tqvec ``IVF{nlist},TQ{b}[,Refine(Flat)|Refine(TQ8)|Refine(TQ8g)]`` vs faiss
 ``IVF{nlist},PQ{M}x4fs[,RFlat|,Refine(SQ8)]`` and faiss's IVF RaBitQ, over an nprobe sweep, one
 process run.
 
@@ -7,7 +7,7 @@ process run.
 For each method, nprobe and (with a refinement) k_factor: recall@10 (k = 10), batch QPS (all
 queries in one call, best of three calls, 2 threads), single-query QPS (1 thread, --single
 queries one by one, best of up to three passes). Refinements re-rank k_factor * k candidates
-(exact vectors, or 8-bit codes: TQ8 / faiss's SQ8), k_factor 2, 3 or 4 on both sides
+(exact vectors, or 8-bit codes: TQ8, TQ8g / faiss's SQ8), k_factor 2, 3 or 4 on both sides
 (query-time parameters, as ann-benchmarks sweeps them). The summary gives, per method, the
 fastest setting with recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with refinement
 at recall >= 0.9) and the ratio to faiss's best at that target. Writes
@@ -34,7 +34,9 @@ K_FACTORS = (2, 3, 4)  # refinements only
 def methods(d: int, nlist: int) -> list[tuple[str, str]]:
     out = [("tqvec", f"IVF{nlist},TQ{b}") for b in (1, 2, 4)]
     out += [("tqvec", f"IVF{nlist},TQ{b},Refine(Flat)") for b in (1, 2)]
-    out.append(("tqvec", f"IVF{nlist},TQ1,Refine(TQ8)"))  # ~1/4 of the refinement's bytes
+    # ~1/4 of the refinement's bytes: Lloyd-Max 8-bit codes (a table gather per coordinate)
+    # and the 8-bit grid (decoded by integer-to-float conversions)
+    out += [("tqvec", f"IVF{nlist},TQ1,Refine(TQ8{g})") for g in ("", "g")]
     for m in (d // 4, d // 2):  # 1 and 2 bits per dimension
         out.append(("faiss", f"IVF{nlist},PQ{m}x4fs"))
     out += [("faiss", f"IVF{nlist},PQ{m}x4fs,RFlat") for m in (d // 4, d // 2)]
@@ -150,7 +152,8 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
              f"Command: `python bench/ivf.py {' '.join(argv)}`. Machine: {m.get('cpu')}, "
              f"{m['cpus']} CPUs. k = 10; refinements re-rank k_factor (kf: "
              f"{' or '.join(map(str, K_FACTORS))}) x 10 candidates with the exact vectors (+4 d "
-             "bytes/vector) or 8-bit codes (TQ8, faiss's SQ8: + d). Batch: all queries in one "
+             "bytes/vector) or 8-bit codes (TQ8: Lloyd-Max, TQ8g: a uniform grid, both + d + 4; "
+             "faiss's SQ8: + d). Batch: all queries in one "
              "call, best of three calls; single: one query per call, best of up to three "
              "passes.", "",
              "## Fastest setting reaching each recall@10 target", "",

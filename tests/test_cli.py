@@ -63,7 +63,7 @@ def test_bench_runs_on_the_embedded_dataset_and_writes_results(tmp_path, capsys)
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["faiss Flat"]["recall@10"] == 1.0
     assert 0.6 < rows["tqvec TQ2"]["recall@10"] < 0.8  # 0.705 at 20 bytes/vector
-    assert rows["tqvec TQ2,Refine(TQ8)"]["recall@10"] > 0.97
+    assert rows["tqvec TQ2,Refine(TQ8g)"]["recall@10"] > 0.97
     assert all(r["qps_single_1t"] > 0 and r["qps_batch_2t"] > 0 for r in res["rows"])
     assert (tmp_path / "search_digits.md").exists()
 

@@ -50,8 +50,8 @@ def tqvec_specs(b: int) -> list[str]:
            f"Center,TQ{b}u"]
     if b >= 2:
         out.append(f"TQ{b},Prefilter(10)")  # sign-bit first pass, the same bytes as TQ{b}
-    if b <= 2:
-        out.append(f"TQ{b},Refine(TQ8)")
+    if b <= 2:  # the 8-bit grid: re-scored without table gathers (TurboQuant codebook="grid")
+        out.append(f"TQ{b},Refine(TQ8g)")
     return out
 
 

@@ -35,11 +35,13 @@ def test_l2_over_unit_vectors_gives_the_same_results(data, bits):
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
-def test_faiss_decodes_our_reconstructions(data, bits):
-    """The codebook is ours (faiss's own table is a Gaussian approximation) and the codes are
-    bit-identical: faiss's decoder gives back exactly what tqvec decodes."""
+@pytest.mark.parametrize("grid", ["", "g"])
+def test_faiss_decodes_our_reconstructions(data, bits, grid):
+    """The codebook is ours (faiss's own table is a Gaussian approximation; the uniform grid of
+    TQ{b}g goes the same way) and the codes are bit-identical: faiss's decoder gives back
+    exactly what tqvec decodes."""
     xb = _unit(data[0][:300])
-    index = tqvec.index_factory(96, f"TQ{bits}", "l2")
+    index = tqvec.index_factory(96, f"TQ{bits}{grid}", "l2")
     index.add(xb)
     f = index.to_faiss()
     ours = index.reconstruct_n(0, 300)

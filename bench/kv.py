@@ -103,6 +103,11 @@ def methods(head_dim: int) -> dict[str, dict]:
                                balance=kv.BalanceConfig(rounds=1)),
         "tq-k3v3-n8": dict(key_bits=3, value_bits=3, norm_bits=8),
         "tq-k4v3-n8": dict(key_bits=4, value_bits=3, norm_bits=8),
+        # the window's earlier tokens as 8-bit codes (residual_bits=8): half its bytes
+        "tq-k3v3-w8": dict(key_bits=3, value_bits=3, residual_bits=8),
+        "tq-k3v3-r128w8n8": dict(key_bits=3, value_bits=3, residual_length=128,
+                                 residual_bits=8, norm_bits=8),
+        "tq-k2v2-r32w8n8": dict(key_bits=2, value_bits=2, residual_bits=8, norm_bits=8),
     }
     for v in m.values():
         v.setdefault("residual_length", 32)
@@ -176,29 +181,56 @@ def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
 
 
 def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed: int = 0):
-    """(relative error, bits/element) of one method on one layer; the cache stores K/V as float16
-    (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment). A sliding-window
-    layer is built as the cache builds it (old tokens evicted, no sink, no token selection), and
-    its bits are counted over the tokens it holds for the queries measured (window + nq)."""
+    """(relative error, bits/element) of one method on one layer, in the regime the cache runs
+    in when it generates: a prefill of L - nq tokens (calibrated from the prefill's queries, as
+    the attention function does), then nq decode steps, each appending one token, attending
+    with that token's query, and flushing - so every query sees the cache state it would see
+    (its own window of recent full-precision tokens, codes before them). The cache stores K/V
+    as float16 (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment). A
+    sliding-window layer evicts as the cache does. Bits are counted over the tokens the layer
+    stands for after the last step."""
     L = k.shape[2]
+    P = L - nq
     mask = causal_mask(L, nq, window)
     ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
     s = dict(settings)
     s["seed"] = seed
     layer = CompressedLayer(KVSettings(**s), 0, window)
-    layer.update(k.half(), v.half())
-    layer.observe_queries(q)  # as the attention function does at prefill
-    layer.flush()
+    kh, vh = k.half(), v.half()
+    layer.update(kh[:, :, :P], vh[:, :, :P])  # prefill: attends to its own tokens exactly
+    layer.observe_queries(q[:, :, :P])
     layer.awaiting_attention = False
-    first = 0
-    if window:  # what the cache still holds for the first of the nq queries
-        first = max(0, L - nq - (window - 1))
-        layer._evict(first)
-    out = kv.attend(layer, q[:, :, -nq:].float(), mask, scaling, softcap).float()
+    layer.flush()
+    outs = []
+    for j in range(nq):
+        p = P + j
+        layer.update(kh[:, :, p: p + 1], vh[:, :, p: p + 1])
+        layer.awaiting_attention = False
+        outs.append(kv.attend(layer, q[:, :, p: p + 1].float(), mask[:, :, j: j + 1, : p + 1],
+                              scaling, softcap).float())
+        layer.flush()
+    out = torch.cat(outs, dim=2)
     err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
     B, H, _, d = k.shape
-    bits = 8 * layer.nbytes() / (2 * B * H * (L - first) * d)
+    bits = 8 * layer.nbytes() / (2 * B * H * layer.represented_tokens() * d)
     return err, bits
+
+
+def kivi_error(q, k, v, scaling, window, softcap, nq: int, residual: int):
+    """(relative error, bits/element) of KIVI-2 in the same decode regime: each of the last
+    ``nq`` queries attends to the keys/values KIVI holds at its step (full groups quantized,
+    the incomplete group and ``residual`` recent tokens in float16); bits at the last step."""
+    L = k.shape[2]
+    mask = causal_mask(L, nq, window)
+    ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
+    outs = []
+    for j in range(nq):
+        p = L - nq + j
+        kq, vq, bits = kivi_fake_quant(k[:, :, : p + 1], v[:, :, : p + 1], 2, 32, residual)
+        outs.append(exact_attention(q[:, :, p: p + 1], kq, vq, mask[:, :, j: j + 1, : p + 1],
+                                    scaling, softcap))
+    out = torch.cat(outs, dim=2)
+    return (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item(), bits
 
 
 def run_attn(args) -> None:
@@ -225,12 +257,8 @@ def run_attn(args) -> None:
         for name, resid in (("kivi2", 0), ("kivi2+128fp16", 128)):
             errs, bits = [], []
             for q, k, v, scaling, window, softcap in layers:
-                L = k.shape[2]
-                mask = causal_mask(L, args.queries, window)
-                ref = exact_attention(q[:, :, -args.queries:], k, v, mask, scaling, softcap)
-                kq, vq, b = kivi_fake_quant(k, v, 2, 32, resid)
-                out = exact_attention(q[:, :, -args.queries:], kq, vq, mask, scaling, softcap)
-                errs.append((torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item())
+                e, b = kivi_error(q, k, v, scaling, window, softcap, args.queries, resid)
+                errs.append(e)
                 bits.append(b)
             res[name] = {"bits": sum(bits) / len(bits), "mean_err": sum(errs) / len(errs),
                          "per_layer": errs}

@@ -189,6 +189,83 @@ def test_log8_norm_code_bounds():
     assert ((got[ok] / true[ok]).log2().abs() <= 1 / 32 + 1e-3).all()  # half a step
 
 
+@pytest.mark.parametrize("make", [llama, gemma3])
+def test_8bit_window_tracks_the_full_precision_window(make):
+    """residual_bits=8: a window covering the sequence, held as 8-bit codes, stays within a
+    few thousandths of DynamicCache's logits; the current forward's tokens are exact (the
+    prefill's logits are DynamicCache's bit for bit)."""
+    from transformers import DynamicCache
+    model = make()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(1))
+    ref = run(model, ids, DynamicCache(config=model.config), 10)
+    cache = kv.TurboQuantCache(model.config, residual_length=64, sink_length=0,
+                               residual_bits=8)
+    got = run(model, ids, cache, 10)
+    assert torch.equal(got[:, 0], ref[:, 0])
+    assert ((got - ref).norm() / ref.norm()) < 0.02
+    assert all(len(layer.wkbuf) == layer.window_length() for layer in cache.layers)
+
+
+def test_8bit_window_accounting_is_exact():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=2, residual_length=8,
+                               sink_length=0, calibrate=False, residual_bits=8)
+    run(model, ids, cache, 20)
+    d, H, L = 16, 2, 2
+    kq = make_quantizer("turbo", d, 3, seed=0, role="keys")
+    vq = make_quantizer("turbo", d, 2, seed=0, role="values")
+    wq = make_quantizer("turbo", d, 8, seed=0, role="keys")
+    assert wq.bytes_per_token == d + 2  # 8 bits per element + the float16 scale
+    expect = L * H * ((40 - 8) * (kq.bytes_per_token + vq.bytes_per_token)
+                      + 8 * 2 * wq.bytes_per_token)
+    assert cache.memory_bytes() == expect
+    assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
+
+
+@pytest.mark.parametrize("make", [llama, gemma3])
+def test_8bit_window_codes_attention_matches_decode_then_sdpa(make, monkeypatch):
+    """The 8-bit window goes through both attention paths (codes, fused op, decode-then-SDPA)
+    with the same numbers; sliding layers evict from it."""
+    from tqvec.kv import attention
+    model = make()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(2))
+    kw = dict(key_bits=3, value_bits=3, residual_length=5, sink_length=2, residual_bits=8)
+    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
+    codes = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    monkeypatch.setattr(attention, "CODES_KERNEL", "always")
+    fused = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    torch.testing.assert_close(fused, codes, atol=1e-4, rtol=1e-4)
+    # decode-then-SDPA sees no queries, so no query-weighted calibration: compare without
+    monkeypatch.setattr(attention, "CODES_KERNEL", "auto")
+    codes = run(model, ids, kv.TurboQuantCache(model.config, calibrate=False, **kw), 12)
+    model.config._attn_implementation = "sdpa"
+    decoded = run(model, ids, kv.TurboQuantCache(model.config, attention="decode",
+                                                 calibrate=False, **kw), 12)
+    torch.testing.assert_close(codes, decoded, atol=2e-4, rtol=2e-4)
+
+
+def test_8bit_window_crop_and_reorder():
+    model = llama()
+    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(6))
+    kw = dict(key_bits=3, value_bits=3, residual_length=4, residual_bits=8)
+    cache = kv.TurboQuantCache(model.config, **kw)
+    run(model, ids[:, :25], cache, 10)
+    before = [layer.decoded() for layer in cache.layers]
+    cache.crop(-6)  # 25 -> 19 tokens: 4 leave the 8-bit window, 2 leave the codes
+    assert cache.get_seq_length() == 19
+    for layer, (k, v) in zip(cache.layers, before, strict=True):
+        k2, v2 = layer.decoded()
+        assert torch.equal(k2, k[:, :, :19]) and torch.equal(v2, v[:, :, :19])
+    cache.reorder_cache(torch.tensor([1, 0]))
+    for layer, (k, v) in zip(cache.layers, before, strict=True):
+        k2, v2 = layer.decoded()
+        assert torch.equal(k2, k[:, :, :19].flip(0)) and torch.equal(v2, v[:, :, :19].flip(0))
+    with torch.no_grad():
+        logits = model(ids[:, 19:21], past_key_values=cache).logits
+    assert torch.isfinite(logits).all() and cache.get_seq_length() == 21
+
+
 def test_crop_drops_exactly_the_last_tokens():
     model = llama()
     ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(6))
@@ -312,6 +389,7 @@ def test_outlier_channel_split_in_the_cache(make, calibrate):
     (dict(balance=kv.BalanceConfig(), attention="decode"), "balance"),
     (dict(attention="fast"), "attention"),
     (dict(norm_bits=4), "norm_bits"),
+    (dict(residual_bits=4), "residual_bits"),
 ])
 def test_bad_configurations_are_rejected(bad, match):
     model = llama()

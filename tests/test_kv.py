@@ -203,7 +203,26 @@ def test_8bit_window_tracks_the_full_precision_window(make):
     got = run(model, ids, cache, 10)
     assert torch.equal(got[:, 0], ref[:, 0])
     assert ((got - ref).norm() / ref.norm()) < 0.02
-    assert all(len(layer.wkbuf) == layer.window_length() for layer in cache.layers)
+    for layer in cache.layers:  # the full-attention layers hold all 24 tokens
+        if not layer.is_sliding:  # (prefill 10; +14 in decode: 16 coded, 8 exact)
+            assert len(layer.wkbuf) == 16 and layer.keys.shape[2] == 8
+
+
+def test_8bit_window_moves_tokens_in_blocks():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 70), generator=torch.Generator().manual_seed(5))
+    cache = kv.TurboQuantCache(model.config, residual_length=8, sink_length=2,
+                               residual_bits=8)
+    block = kv.layer.CompressedLayer.WINDOW_BLOCK
+    with torch.no_grad():
+        model(ids[:, :20], past_key_values=cache)
+        for t in range(20, 70):
+            model(ids[:, t: t + 1], past_key_values=cache)
+            for layer in cache.layers:
+                w = layer.window_length()
+                assert 8 <= w < 8 + block and layer.keys.shape[2] < block
+                assert (layer.sink_k.shape[2] + len(layer.kbuf) + w
+                        == layer.cumulative_length == t + 1)
 
 
 def test_8bit_window_accounting_is_exact():
@@ -217,8 +236,13 @@ def test_8bit_window_accounting_is_exact():
     vq = make_quantizer("turbo", d, 2, seed=0, role="values")
     wq = make_quantizer("turbo", d, 8, seed=0, role="keys")
     assert wq.bytes_per_token == d + 2  # 8 bits per element + the float16 scale
-    expect = L * H * ((40 - 8) * (kq.bytes_per_token + vq.bytes_per_token)
-                      + 8 * 2 * wq.bytes_per_token)
+    # prefill 20: the overflow (12) is less than a block, the 20 window tokens go to 8-bit
+    # codes; at 24 tokens the overflow is a block: 16 to the final codes; 25..36 exact, coded at
+    # 36; at 40 another block of 16 leaves: 40 = 32 codes + 4 coded window + 4 exact (float32)
+    layer = cache.layers[0]
+    assert (len(layer.kbuf), len(layer.wkbuf), layer.keys.shape[2]) == (32, 4, 4)
+    expect = L * H * (32 * (kq.bytes_per_token + vq.bytes_per_token)
+                      + 4 * 2 * wq.bytes_per_token + 4 * 2 * d * 4)
     assert cache.memory_bytes() == expect
     assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
 

@@ -6,9 +6,10 @@ Tokens live in up to four segments, oldest first, per (batch, KV head):
 * codes:   keys and values as tqvec codes (never decoded to d-space during attention);
 * pending: BalanceKV tokens still inside MergeAndReduce (full precision, weight 2^level);
 * window:  the most recent ``residual_length`` tokens plus the tokens of the current forward,
-           full precision in the model's dtype; with ``residual_bits=8`` the tokens of earlier
-           forwards are held as 8-bit TurboQuant codes instead (decoded for each attention:
-           ~0.6 % error per vector, half the bytes of float16), the current forward's stay exact.
+           full precision in the model's dtype; with ``residual_bits=8`` held as 8-bit
+           TurboQuant codes instead (decoded for each attention: ~0.6 % error per vector, half
+           the bytes of float16), coded in blocks of 16 tokens (the newest < 16 stay exact, and
+           a forward's own tokens are exact in its attention).
 
 Tokens move window -> (sink | balance ->) codes when the window overflows, each token encoded
 exactly once into its final code (from its 8-bit window code when ``residual_bits=8``: the 8-bit
@@ -106,6 +107,7 @@ class CompressedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
     supports_early_init = False
+    WINDOW_BLOCK = 16  # tokens moved at once with residual_bits (see ``flush``)
 
     def __init__(self, settings: KVSettings, layer_idx: int, sliding_window: int | None = None,
                  codes_attention=lambda: True):
@@ -280,14 +282,21 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- token movement ----------------------------------------------------------------------
     def flush(self) -> None:
-        """Move the window's overflow (all but the last residual_length tokens) onward."""
+        """Move the window's overflow (all but the last residual_length tokens) onward.
+
+        With ``residual_bits`` tokens move in blocks of ``WINDOW_BLOCK``: the overflow once it
+        reaches a block, the window's exact tokens into 8-bit codes once they fill one (so the
+        window holds residual_length to residual_length + WINDOW_BLOCK - 1 tokens, at most
+        WINDOW_BLOCK - 1 of them exact). One encode per block instead of per token: a decode
+        step's codec calls cost ~1 ms each here, more than the arithmetic."""
         if not self.is_initialized:
             return
+        block = 1 if self.wkq is None else self.WINDOW_BLOCK
         w = self.window_length()
         over = w - self.settings.residual_length
-        if over > 0:
+        if over >= block:
             self._flush_oldest(over, self.cumulative_length - w)
-        if self.wkq is not None and self.keys.shape[2]:
+        if self.wkq is not None and self.keys.shape[2] >= block:
             # what stays in the window is held as 8-bit codes from now on
             self.wkbuf.append(self.wkq.encode_heads(self.keys.float().contiguous()))
             self.wvbuf.append(self.wvq.encode_heads(self.values.float().contiguous()))

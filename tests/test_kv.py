@@ -209,6 +209,7 @@ def test_8bit_window_tracks_the_full_precision_window(make):
 
 
 def test_8bit_window_moves_tokens_in_blocks():
+    from transformers import DynamicCache
     model = llama()
     ids = torch.randint(0, 97, (1, 70), generator=torch.Generator().manual_seed(5))
     cache = kv.TurboQuantCache(model.config, residual_length=8, sink_length=2,
@@ -216,6 +217,13 @@ def test_8bit_window_moves_tokens_in_blocks():
     block = kv.layer.CompressedLayer.WINDOW_BLOCK
     with torch.no_grad():
         model(ids[:, :20], past_key_values=cache)
+        full = DynamicCache(config=model.config)
+        model(ids[:, :20], past_key_values=full)
+        for layer, ref in zip(cache.layers, full.layers, strict=True):
+            # the prompt (20 < residual_length + a block) went to the window whole; its sink
+            # tokens went to the sink as they were, not through the 8-bit codes
+            assert torch.equal(layer.sink_k, ref.keys[:, :, :2])
+            assert torch.equal(layer.sink_v, ref.values[:, :, :2])
         for t in range(20, 70):
             model(ids[:, t: t + 1], past_key_values=cache)
             for layer in cache.layers:

@@ -297,6 +297,12 @@ class CompressedLayer(CacheLayerMixin):
         if over >= block:
             self._flush_oldest(over, self.cumulative_length - w)
         if self.wkq is not None and self.keys.shape[2] >= block:
+            # sink tokens still in the window go to the sink as they are, not through 8 bits
+            n_sink = min(max(self.sink_length - self.sink_k.shape[2], 0), self.keys.shape[2])
+            if n_sink and not len(self.wkbuf) and not len(self.kbuf):
+                self.sink_k = torch.cat([self.sink_k, self.keys[:, :, :n_sink]], dim=2)
+                self.sink_v = torch.cat([self.sink_v, self.values[:, :, :n_sink]], dim=2)
+                self.keys, self.values = self.keys[:, :, n_sink:], self.values[:, :, n_sink:]
             # what stays in the window is held as 8-bit codes from now on
             self.wkbuf.append(self.wkq.encode_heads(self.keys.float().contiguous()))
             self.wvbuf.append(self.wvq.encode_heads(self.values.float().contiguous()))

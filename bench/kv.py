@@ -32,6 +32,10 @@ from tqvec.kv.layer import CompressedLayer, KVSettings  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TEXTS = {"gpl3": "/usr/share/common-licenses/GPL-3", "sedfaq": "/usr/share/doc/sed/sedfaq.txt.gz"}
+# bits/element are averaged over the last CYCLE steps: a cache that moves tokens in blocks
+# (residual_bits=8: 16 tokens) holds between residual_length and residual_length + 15 window
+# tokens, and its end state is one phase of that cycle
+CYCLE = 16
 
 
 # -- models and text ---------------------------------------------------------------------------
@@ -188,7 +192,7 @@ def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed
     (its own window of recent full-precision tokens, codes before them). The cache stores K/V
     as float16 (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment). A
     sliding-window layer evicts as the cache does. Bits are counted over the tokens the layer
-    stands for after the last step."""
+    stands for, averaged over the last CYCLE steps."""
     L = k.shape[2]
     P = L - nq
     mask = causal_mask(L, nq, window)
@@ -201,7 +205,8 @@ def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed
     layer.observe_queries(q[:, :, :P])
     layer.awaiting_attention = False
     layer.flush()
-    outs = []
+    outs, bits = [], []
+    B, H, _, d = k.shape
     for j in range(nq):
         p = P + j
         layer.update(kh[:, :, p: p + 1], vh[:, :, p: p + 1])
@@ -209,11 +214,11 @@ def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed
         outs.append(kv.attend(layer, q[:, :, p: p + 1].float(), mask[:, :, j: j + 1, : p + 1],
                               scaling, softcap).float())
         layer.flush()
+        if j >= nq - CYCLE:
+            bits.append(8 * layer.nbytes() / (2 * B * H * layer.represented_tokens() * d))
     out = torch.cat(outs, dim=2)
     err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
-    B, H, _, d = k.shape
-    bits = 8 * layer.nbytes() / (2 * B * H * layer.represented_tokens() * d)
-    return err, bits
+    return err, sum(bits) / len(bits)
 
 
 def kivi_error(q, k, v, scaling, window, softcap, nq: int, residual: int):
@@ -281,10 +286,12 @@ def attn_md(rows) -> str:
 
 
 # -- perplexity --------------------------------------------------------------------------------
-def perplexity(model, ids: torch.Tensor, prefill: int, cache) -> tuple[float, float]:
+def perplexity(model, ids: torch.Tensor, prefill: int, cache):
     """Prefill ``prefill`` tokens, then feed the rest one token at a time through ``cache``.
-    Returns (perplexity over the decoded tokens, seconds per decode step)."""
+    Returns (perplexity over the decoded tokens, seconds per decode step, bits_per_element and
+    bits_fp16_window averaged over the last CYCLE steps, or None without a tqvec cache)."""
     nll, n = 0.0, 0
+    bits: list[tuple[float, float]] = []
     with torch.no_grad():
         out = model(ids[:, :prefill], past_key_values=cache)
         logits = out.logits[:, -1]
@@ -294,8 +301,11 @@ def perplexity(model, ids: torch.Tensor, prefill: int, cache) -> tuple[float, fl
             n += 1
             if t + 1 < ids.shape[1]:
                 logits = model(ids[:, t: t + 1], past_key_values=cache).logits[:, -1]
+                if hasattr(cache, "bits_per_element") and t + 1 >= ids.shape[1] - CYCLE:
+                    bits.append((cache.bits_per_element(), bits_fp16_window(cache)))
         dt = (time.perf_counter() - t0) / max(1, n - 1)
-    return math.exp(nll / n), dt
+    mean = tuple(sum(b) / len(b) for b in zip(*bits, strict=True)) if bits else (None, None)
+    return math.exp(nll / n), dt, *mean
 
 
 def bits_fp16_window(cache) -> float:
@@ -360,11 +370,10 @@ def run_ppl(args) -> None:
                                                residual_length=128, q_group_size=64)
                     else:
                         cache = kv.TurboQuantCache(model.config, **st)
-                    ppl, dt = perplexity(model, ids, args.prefill, cache)
-                    tq = hasattr(cache, "bits_per_element")
+                    ppl, dt, bits, bits16 = perplexity(model, ids, args.prefill, cache)
                     row = {"model": model_name, "text": text, "method": name, "ppl": ppl,
-                           "s_per_token": dt, "bits": cache.bits_per_element() if tq else None,
-                           "bits_fp16": bits_fp16_window(cache) if tq else None,
+                           "s_per_token": dt, "bits": bits, "bits_fp16": bits16,
+                           "bits_over_last_steps": CYCLE if bits else None,
                            "prefill": args.prefill, "decoded": args.decode}
                 except Exception as e:  # recorded: e.g. QuantizedCache refuses sliding layers
                     row = {"model": model_name, "text": text, "method": name,

@@ -111,6 +111,8 @@ def methods(head_dim: int) -> dict[str, dict]:
         "tq-k3v3-w8": dict(key_bits=3, value_bits=3, residual_bits=8),
         "tq-k3v3-r128w8n8": dict(key_bits=3, value_bits=3, residual_length=128,
                                  residual_bits=8, norm_bits=8),
+        "tq-k3v3-r96w8n8": dict(key_bits=3, value_bits=3, residual_length=96,
+                                residual_bits=8, norm_bits=8),
         "tq-k2v2-r32w8n8": dict(key_bits=2, value_bits=2, residual_bits=8, norm_bits=8),
     }
     for v in m.values():
@@ -185,14 +187,14 @@ def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
 
 
 def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed: int = 0):
-    """(relative error, bits/element) of one method on one layer, in the regime the cache runs
-    in when it generates: a prefill of L - nq tokens (calibrated from the prefill's queries, as
-    the attention function does), then nq decode steps, each appending one token, attending
-    with that token's query, and flushing - so every query sees the cache state it would see
-    (its own window of recent full-precision tokens, codes before them). The cache stores K/V
-    as float16 (its full-precision tokens cost 16 bits, as in an fp16/bf16 deployment). A
-    sliding-window layer evicts as the cache does. Bits are counted over the tokens the layer
-    stands for, averaged over the last CYCLE steps."""
+    """(relative error, bits/element, elements) of one method on one layer, in the regime
+    the cache runs in when it generates: a prefill of L - nq tokens (calibrated from the
+    prefill's queries, as the attention function does), then nq decode steps, each appending
+    one token, attending with that token's query, and flushing - so every query sees the cache
+    state it would see (its own window of recent full-precision tokens, codes before them).
+    The cache stores K/V as float16 (its full-precision tokens cost 16 bits, as in an
+    fp16/bf16 deployment). A sliding-window layer evicts as the cache does. Bits are counted
+    over the tokens the layer stands for, averaged over the last CYCLE steps."""
     L = k.shape[2]
     P = L - nq
     mask = causal_mask(L, nq, window)
@@ -218,12 +220,12 @@ def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed
             bits.append(8 * layer.nbytes() / (2 * B * H * layer.represented_tokens() * d))
     out = torch.cat(outs, dim=2)
     err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
-    return err, sum(bits) / len(bits)
+    return err, sum(bits) / len(bits), 2 * B * H * layer.represented_tokens() * d
 
 
 def kivi_error(q, k, v, scaling, window, softcap, nq: int, residual: int):
-    """(relative error, bits/element) of KIVI-2 in the same decode regime: each of the last
-    ``nq`` queries attends to the keys/values KIVI holds at its step (full groups quantized,
+    """(relative error, bits/element, elements) of KIVI-2 in the same decode regime: each of the
+    last ``nq`` queries attends to the keys/values KIVI holds at its step (full groups quantized,
     the incomplete group and ``residual`` recent tokens in float16); bits at the last step."""
     L = k.shape[2]
     mask = causal_mask(L, nq, window)
@@ -235,7 +237,9 @@ def kivi_error(q, k, v, scaling, window, softcap, nq: int, residual: int):
         outs.append(exact_attention(q[:, :, p: p + 1], kq, vq, mask[:, :, j: j + 1, : p + 1],
                                     scaling, softcap))
     out = torch.cat(outs, dim=2)
-    return (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item(), bits
+    err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
+    held = min(L, window - 1) if window else L  # the tokens a sliding layer stands for
+    return err, bits, 2 * k.shape[0] * k.shape[1] * held * k.shape[3]
 
 
 def run_attn(args) -> None:
@@ -249,24 +253,17 @@ def run_attn(args) -> None:
         meths = {k: v for k, v in methods(head_dim).items()
                  if not args.methods or k in args.methods}
         res: dict[str, dict] = {}
-        for name, st in meths.items():
-            errs, bits = [], []
-            for q, k, v, scaling, window, softcap in layers:
-                e, b = layer_error(st, q, k, v, scaling, window, softcap, args.queries)
-                errs.append(e)
-                bits.append(b)
-            res[name] = {"bits": sum(bits) / len(bits), "mean_err": sum(errs) / len(errs),
-                         "per_layer": errs}
-            print(f"{model_name:8s} {name:18s} bits {res[name]['bits']:.3f} "
-                  f"err {res[name]['mean_err']:.4f}", flush=True)
-        for name, resid in (("kivi2", 0), ("kivi2+128fp16", 128)):
-            errs, bits = [], []
-            for q, k, v, scaling, window, softcap in layers:
-                e, b = kivi_error(q, k, v, scaling, window, softcap, args.queries, resid)
-                errs.append(e)
-                bits.append(b)
-            res[name] = {"bits": sum(bits) / len(bits), "mean_err": sum(errs) / len(errs),
-                         "per_layer": errs}
+        runs = [(name, lambda lay, st=st: layer_error(st, *lay, args.queries))
+                for name, st in meths.items()]
+        runs += [(name, lambda lay, r=resid: kivi_error(*lay, args.queries, r))
+                 for name, resid in (("kivi2", 0), ("kivi2+128fp16", 128))]
+        for name, measure in runs:
+            errs, bits, elems = zip(*(measure(lay) for lay in layers), strict=True)
+            # bits/element of the whole cache (what bits_per_element reports): layers weighted
+            # by the elements they stand for (Gemma's sliding layers stand for 511 tokens)
+            res[name] = {"bits": sum(b * n for b, n in zip(bits, elems, strict=True)) / sum(elems),
+                         "mean_err": sum(errs) / len(errs), "per_layer": list(errs),
+                         "per_layer_bits": list(bits)}
             print(f"{model_name:8s} {name:18s} bits {res[name]['bits']:.3f} "
                   f"err {res[name]['mean_err']:.4f}", flush=True)
         rows.append({"model": model_name, "text": args.text, "context": args.context,

@@ -236,17 +236,11 @@ class CompressedLayer(CacheLayerMixin):
         cut = min(drop, w)
         self.keys, self.values = self.keys[:, :, : w - cut], self.values[:, :, : w - cut]
         drop -= cut
-        if drop and len(self.wkbuf):
-            n = len(self.wkbuf)
+        for kb, vb in ((self.wkbuf, self.wvbuf), (self.kbuf, self.vbuf)):  # newest first
+            n = len(kb)
             cut = min(drop, n)
-            self.wkbuf.keep_front(n - cut)
-            self.wvbuf.keep_front(n - cut)
-            drop -= cut
-        if drop:
-            n = len(self.kbuf)
-            cut = min(drop, n)
-            self.kbuf.keep_front(n - cut)
-            self.vbuf.keep_front(n - cut)
+            kb.keep_front(n - cut)
+            vb.keep_front(n - cut)
             drop -= cut
         if drop:
             s = self.sink_k.shape[2] - drop

@@ -1,6 +1,7 @@
 """KV-cache benchmark on real small LLMs loaded offline (SmolLM2-135M, Gemma 3 270M).
 
     python bench/kv.py attn      # attention-output error per layer vs bits/element
+    python bench/kv.py plan      # per-layer settings at 3.5 / 2.5 bits (tq-plan3.5, tq-plan2.5)
     python bench/kv.py ppl       # perplexity, cache used token by token (prefill + decode)
     python bench/kv.py passkey   # a pass key hidden in real text at several depths, greedy answer
     python bench/kv.py speed     # memory per token and decode time per token vs DynamicCache
@@ -28,10 +29,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_info  # noqa: E402
 
 import tqvec.kv as kv  # noqa: E402
-from tqvec.kv.layer import CompressedLayer, KVSettings  # noqa: E402
+from tqvec.kv import KVSettings  # noqa: E402
+from tqvec.kv.plan import (  # noqa: E402
+    DEFAULT_CANDIDATES,
+    capture_attention_inputs,
+    causal_mask,
+    choose,
+    exact_attention,
+    layer_error,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TEXTS = {"gpl3": "/usr/share/common-licenses/GPL-3", "sedfaq": "/usr/share/doc/sed/sedfaq.txt.gz"}
+TEXTS = {"gpl3": "/usr/share/common-licenses/GPL-3", "sedfaq": "/usr/share/doc/sed/sedfaq.txt.gz",
+         # calibration only (``plan``): never one of the evaluation texts
+         "gpl2": "/usr/share/common-licenses/GPL-2"}
+# options shared by every layer of the planned caches (tq-plan<budget>)
+PLAN_BASE = dict(residual_bits=8, norm_bits=8, sink_length=4)
 # bits/element are averaged over the last CYCLE steps: a cache that moves tokens in blocks
 # (residual_bits=8: 16 tokens) holds between residual_length and residual_length + 15 window
 # tokens, and its end state is one phase of that cycle
@@ -82,6 +95,20 @@ def tokens(tok, name: str, n: int) -> torch.Tensor:
 # -- methods -----------------------------------------------------------------------------------
 # name -> cache keyword arguments (the same settings drive the offline attention error and the
 # perplexity runs). Baselines that are not cache settings (KIVI) are simulated offline.
+def method(model_name: str, head_dim: int, name: str) -> dict:
+    """Cache keyword arguments of a method; ``tq-plan<budget>`` (e.g. tq-plan3.5) is the
+    per-layer plan ``python bench/kv.py plan`` chose for this model at that budget."""
+    if name.startswith("tq-plan"):
+        path = RESULTS / "kv_plan.json"
+        plans = json.loads(path.read_text())["plans"] if path.exists() else {}
+        key = f"{model_name}@{name[len('tq-plan'):]}"
+        if key not in plans:
+            raise SystemExit(f"no plan {key} in {path}: run python bench/kv.py plan first")
+        return dict(PLAN_BASE, layer_overrides={int(i): o for i, o in
+                                                plans[key]["overrides"].items()})
+    return methods(head_dim)[name]
+
+
 def methods(head_dim: int) -> dict[str, dict]:
     o = 16 if head_dim == 64 else 32  # outlier channels for the 3.5 / 2.5-bit mixed widths
     m = {
@@ -122,47 +149,10 @@ def methods(head_dim: int) -> dict[str, dict]:
 
 
 # -- attention-output error --------------------------------------------------------------------
-def capture_qkv(model, ids: torch.Tensor):
-    """Run one forward and return per layer (query, key, value, scaling, sliding_window)."""
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    got = {}
-
-    def capture(module, query, key, value, attention_mask, **kw):
-        got[module.layer_idx] = (query.detach().clone(), key.detach().clone(),
-                                 value.detach().clone(), kw.get("scaling"),
-                                 kw.get("sliding_window"), kw.get("softcap"))
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
-
-    AttentionInterface.register("tqvec_capture", capture)
-    old = model.config._attn_implementation
-    model.config._attn_implementation = "tqvec_capture"
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        model.config._attn_implementation = old
-    return [got[i] for i in sorted(got)]
-
-
-def causal_mask(L: int, nq: int, window: int | None) -> torch.Tensor:
-    qpos = torch.arange(L - nq, L)[:, None]
-    kpos = torch.arange(L)[None, :]
-    m = kpos <= qpos
-    if window is not None:
-        m &= kpos > qpos - window
-    return m[None, None]
-
-
-def exact_attention(q, k, v, mask, scaling, softcap=None):
-    G = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(G, 1).float()
-    v = v.repeat_interleave(G, 1).float()
-    s = (q.float() @ k.transpose(-1, -2)) * scaling
-    if softcap:
-        s = torch.tanh(s / softcap) * softcap
-    s = s.masked_fill(~mask, float("-inf"))
-    return torch.softmax(s, -1) @ v
+def layer_settings(settings: dict, i: int) -> KVSettings:
+    """Layer i's KVSettings from cache keyword arguments (``layer_overrides`` by index)."""
+    st = dict(settings)
+    return KVSettings(**{**st, **st.pop("layer_overrides", {}).get(i, {})})
 
 
 def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
@@ -186,47 +176,12 @@ def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):
     return kq, vq, bits_el
 
 
-def layer_error(settings: dict, q, k, v, scaling, window, softcap, nq: int, seed: int = 0):
-    """(relative error, bits/element, elements) of one method on one layer, in the regime
-    the cache runs in when it generates: a prefill of L - nq tokens (calibrated from the
-    prefill's queries, as the attention function does), then nq decode steps, each appending
-    one token, attending with that token's query, and flushing - so every query sees the cache
-    state it would see (its own window of recent full-precision tokens, codes before them).
-    The cache stores K/V as float16 (its full-precision tokens cost 16 bits, as in an
-    fp16/bf16 deployment). A sliding-window layer evicts as the cache does. Bits are counted
-    over the tokens the layer stands for, averaged over the last CYCLE steps."""
-    L = k.shape[2]
-    P = L - nq
-    mask = causal_mask(L, nq, window)
-    ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
-    s = dict(settings)
-    s["seed"] = seed
-    layer = CompressedLayer(KVSettings(**s), 0, window)
-    kh, vh = k.half(), v.half()
-    layer.update(kh[:, :, :P], vh[:, :, :P])  # prefill: attends to its own tokens exactly
-    layer.observe_queries(q[:, :, :P])
-    layer.awaiting_attention = False
-    layer.flush()
-    outs, bits = [], []
-    B, H, _, d = k.shape
-    for j in range(nq):
-        p = P + j
-        layer.update(kh[:, :, p: p + 1], vh[:, :, p: p + 1])
-        layer.awaiting_attention = False
-        outs.append(kv.attend(layer, q[:, :, p: p + 1].float(), mask[:, :, j: j + 1, : p + 1],
-                              scaling, softcap).float())
-        layer.flush()
-        if j >= nq - CYCLE:
-            bits.append(8 * layer.nbytes() / (2 * B * H * layer.represented_tokens() * d))
-    out = torch.cat(outs, dim=2)
-    err = (torch.linalg.norm(out - ref) / torch.linalg.norm(ref)).item()
-    return err, sum(bits) / len(bits), 2 * B * H * layer.represented_tokens() * d
-
-
-def kivi_error(q, k, v, scaling, window, softcap, nq: int, residual: int):
+def kivi_error(sample, nq: int, residual: int):
     """(relative error, bits/element, elements) of KIVI-2 in the same decode regime: each of the
     last ``nq`` queries attends to the keys/values KIVI holds at its step (full groups quantized,
     the incomplete group and ``residual`` recent tokens in float16); bits at the last step."""
+    q, k, v, scaling, window, softcap = (sample.query, sample.key, sample.value, sample.scaling,
+                                         sample.sliding_window, sample.softcap)
     L = k.shape[2]
     mask = causal_mask(L, nq, window)
     ref = exact_attention(q[:, :, -nq:], k, v, mask, scaling, softcap)
@@ -248,17 +203,18 @@ def run_attn(args) -> None:
         model, tok = load_model(model_name)
         ids = tokens(tok, args.text, args.context)
         t0 = time.time()
-        layers = capture_qkv(model, ids)
-        head_dim = layers[0][1].shape[-1]
-        meths = {k: v for k, v in methods(head_dim).items()
-                 if not args.methods or k in args.methods}
+        layers = capture_attention_inputs(model, ids)
+        head_dim = layers[0].key.shape[-1]
+        meths = {k: method(model_name, head_dim, k) for k in args.methods or methods(head_dim)}
         res: dict[str, dict] = {}
-        runs = [(name, lambda lay, st=st: layer_error(st, *lay, args.queries))
+        runs = [(name, lambda i, lay, st=st: layer_error(layer_settings(st, i), lay,
+                                                         args.queries, CYCLE))
                 for name, st in meths.items()]
-        runs += [(name, lambda lay, r=resid: kivi_error(*lay, args.queries, r))
+        runs += [(name, lambda i, lay, r=resid: kivi_error(lay, args.queries, r))
                  for name, resid in (("kivi2", 0), ("kivi2+128fp16", 128))]
         for name, measure in runs:
-            errs, bits, elems = zip(*(measure(lay) for lay in layers), strict=True)
+            errs, bits, elems = zip(*(measure(i, lay) for i, lay in enumerate(layers)),
+                                    strict=True)
             # bits/element of the whole cache (what bits_per_element reports): layers weighted
             # by the elements they stand for (Gemma's sliding layers stand for 511 tokens)
             res[name] = {"bits": sum(b * n for b, n in zip(bits, elems, strict=True)) / sum(elems),
@@ -270,6 +226,44 @@ def run_attn(args) -> None:
                      "queries": args.queries, "methods": res, "seconds": time.time() - t0})
         del model
     write(args.out or "kv_attention", {"machine": machine_info(), "rows": rows}, attn_md(rows))
+
+
+def run_plan(args) -> None:
+    """Per-layer plans (tqvec.kv.plan_layers) at each budget, calibrated on args.text (GPL-2,
+    not an evaluation text); perplexity/attention then run them as tq-plan<budget>."""
+    path = RESULTS / "kv_plan.json"
+    plans = json.loads(path.read_text())["plans"] if path.exists() else {}
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        ids = tokens(tok, args.text, args.context)
+        t0 = time.time()
+        plan = kv.plan_layers(model, ids, max(args.budgets), base=PLAN_BASE,
+                              queries=args.queries)
+        seconds = time.time() - t0
+        for b in args.budgets:
+            choice, bits, err = choose(plan.measured, b)
+            plans[f"{model_name}@{b:g}"] = {
+                "model": model_name, "budget": b, "bits": bits, "error": err, "choice": choice,
+                "overrides": {i: DEFAULT_CANDIDATES[c] for i, c in enumerate(choice)},
+                "base": PLAN_BASE, "text": args.text, "context": args.context,
+                "queries": args.queries, "seconds_to_plan": seconds}
+            print(f"{model_name} budget {b}: bits {bits:.3f} error {err:.4f} {choice}",
+                  flush=True)
+        plans[f"{model_name}@measured"] = {"model": model_name, "measured": plan.measured}
+        del model
+    write("kv_plan", {"machine": machine_info(), "plans": plans}, plan_md(plans))
+
+
+def plan_md(plans) -> str:
+    out = ["| model | budget | predicted bits/element | predicted mean error | per-layer choice "
+           "(k key bits, v value bits, r window tokens) | calibration |",
+           "|---|---|---|---|---|---|"]
+    for p in plans.values():
+        if "budget" in p:
+            out.append(f"| {p['model']} | {p['budget']:g} | {p['bits']:.3f} | {p['error']:.4f} "
+                       f"| {' '.join(p['choice'])} | {p['text']}, {p['context']} tokens, "
+                       f"{p['seconds_to_plan']:.0f} s |")
+    return "\n".join(out) + "\n"
 
 
 def attn_md(rows) -> str:
@@ -344,7 +338,7 @@ def run_ppl(args) -> None:
             ids = tokens(tok, text, args.prefill + args.decode)
             cands = {"dynamic (fp32)": None}
             for name in args.methods:
-                cands[name] = methods(head_dim)[name]
+                cands[name] = method(model_name, head_dim, name)
             for hqq in args.hqq:
                 for axis in args.hqq_axes:
                     cands[f"QuantizedCache hqq{hqq}" + (f" axis{axis}" if axis else "")] = (
@@ -439,7 +433,8 @@ def run_passkey(args) -> None:
         model, tok = load_model(model_name)
         context = args.context or model.config.max_position_embeddings
         cands = {"dynamic (fp32)": None}
-        cands.update({m: methods(model.config.head_dim)[m] for m in args.methods})
+        cands.update({m: method(model_name, model.config.head_dim, m)
+                      for m in args.methods})
         for name, st in cands.items():
             hits, answers = 0, []
             t0 = time.time()
@@ -497,7 +492,8 @@ def run_speed(args) -> None:
         model, tok = load_model(model_name)
         hay = haystack(tok, max(args.contexts) + args.steps + 1)
         cands = {"dynamic (fp32)": None}
-        cands.update({m: methods(model.config.head_dim)[m] for m in args.methods})
+        cands.update({m: method(model_name, model.config.head_dim, m)
+                      for m in args.methods})
         for context in args.contexts:
             ids = hay[None, :context + args.steps]
             for name, st in cands.items():
@@ -563,6 +559,12 @@ def main(argv=None) -> None:
     a.add_argument("--queries", type=int, default=64)
     a.add_argument("--methods", nargs="*", help="subset of the methods (default: all)")
     a.add_argument("--out")
+    n = sub.add_parser("plan")
+    n.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    n.add_argument("--budgets", nargs="+", type=float, default=[3.5, 2.5])
+    n.add_argument("--text", default="gpl2")
+    n.add_argument("--context", type=int, default=2048)
+    n.add_argument("--queries", type=int, default=64)
     p = sub.add_parser("ppl")
     p.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     p.add_argument("--texts", nargs="+", default=["sedfaq", "gpl3"])
@@ -593,7 +595,8 @@ def main(argv=None) -> None:
     v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    {"attn": run_attn, "ppl": run_ppl, "passkey": run_passkey, "speed": run_speed}[args.cmd](args)
+    {"attn": run_attn, "plan": run_plan, "ppl": run_ppl, "passkey": run_passkey,
+     "speed": run_speed}[args.cmd](args)
 
 
 if __name__ == "__main__":

@@ -434,6 +434,129 @@ def test_non_config_rejected():
         kv.TurboQuantCache({"num_hidden_layers": 2})
 
 
+# -- per-layer settings and the planner ---------------------------------------------------------
+def test_layer_overrides_set_each_layers_settings():
+    model = gemma3()
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=6,
+                               layer_overrides={"sliding_attention": dict(residual_length=2),
+                                                1: dict(key_bits=4),
+                                                "full_attention": dict(value_bits=2)})
+    s = [layer.settings for layer in cache.layers]
+    assert [(x.key_bits, x.value_bits, x.residual_length) for x in s] == [
+        (3, 3, 2), (4, 3, 2), (3, 2, 6)]  # the index's entry on top of its type's
+    assert "layer_overrides" in repr(cache)
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(3))
+    run(model, ids, cache, 12)
+    # each layer holds its own window and codes at its own widths
+    assert [layer.window_length() for layer in cache.layers] == [2, 2, 6]
+    assert [layer.kq.bytes_per_token for layer in cache.layers] == [
+        make_quantizer("turbo", 32, b, seed=0, role="keys").bytes_per_token for b in (3, 4, 3)]
+    # bits/element follows: the same cache with no overrides is the mean of its layers' own
+    # settings only where they agree
+    plain = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=6)
+    run(model, ids, plain, 12)
+    assert cache.memory_bytes() != plain.memory_bytes()
+    assert cache.layers[2].nbytes() < plain.layers[2].nbytes()  # 2-bit values on layer 2
+
+
+def test_layer_overrides_equal_to_defaults_change_nothing():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 24), generator=torch.Generator().manual_seed(3))
+    a = run(model, ids, kv.TurboQuantCache(model.config, residual_length=4), 10)
+    b = run(model, ids, kv.TurboQuantCache(model.config, residual_length=4,
+                                           layer_overrides={0: dict(key_bits=3)}), 10)
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("bad,err,match", [
+    ("nope", TypeError, "mapping"),
+    ({"sliding_attention": {}}, ValueError, "no 'sliding_attention' layers"),
+    ({2: {}}, ValueError, r"index 2 is outside 0\.\.1"),
+    ({-1: {}}, ValueError, "outside"),
+    ({1.0: {}}, TypeError, "keys must be layer indices"),
+    ({0: 3}, TypeError, r"layer_overrides\[0\] must be a mapping"),
+    ({0: dict(seed=3)}, TypeError, "unknown option"),
+    ({0: dict(key_bits=9)}, ValueError, r"layer 0, full_attention\): key_bits"),
+    ({1: dict(key_codec="nope")}, ValueError, r"layer 1.*key_codec"),
+    ({0: dict(residual_bits=4)}, ValueError, "residual_bits"),
+])
+def test_bad_layer_overrides_are_rejected(bad, err, match):
+    with pytest.raises(err, match=match):
+        kv.TurboQuantCache(llama().config, layer_overrides=bad)
+
+
+def test_layer_error_is_small_for_wide_codes_and_grows_as_bits_drop():
+    model = gemma3()
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
+    samples = kv.capture_attention_inputs(model, ids)
+    assert len(samples) == 3 and samples[0].sliding_window == 8
+    assert samples[2].sliding_window is None and samples[0].key.shape == (1, 1, 48, 32)
+    errs, bits_el = {}, {}
+    for bits in (2, 4, 8):
+        e, b, n = kv.layer_error(dict(key_bits=bits, value_bits=bits, residual_length=0,
+                                      sink_length=0), samples[2], queries=16)
+        errs[bits], bits_el[bits] = e, b
+        assert n == 2 * 1 * 48 * 32  # keys + values of the 48 tokens the global layer holds
+    assert errs[8] < 0.005 < errs[4] < errs[2] / 2  # ~ halves per bit (MSE /4 per bit)
+    # the same norms and calibration tables at every width: bits/element differ by the codes'
+    assert bits_el[8] - bits_el[4] == pytest.approx(4) and bits_el[4] - bits_el[2] == pytest.approx(2)
+    # a window holding every query's context exactly: no error at all
+    e, _, _ = kv.layer_error(dict(residual_length=48), samples[2], queries=16)
+    assert e < 1e-3  # float16 storage only
+
+
+def test_choose_solves_the_budgeted_knapsack_exactly_on_a_small_case():
+    import itertools
+
+    from tqvec.kv.plan import choose
+    # 3 layers x 3 candidates of (error, bits, elements); layer 2 stands for twice the elements
+    measured = {"lo": [(0.30, 2.0, 10), (0.20, 2.0, 10), (0.40, 2.0, 20)],
+                "mid": [(0.10, 3.0, 10), (0.18, 3.0, 10), (0.20, 3.0, 20)],
+                "hi": [(0.05, 4.0, 10), (0.17, 4.0, 10), (0.15, 4.0, 20)]}
+    def best(limit):  # brute force over all 27 plans
+        return min(sum(measured[c][i][0] for i, c in enumerate(p)) / 3
+                   for p in itertools.product(measured, repeat=3)
+                   if sum(measured[c][i][1] * measured[c][i][2] for i, c in enumerate(p)) / 40
+                   <= limit)
+
+    for budget in (2.1, 2.5, 2.9, 3.1, 3.25, 3.6, 4.0):
+        pick, bits, err = choose(measured, budget)
+        assert bits <= budget and bits == pytest.approx(sum(
+            measured[c][i][1] * measured[c][i][2] for i, c in enumerate(pick)) / 40)
+        # never better than the optimum, never worse than the optimum of a budget smaller by
+        # the rounding (3 layers x budget / resolution)
+        assert best(budget + 1e-12) - 1e-12 <= err <= best(budget * (1 - 3 / 20000)) + 1e-12
+    with pytest.raises(ValueError, match="budget must be >= 2.000"):
+        choose(measured, 1.5)
+
+
+def test_plan_layers_spends_the_budget_where_it_buys_error():
+    model = gemma3()
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
+    cands = {"k2v2": dict(key_bits=2, value_bits=2), "k4v4": dict(key_bits=4, value_bits=4)}
+    base = dict(residual_length=0, sink_length=0)
+    cheap = kv.plan_layers(model, ids, 100, candidates={"k2v2": cands["k2v2"]}, base=base,
+                           queries=16)
+    rich = kv.plan_layers(model, ids, 100, candidates=cands, base=base, queries=16)
+    assert rich.choice == ["k4v4"] * 3 and rich.error < cheap.error
+    mid_budget = (cheap.bits + rich.bits) / 2
+    mid = kv.plan_layers(model, ids, mid_budget, candidates=cands, base=base, queries=16)
+    assert mid.bits <= mid_budget and cheap.error >= mid.error >= rich.error
+    assert set(mid.choice) == {"k2v2", "k4v4"}
+    # the plan drives the cache: its layers get the chosen widths
+    cache = kv.TurboQuantCache(model.config, **base, layer_overrides=mid.overrides)
+    assert [layer.settings.key_bits for layer in cache.layers] == [
+        cands[c]["key_bits"] for c in mid.choice]
+    with pytest.raises(ValueError, match="budget"):
+        kv.plan_layers(model, ids, 0, candidates=cands)
+    with pytest.raises(ValueError, match="queries must be in 1..47"):
+        kv.plan_layers(model, ids, 3, candidates=cands)
+    with pytest.raises(TypeError, match="candidate 'x': unknown cache option"):
+        kv.plan_layers(model, ids, 3, candidates={"x": dict(bits=3)})
+    with pytest.raises(ValueError, match="candidate 'y': key_bits"):
+        kv.plan_layers(model, ids, 3, candidates={"y": dict(key_bits=0)})
+
+
 # -- BalanceKV ----------------------------------------------------------------------------------
 def _discrepancy(k, v, eta, q):
     w = torch.exp(q @ k.T / math.sqrt(k.shape[1]))  # (nq, n)

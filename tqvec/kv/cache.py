@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
@@ -9,7 +10,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 from .. import _validate as V
 from . import attention as _attention
 from .balance import BalanceConfig
-from .layer import CompressedLayer, KVSettings
+from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
 from .quant import make_quantizer
 
 __all__ = ["TurboQuantCache"]
@@ -61,6 +62,14 @@ class TurboQuantCache(Cache):
         ``config`` to the ``"tqvec"`` attention implementation, which is SDPA for any other
         cache. ``"decode"`` keeps the model's attention and hands it decoded keys/values
         (the reference path; slower, same numbers up to rounding).
+    layer_overrides: per-layer settings, ``{layer index or layer type: {option: value}}``; the
+        options are this constructor's per-layer arguments (key_codec, key_bits, value_codec,
+        value_bits, residual_length, residual_bits, sink_length, outlier_channels,
+        outlier_bits, value_outlier_channels, group, calibrate, balance, norm_bits) and replace
+        its values for those layers; a layer type is ``"full_attention"`` or
+        ``"sliding_attention"``, and an index's entry applies on top of its type's. E.g.
+        Gemma 3: ``{"sliding_attention": {"residual_length": 16}}`` spends fewer bits on the
+        window of the 512-token sliding layers. A key matching no layer is an error.
     """
 
     def __init__(self, config: Any, *, key_codec: str = "turbo", key_bits: float = 3,
@@ -69,52 +78,39 @@ class TurboQuantCache(Cache):
                  value_outlier_channels: int = 0, group: int | None = None,
                  calibrate: bool = True, balance: BalanceConfig | None = None, seed: int = 0,
                  attention: str = "codes", norm_bits: int = 16,
-                 residual_bits: int | None = None):
+                 residual_bits: int | None = None,
+                 layer_overrides: Mapping[int | str, Mapping[str, Any]] | None = None):
         if not hasattr(config, "get_text_config"):
             raise TypeError(f"config must be a transformers PretrainedConfig, got "
                             f"{type(config).__name__}")
         self.attention = V.choice(attention, "attention", ("codes", "decode"))
-        if balance is not None and not isinstance(balance, BalanceConfig):
-            raise TypeError(f"balance must be a tqvec.kv.BalanceConfig or None, got "
-                            f"{type(balance).__name__}")
-        if balance is not None and attention != "codes":
-            raise ValueError("balance needs attention='codes' (its token weights cannot be "
-                             "expressed to SDPA)")
-        V.positive_int(residual_length, "residual_length", 0)
-        V.positive_int(sink_length, "sink_length", 0)
-        V.positive_int(outlier_channels, "outlier_channels", 0)
-        V.positive_int(value_outlier_channels, "value_outlier_channels", 0)
-        for name, b in (("key_bits", key_bits), ("value_bits", value_bits)):
-            if isinstance(b, bool) or not isinstance(b, (int, float)) or not 1 <= b <= 8:
-                raise ValueError(f"{name} must be a number in 1..8, got {b!r}")
-        self.settings = KVSettings(
-            key_codec=key_codec, key_bits=key_bits, value_codec=value_codec,
-            value_bits=value_bits, residual_length=residual_length, sink_length=sink_length,
-            outlier_channels=outlier_channels, outlier_bits=outlier_bits,
-            value_outlier_channels=value_outlier_channels, group=group,
-            calibrate=bool(calibrate), balance=balance,
-            seed=V.seed(seed), norm_bits=V.choice(norm_bits, "norm_bits", (8, 16)),
-            residual_bits=V.choice(residual_bits, "residual_bits", (None, 8)))
         text = config.get_text_config(decoder=True)
         self.config = config
         head_dim = getattr(text, "head_dim", None) or (
             text.hidden_size // text.num_attention_heads)
-        # Build the quantizers once now so that a bad codec/bits/group fails here, not
-        # in the middle of a forward.
-        make_quantizer(key_codec, head_dim, key_bits, seed=0, role="keys",
-                       outlier_channels=outlier_channels, outlier_bits=outlier_bits, group=group,
-                       norm_bits=self.settings.norm_bits)
-        make_quantizer(value_codec, head_dim, value_bits, seed=0, role="values",
-                       outlier_channels=value_outlier_channels, group=group,
-                       norm_bits=self.settings.norm_bits)
+        base = dict(key_codec=key_codec, key_bits=key_bits, value_codec=value_codec,
+                    value_bits=value_bits, residual_length=residual_length,
+                    sink_length=sink_length, outlier_channels=outlier_channels,
+                    outlier_bits=outlier_bits, value_outlier_channels=value_outlier_channels,
+                    group=group, calibrate=calibrate, balance=balance, norm_bits=norm_bits,
+                    residual_bits=residual_bits)
+        seed = V.seed(seed)
+        self.settings = _settings(base, seed, head_dim, self.attention, "")
         layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-        layers = []
-        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+        for i, kind in enumerate(layer_types):
             if kind not in _SUPPORTED_LAYERS:
                 raise ValueError(f"layer {i} has type {kind!r}; the compressed cache supports "
                                  f"{_SUPPORTED_LAYERS}")
-            layers.append(CompressedLayer(self.settings, i, kw.get("sliding_window"),
+        overrides = _check_overrides(layer_overrides, layer_types)
+        layers = []
+        for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+            mine = {**overrides.get(kind, {}), **overrides.get(i, {})}
+            settings = (_settings({**base, **mine}, seed, head_dim, self.attention,
+                                  f"layer_overrides (layer {i}, {kind}): ")
+                        if mine else self.settings)
+            layers.append(CompressedLayer(settings, i, kw.get("sliding_window"),
                                           self._codes_attention))
+        self.layer_overrides = overrides
         super().__init__(layers=layers)
         if self.attention == "codes":
             _attention.register()
@@ -144,4 +140,72 @@ class TurboQuantCache(Cache):
     def __repr__(self) -> str:
         s = self.settings
         return (f"TurboQuantCache(keys={s.key_codec}:{s.key_bits}, values={s.value_codec}:"
-                f"{s.value_bits}, residual_length={s.residual_length}, layers={len(self.layers)})")
+                f"{s.value_bits}, residual_length={s.residual_length}, layers={len(self.layers)}"
+                + (f", layer_overrides={self.layer_overrides}" if self.layer_overrides else "")
+                + ")")
+
+
+def _settings(kw: dict, seed: int, head_dim: int, attention: str, where: str) -> KVSettings:
+    """Validate one layer's options and build its quantizers once now, so that a bad
+    codec/bits/group fails at construction, not in the middle of a forward."""
+    balance = kw["balance"]
+    if balance is not None and not isinstance(balance, BalanceConfig):
+        raise TypeError(f"{where}balance must be a tqvec.kv.BalanceConfig or None, got "
+                        f"{type(balance).__name__}")
+    if balance is not None and attention != "codes":
+        raise ValueError(f"{where}balance needs attention='codes' (its token weights cannot be "
+                         "expressed to SDPA)")
+    for name in ("residual_length", "sink_length", "outlier_channels", "value_outlier_channels"):
+        V.positive_int(kw[name], where + name, 0)
+    for name in ("key_bits", "value_bits"):
+        b = kw[name]
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not 1 <= b <= 8:
+            raise ValueError(f"{where}{name} must be a number in 1..8, got {b!r}")
+    s = KVSettings(**{**kw, "calibrate": bool(kw["calibrate"]), "seed": seed,
+                      "norm_bits": V.choice(kw["norm_bits"], where + "norm_bits", (8, 16)),
+                      "residual_bits": V.choice(kw["residual_bits"], where + "residual_bits",
+                                                (None, 8))})
+    try:
+        make_quantizer(s.key_codec, head_dim, s.key_bits, seed=0, role="keys",
+                       outlier_channels=s.outlier_channels, outlier_bits=s.outlier_bits,
+                       group=s.group, norm_bits=s.norm_bits)
+        make_quantizer(s.value_codec, head_dim, s.value_bits, seed=0, role="values",
+                       outlier_channels=s.value_outlier_channels, group=s.group,
+                       norm_bits=s.norm_bits)
+    except (TypeError, ValueError) as e:
+        if not where:
+            raise
+        raise type(e)(f"{where}{e}") from None
+    return s
+
+
+def _check_overrides(overrides: Any, layer_types: list[str]) -> dict[int | str, dict]:
+    """``layer_overrides`` -> {layer index or layer type: options}, every key and option
+    checked against the model (a key that matches no layer is an error, not a no-op)."""
+    if overrides is None:
+        return {}
+    if not isinstance(overrides, Mapping):
+        raise TypeError(f"layer_overrides must be a mapping {{layer index or layer type: "
+                        f"{{option: value}}}}, got {type(overrides).__name__}")
+    out: dict[int | str, dict] = {}
+    for key, opts in overrides.items():
+        if isinstance(key, str):
+            if key not in layer_types:
+                raise ValueError(f"layer_overrides: the model has no {key!r} layers (its layer "
+                                 f"types: {sorted(set(layer_types))})")
+        elif isinstance(key, int) and not isinstance(key, bool):
+            if not 0 <= key < len(layer_types):
+                raise ValueError(f"layer_overrides: layer index {key} is outside "
+                                 f"0..{len(layer_types) - 1}")
+        else:
+            raise TypeError(f"layer_overrides keys must be layer indices (int) or layer types "
+                            f"(str), got {type(key).__name__} {key!r}")
+        if not isinstance(opts, Mapping):
+            raise TypeError(f"layer_overrides[{key!r}] must be a mapping of options, got "
+                            f"{type(opts).__name__}")
+        unknown = sorted(set(opts) - set(LAYER_OPTIONS))
+        if unknown:
+            raise TypeError(f"layer_overrides[{key!r}]: unknown option(s) {unknown}; allowed: "
+                            f"{list(LAYER_OPTIONS)}")
+        out[key] = dict(opts)
+    return out

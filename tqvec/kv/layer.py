@@ -22,7 +22,7 @@ next ``update``. Sliding-window layers drop tokens older than the window.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .balance import BalanceConfig, MergeAndReduce
 from .quant import ChannelScale, ChannelSplit, Fields, KVQuantizer, make_quantizer
 
-__all__ = ["KVSettings", "CompressedLayer"]
+__all__ = ["KVSettings", "CompressedLayer", "LAYER_OPTIONS"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,10 @@ class KVSettings:
     seed: int = 0
     norm_bits: int = 16
     residual_bits: int | None = None
+
+
+# the options one layer may set (``TurboQuantCache(layer_overrides=...)``): all but the seed
+LAYER_OPTIONS = tuple(f.name for f in fields(KVSettings) if f.name != "seed")
 
 
 class _Buffer:

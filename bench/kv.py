@@ -238,7 +238,7 @@ def run_plan(args) -> None:
         ids = tokens(tok, args.text, args.context)
         t0 = time.time()
         plan = kv.plan_layers(model, ids, max(args.budgets), base=PLAN_BASE,
-                              queries=args.queries)
+                              queries=args.queries, progress=lambda line: print(line, flush=True))
         seconds = time.time() - t0
         for b in args.budgets:
             choice, bits, err = choose(plan.measured, b)

@@ -537,7 +537,10 @@ def test_plan_layers_spends_the_budget_where_it_buys_error():
     base = dict(residual_length=0, sink_length=0)
     cheap = kv.plan_layers(model, ids, 100, candidates={"k2v2": cands["k2v2"]}, base=base,
                            queries=16)
-    rich = kv.plan_layers(model, ids, 100, candidates=cands, base=base, queries=16)
+    lines = []
+    rich = kv.plan_layers(model, ids, 100, candidates=cands, base=base, queries=16,
+                          progress=lines.append)
+    assert len(lines) == 2 and lines[1].startswith("plan_layers: 2/2 k4v4: mean error")
     assert rich.choice == ["k4v4"] * 3 and rich.error < cheap.error
     mid_budget = (cheap.bits + rich.bits) / 2
     mid = kv.plan_layers(model, ids, mid_budget, candidates=cands, base=base, queries=16)

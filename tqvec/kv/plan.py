@@ -20,7 +20,7 @@ programming over the budget in 20,000 steps (``choose``).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -219,7 +219,7 @@ def choose(measured: Mapping[str, Sequence[tuple[float, float, int]]], budget: f
 def plan_layers(model, input_ids: torch.Tensor, budget: float,
                 candidates: Mapping[str, Mapping[str, Any]] | None = None,
                 base: Mapping[str, Any] | None = None, queries: int = 64,
-                seed: int = 0) -> LayerPlan:
+                seed: int = 0, progress: Callable[[str], None] | None = None) -> LayerPlan:
     """Choose per-layer cache settings for ``model`` at ``budget`` bits/element.
 
     input_ids: (1, L) calibration tokens (a few thousand tokens of text like the model's use;
@@ -228,6 +228,7 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
         2-4 bit keys x 2-4 bit values x 0/16/32/96-token windows), on top of ``base``.
     base: the cache options shared by all layers (e.g. ``dict(residual_bits=8, norm_bits=8)``);
         pass the same to ``TurboQuantCache`` with ``layer_overrides=plan.overrides``.
+    progress: called with a line per candidate measured (e.g. ``print``).
     Costs one forward plus ``len(candidates) x layers`` decode-regime measurements (SmolLM2,
     36 candidates, 2,048 tokens: about 5 minutes on 2 CPU cores).
     """
@@ -252,8 +253,13 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
                                    f"candidate {name!r}: ")
     samples = capture_attention_inputs(model, input_ids)
     V.positive_int(queries, "queries", 1, samples[0].key.shape[2] - 1)
-    measured = {name: [layer_error(settings[name], s, queries) for s in samples]
-                for name in candidates}
+    measured = {}
+    for n, name in enumerate(candidates, 1):
+        measured[name] = [layer_error(settings[name], s, queries) for s in samples]
+        if progress is not None:
+            errs = [m[0] for m in measured[name]]
+            progress(f"plan_layers: {n}/{len(candidates)} {name}: mean error "
+                     f"{sum(errs) / len(errs):.4f}")
     choice, bits, err = choose(measured, float(budget))
     return LayerPlan(overrides={i: dict(candidates[c]) for i, c in enumerate(choice)},
                      choice=choice, bits=bits, error=err, budget=float(budget),

@@ -530,22 +530,58 @@ def test_choose_solves_the_budgeted_knapsack_exactly_on_a_small_case():
         choose(measured, 1.5)
 
 
+def test_choose_with_weights_minimises_the_weighted_squared_error():
+    import itertools
+
+    from tqvec.kv.plan import choose
+    measured = {"lo": [(0.30, 2.0, 10), (0.20, 2.0, 10), (0.40, 2.0, 20)],
+                "hi": [(0.05, 4.0, 10), (0.10, 4.0, 10), (0.15, 4.0, 20)]}
+    weights = [0.0, 5.0, 1.0]  # layer 0's error costs nothing: it never gets the bits
+    pick, bits, _ = choose(measured, 3.0, weights)
+    best = min(sum(weights[i] * measured[c][i][0] ** 2 for i, c in enumerate(p))
+               for p in itertools.product(measured, repeat=3)
+               if sum(measured[c][i][1] * measured[c][i][2] for i, c in enumerate(p)) / 40 <= 3)
+    assert sum(weights[i] * measured[c][i][0] ** 2 for i, c in enumerate(pick)) == best
+    assert pick == ["lo", "hi", "lo"] and bits == 2.5  # a tie goes to the cheaper candidate
+    with pytest.raises(ValueError, match="weights must be 3 finite numbers"):
+        choose(measured, 3.0, [1.0, -1.0, 1.0])
+
+
+def test_layer_sensitivity_sees_which_layers_reach_the_loss():
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # layer 0's attention output is thrown away: its error cannot matter
+        model.model.layers[0].self_attn.o_proj.weight.zero_()
+    sens = kv.layer_sensitivity(model, ids, eps=0.2)
+    assert len(sens) == 2 and sens[0] == 0.0 and sens[1] > 0
+    assert sens == kv.layer_sensitivity(model, ids, eps=0.2)  # seeded
+    assert model.config._attn_implementation != "tqvec_noisy"  # restored
+    with pytest.raises(ValueError, match="eps"):
+        kv.layer_sensitivity(model, ids, eps=2.0)
+
+
 def test_plan_layers_spends_the_budget_where_it_buys_error():
     model = gemma3()
     ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
     cands = {"k2v2": dict(key_bits=2, value_bits=2), "k4v4": dict(key_bits=4, value_bits=4)}
     base = dict(residual_length=0, sink_length=0)
     cheap = kv.plan_layers(model, ids, 100, candidates={"k2v2": cands["k2v2"]}, base=base,
-                           queries=16)
+                           queries=16, objective="error")
     lines = []
     rich = kv.plan_layers(model, ids, 100, candidates=cands, base=base, queries=16,
-                          progress=lines.append)
+                          progress=lines.append, objective="error")
     assert len(lines) == 2 and lines[1].startswith("plan_layers: 2/2 k4v4: mean error")
     assert rich.choice == ["k4v4"] * 3 and rich.error < cheap.error
     mid_budget = (cheap.bits + rich.bits) / 2
-    mid = kv.plan_layers(model, ids, mid_budget, candidates=cands, base=base, queries=16)
+    mid = kv.plan_layers(model, ids, mid_budget, candidates=cands, base=base, queries=16,
+                         objective="error")
     assert mid.bits <= mid_budget and cheap.error >= mid.error >= rich.error
     assert set(mid.choice) == {"k2v2", "k4v4"}
+    # the default objective weighs each layer's squared error by the loss's sensitivity
+    loss = kv.plan_layers(model, ids, mid_budget, candidates=cands, base=base, queries=16)
+    assert loss.objective == "loss" and len(loss.sensitivity) == 3 and loss.bits <= mid_budget
+    assert loss.loss_increase == pytest.approx(sum(
+        loss.sensitivity[i] * loss.measured[c][i][0] ** 2 for i, c in enumerate(loss.choice)))
     # the plan drives the cache: its layers get the chosen widths
     cache = kv.TurboQuantCache(model.config, **base, layer_overrides=mid.overrides)
     assert [layer.settings.key_bits for layer in cache.layers] == [

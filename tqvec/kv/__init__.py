@@ -18,10 +18,18 @@ from .attention import ATTENTION_NAME, attend, register
 from .balance import BalanceConfig, MergeAndReduce, balance_signs, halve
 from .cache import TurboQuantCache
 from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
-from .plan import LayerPlan, LayerSample, capture_attention_inputs, layer_error, plan_layers
+from .plan import (
+    LayerPlan,
+    LayerSample,
+    capture_attention_inputs,
+    layer_error,
+    layer_sensitivity,
+    plan_layers,
+)
 from .quant import ChannelSplit, CodecQuantizer, TokenQuantizer, make_quantizer
 
 __all__ = ["TurboQuantCache", "BalanceConfig", "MergeAndReduce", "balance_signs", "halve",
            "CompressedLayer", "KVSettings", "ChannelSplit", "CodecQuantizer", "TokenQuantizer",
            "make_quantizer", "attend", "register", "ATTENTION_NAME", "LAYER_OPTIONS", "LayerPlan",
-           "LayerSample", "capture_attention_inputs", "layer_error", "plan_layers"]
+           "LayerSample", "capture_attention_inputs", "layer_error", "layer_sensitivity",
+           "plan_layers"]

@@ -153,7 +153,8 @@ def methods(head_dim: int) -> dict[str, dict]:
 def layer_settings(settings: dict, i: int) -> KVSettings:
     """Layer i's KVSettings from cache keyword arguments (``layer_overrides`` by index)."""
     st = dict(settings)
-    return KVSettings(**{**st, **st.pop("layer_overrides", {}).get(i, {})})
+    mine = st.pop("layer_overrides", {}).get(i, {})
+    return KVSettings(**{**st, **mine})
 
 
 def kivi_fake_quant(k, v, bits: int, group: int = 32, residual: int = 0):

@@ -499,7 +499,8 @@ def test_layer_error_is_small_for_wide_codes_and_grows_as_bits_drop():
         assert n == 2 * 1 * 48 * 32  # keys + values of the 48 tokens the global layer holds
     assert errs[8] < 0.005 < errs[4] < errs[2] / 2  # ~ halves per bit (MSE /4 per bit)
     # the same norms and calibration tables at every width: bits/element differ by the codes'
-    assert bits_el[8] - bits_el[4] == pytest.approx(4) and bits_el[4] - bits_el[2] == pytest.approx(2)
+    assert bits_el[8] - bits_el[4] == pytest.approx(4)
+    assert bits_el[4] - bits_el[2] == pytest.approx(2)
     # a window holding every query's context exactly: no error at all
     e, _, _ = kv.layer_error(dict(residual_length=48), samples[2], queries=16)
     assert e < 1e-3  # float16 storage only

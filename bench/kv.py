@@ -38,6 +38,7 @@ from tqvec.kv.plan import (  # noqa: E402
     choose,
     exact_attention,
     layer_error,
+    predicted_loss,
 )
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -254,7 +255,7 @@ def run_plan(args) -> None:
         for b in args.budgets:
             for objective, weights in (("loss", sens), ("error", None)):
                 choice, bits, err = choose(measured, b, weights)
-                loss = sum(sens[i] * measured[c][i][0] ** 2 for i, c in enumerate(choice))
+                loss = predicted_loss(measured, sens, choice)
                 name = f"{model_name}@{b:g}" + ("" if objective == "loss" else "-error")
                 plans[name] = {
                     "model": model_name, "budget": b, "objective": objective, "bits": bits,

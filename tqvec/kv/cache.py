@@ -86,8 +86,7 @@ class TurboQuantCache(Cache):
         self.attention = V.choice(attention, "attention", ("codes", "decode"))
         text = config.get_text_config(decoder=True)
         self.config = config
-        head_dim = getattr(text, "head_dim", None) or (
-            text.hidden_size // text.num_attention_heads)
+        head_dim = _head_dim(config)
         base = dict(key_codec=key_codec, key_bits=key_bits, value_codec=value_codec,
                     value_bits=value_bits, residual_length=residual_length,
                     sink_length=sink_length, outlier_channels=outlier_channels,
@@ -143,6 +142,11 @@ class TurboQuantCache(Cache):
                 f"{s.value_bits}, residual_length={s.residual_length}, layers={len(self.layers)}"
                 + (f", layer_overrides={self.layer_overrides}" if self.layer_overrides else "")
                 + ")")
+
+
+def _head_dim(config: Any) -> int:
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
 def _settings(kw: dict, seed: int, head_dim: int, attention: str, where: str) -> KVSettings:

@@ -36,11 +36,11 @@ import torch
 
 from .. import _validate as V
 from .attention import attend
-from .cache import _settings
+from .cache import _head_dim, _settings
 from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
 
 __all__ = ["LayerSample", "capture_attention_inputs", "layer_error", "layer_sensitivity",
-           "LayerPlan", "plan_layers", "choose", "DEFAULT_CANDIDATES"]
+           "LayerPlan", "plan_layers", "choose", "predicted_loss", "DEFAULT_CANDIDATES"]
 
 
 @dataclass
@@ -298,6 +298,13 @@ def choose(measured: Mapping[str, Sequence[tuple[float, float, int]]], budget: f
     return [names[k] for k in pick], total, mean_err
 
 
+def predicted_loss(measured: Mapping[str, Sequence[tuple[float, float, int]]],
+                   sensitivity: Sequence[float], choice: Sequence[str]) -> float:
+    """sum_l sensitivity_l * error_l^2 of a per-layer choice: the loss increase (nats/token)
+    the weighting predicts."""
+    return float(sum(sensitivity[i] * measured[c][i][0] ** 2 for i, c in enumerate(choice)))
+
+
 def plan_layers(model, input_ids: torch.Tensor, budget: float,
                 candidates: Mapping[str, Mapping[str, Any]] | None = None,
                 base: Mapping[str, Any] | None = None, queries: int = 64,
@@ -329,8 +336,7 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
     base = dict(base or {})
     seed = V.seed(seed)
     V.choice(objective, "objective", ("loss", "error"))
-    text = model.config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = _head_dim(model.config)
     defaults = {f.name: f.default for f in fields(KVSettings) if f.name != "seed"}
     settings = {}
     for name, opts in [("base", {}), *candidates.items()]:
@@ -352,8 +358,7 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
                      f"{sum(errs) / len(errs):.4f}")
     sens = layer_sensitivity(model, input_ids, seed=seed) if objective == "loss" else None
     choice, bits, err = choose(measured, float(budget), sens)
-    loss = None if sens is None else float(sum(
-        sens[i] * measured[c][i][0] ** 2 for i, c in enumerate(choice)))
+    loss = None if sens is None else predicted_loss(measured, sens, choice)
     return LayerPlan(overrides={i: dict(candidates[c]) for i, c in enumerate(choice)},
                      choice=choice, bits=bits, error=err, budget=float(budget),
                      objective=objective, loss_increase=loss, sensitivity=sens,

@@ -73,14 +73,15 @@ def test_window_covering_sequence_reproduces_dynamic_cache_exactly(make):
 
 
 @pytest.mark.parametrize("make", [llama, gemma3])
-@pytest.mark.parametrize("keys", ["turbo", "turbo-prod", "qjl", "token"])
+@pytest.mark.parametrize("keys", ["turbo", "turbo-vq", "turbo-prod", "qjl", "token"])
 def test_attention_from_codes_matches_decode_then_sdpa(make, keys):
     """Same codes (calibrate=False), two attention paths: scores on the codes vs decoded
     tensors handed to SDPA. Sliding windows and the mask go through both."""
     model = make()
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(2))
     kw = dict(key_codec=keys, key_bits=3, value_bits=3, residual_length=3, sink_length=2,
-              calibrate=False, value_codec="token" if keys == "qjl" else "turbo")
+              calibrate=False, value_codec={"qjl": "token", "turbo-vq": "turbo-vq"}.get(
+                  keys, "turbo"))
     codes = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
     model.config._attn_implementation = "sdpa"
     dec_cache = kv.TurboQuantCache(model.config, attention="decode", **kw)
@@ -364,6 +365,56 @@ def test_key_scores_are_unbiased(kind, bits):
     assert bool(((est.mean(0) - true).abs() <= 4 * se + 1e-6).all())
 
 
+@pytest.mark.parametrize("d", [16, 64])
+def test_block_vq_codes_beat_scalar_codes_at_equal_bytes(d):
+    """turbo-vq: same bytes per token as turbo, lower error at every width; its scores and
+    value sums are those of its decoded rows; a zero row stays zero."""
+    from tqvec.codebooks import sphere_block_codebook, sphere_codebook
+    g = torch.Generator().manual_seed(20)
+    x = torch.randn(3000, d, generator=g) * torch.linspace(0.3, 3, d)
+    x[5] = 0
+    for bits in (1, 2, 3, 4):
+        vq = make_quantizer("turbo-vq", d, bits, seed=1, role="keys")
+        sq = make_quantizer("turbo", d, bits, seed=1, role="keys")
+        assert vq.bytes_per_token == sq.bytes_per_token
+        assert vq.expected_mse < 0.96 * sphere_codebook(d, bits).mse
+        assert sphere_block_codebook(d, bits, vq.block) is sphere_block_codebook(
+            d, bits, vq.block)  # once per process
+        f = {k: v[None, None] for k, v in vq.encode(x).items()}
+        fs = {k: v[None, None] for k, v in sq.encode(x).items()}
+
+        def rel(q, f):
+            xh = q.decode(f)[0, 0]
+            return float(((xh - x)[x.norm(dim=1) > 0].norm(dim=1) ** 2
+                          / x[x.norm(dim=1) > 0].norm(dim=1) ** 2).mean()), xh
+        e_vq, xh = rel(vq, f)
+        e_sq, _ = rel(sq, fs)
+        assert e_vq < 0.97 * e_sq, (bits, e_vq, e_sq)
+        assert e_vq == pytest.approx(vq.expected_mse, rel=0.15)
+        assert not xh[5].any()
+        q = torch.randn(1, 1, 4, d, generator=g)
+        torch.testing.assert_close(vq.scores(q, f), q @ xh.T[None, None], rtol=1e-4, atol=1e-3)
+        p = torch.softmax(torch.randn(1, 1, 4, len(x), generator=g), -1)
+        torch.testing.assert_close(vq.weighted_sum(p, f), p @ xh, rtol=1e-4, atol=1e-5)
+    n8 = make_quantizer("turbo-vq", d, 2, seed=1, role="values", norm_bits=8)
+    n16 = make_quantizer("turbo-vq", d, 2, seed=1, role="values")
+    assert n8.bytes_per_token == n16.bytes_per_token - 1
+    f8 = {k: v[None, None] for k, v in n8.encode(x).items()}
+    assert f8["fit"].dtype == torch.uint8
+    with pytest.raises(ValueError, match="key_bits must be 1..4 for 'turbo-vq'"):
+        make_quantizer("turbo-vq", d, 5, seed=1, role="keys")
+
+
+def test_block_codebook_bad_arguments():
+    from tqvec.codebooks import sphere_block_codebook
+    with pytest.raises(ValueError, match="block must be 1, 2, 4 or 8 and divide dim=6"):
+        sphere_block_codebook(6, 2, 4)
+    with pytest.raises(ValueError, match="bits \\* block must be <= 8"):
+        sphere_block_codebook(16, 3, 4)
+    with pytest.raises(ValueError, match="dim must be an int >= 2"):
+        sphere_block_codebook(1, 2, 1)
+
+
 def test_channel_split_codes_outliers_wider():
     g = torch.Generator().manual_seed(10)
     x = torch.randn(1, 2, 64, 32, generator=g)
@@ -376,6 +427,63 @@ def test_channel_split_codes_outliers_wider():
     err_split = (split.decode(split.encode_heads(x)) - x).norm()
     err_plain = (plain.decode(plain.encode_heads(x)) - x).norm()
     assert err_split < 0.5 * err_plain
+
+
+def rope_keys(T: int, d: int = 16, base: float = 1e4, start: int = 0) -> torch.Tensor:
+    """(1, 1, T, d) keys with a fixed pre-RoPE mean and noise, rotated as HF's rotate_half
+    layout does: pair (i, i + d/2) turns by position * base^(-2i/d)."""
+    g = torch.Generator().manual_seed(12)
+    h = d // 2
+    pre = torch.full((d,), 3.0) + 0.3 * torch.randn(T, d, generator=g)
+    pos = torch.arange(start, start + T, dtype=torch.float32)[:, None]
+    ang = pos * base ** (-2 * torch.arange(h, dtype=torch.float32) / d)
+    c, s = torch.cos(ang), torch.sin(ang)
+    a, b = pre[:, :h], pre[:, h:]
+    return torch.cat([a * c - b * s, a * s + b * c], dim=-1)[None, None]
+
+
+def test_key_calibration_respects_rope_pairs():
+    from tqvec.kv.quant import ChannelScale
+    d, h = 16, 8
+    k = rope_keys(256, d)
+    q_energy = torch.rand(1, h, generator=torch.Generator().manual_seed(13)) + 0.5
+    q_energy = torch.cat([q_energy, q_energy], -1)  # RoPE'd queries: even in a pair
+    cal = ChannelScale(make_quantizer("turbo", d, 3, seed=0, role="keys"), rope_pairs=True)
+    cal.calibrate(k, q_energy)
+    # pair i turns by 256 * 1e4^(-i/8) rad over the calibration tokens (0.08, 0.26, 0.81,
+    # 2.6, ... for i = 7, 6, 5, 4): the still pairs keep their mean, the turning ones lose it,
+    # the fast ones average to ~0 anyway
+    turned = 256 * 1e4 ** (-torch.arange(h) / h)
+    pair_mean = (cal.mean[0, :h] ** 2 + cal.mean[0, h:] ** 2).sqrt()
+    full = k.mean(dim=(0, 2))[0]
+    still = turned < 0.5
+    assert still.sum() == 2
+    torch.testing.assert_close(cal.mean[0, :h][still], full[:h][still])
+    assert bool((pair_mean[(turned > 0.7) & (turned < 10)] == 0).all())
+    assert bool((pair_mean[turned >= 10] < 0.1).all())
+    assert torch.equal(cal.mean[0, :h] != 0, cal.mean[0, h:] != 0)
+    torch.testing.assert_close(cal.scale[0, :h], cal.scale[0, h:])  # tied within each pair
+    # 256 tokens later: a rotation-based quantizer's score error is ~ ||(k - mu) / s||^2 *
+    # sum_i Q_i s_i^2, and the turning pairs' prefill means and untied scales cost there. (A
+    # kept pair turning 0.26 rad over the calibration tokens is ~1 rad away 1,000 tokens on,
+    # where its mean stops helping: the threshold trades that against noisy still pairs.)
+    later = rope_keys(256, d, start=512)
+    untied = ChannelScale(make_quantizer("turbo", d, 3, seed=0, role="keys"))
+    untied.calibrate(k, q_energy)
+
+    def cost(c):
+        return (c.transform(later) ** 2).sum(-1).mean() * (q_energy * c.scale ** 2).sum()
+    assert cost(cal) < 0.8 * cost(untied)
+    # still exact algebra: <q, k> = <q s, (k - mu) / s> + <q, mu>
+    q = torch.randn(1, 1, 3, d, generator=torch.Generator().manual_seed(14))
+    exact = q @ later.transpose(-1, -2)
+    got = (q * cal.scale) @ cal.transform(later).transpose(-1, -2) + (q * cal.mean).sum(
+        -1, keepdim=True)
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-3)
+    # too few tokens to tell: no mean at all
+    few = ChannelScale(make_quantizer("turbo", d, 3, seed=0, role="keys"), rope_pairs=True)
+    few.calibrate(k[:, :, :3], q_energy)
+    assert not few.mean.any()
 
 
 @pytest.mark.parametrize("make", [llama, gemma3])

@@ -14,6 +14,11 @@
   [0, 2pi) (a circle, so the optimum is the uniform partition), level l >= 2 with density
   ∝ sin^(k-1)(2 psi) on [0, pi/2], k = 2^(l-1) (two independent chi_k radii).
 * ``gaussian_codebook(d, b)``: the N(0, 1/d) approximation, only as a cross-check.
+* ``sphere_block_codebook(d, b, block)``: a vector codebook (2^(b * block) points in R^block)
+  for ``block`` consecutive coordinates of a uniform point on S^{d-1}, by Lloyd's algorithm on a
+  fixed seeded sample (no closed form in several dimensions). Coding coordinates jointly gains
+  what a scalar quantizer cannot (cells that are not boxes): at d = 64, 2 bits, blocks of 4 cut
+  the MSE from 0.117 to ~0.097.
 
 Integrals are done in an angle variable where every density is a smooth power of a cosine:
 x = sin(theta) gives f(x) dx ∝ cos^(d-2)(theta) d theta (smooth even for d = 2, the arcsine law),
@@ -34,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = ["Codebook", "sphere_codebook", "sphere_grid_codebook", "grid_half_step",
-           "angle_codebook", "gaussian_codebook", "polar_expected_mse"]
+           "angle_codebook", "gaussian_codebook", "polar_expected_mse", "BlockCodebook",
+           "sphere_block_codebook"]
 
 _NODES, _WEIGHTS = np.polynomial.legendre.leggauss(128)
 
@@ -304,3 +310,64 @@ def polar_expected_mse(level_bits: tuple[int, ...]) -> float:
     for level, b in enumerate(level_bits, start=1):
         rho *= angle_codebook(level, b).expected_cos
     return 2.0 * (1.0 - rho)
+
+
+@dataclass(frozen=True)
+class BlockCodebook:
+    """A vector quantizer for blocks of ``block`` coordinates: points (K, block) float32; a
+    block maps to its nearest point. mse: expected ||x - x_hat||^2 of a unit vector coded block
+    by block (d times the per-coordinate cost), measured on a second seeded sample."""
+
+    points: np.ndarray
+    block: int
+    mse: float
+
+
+@functools.lru_cache(maxsize=32)
+def sphere_block_codebook(d: int, b: int, block: int) -> BlockCodebook:
+    """Lloyd's algorithm (k-means) for ``block`` coordinates of a uniform point on S^{d-1} at
+    ``b`` bits per coordinate (K = 2^(b * block) <= 256 points): 40 iterations on 64 K block
+    samples drawn with a fixed seed, started from the product of the scalar Lloyd-Max codebook
+    (``sphere_codebook``). Deterministic on a machine; computed once per process (~2 s for
+    256 points)."""
+    import torch
+
+    if not isinstance(d, (int, np.integer)) or d < 2:
+        raise ValueError(f"dim must be an int >= 2, got {d!r}")
+    if block not in (1, 2, 4, 8) or d % block:
+        raise ValueError(f"block must be 1, 2, 4 or 8 and divide dim={d}, got {block!r}")
+    _check_bits(b)
+    K = 1 << (b * block)
+    if K > 256:
+        raise ValueError(f"bits * block must be <= 8 (at most 256 points), got {b} * {block}")
+    g = torch.Generator().manual_seed(0x7B10C + 131 * d + 17 * b + block)
+
+    def sample(n_blocks: int) -> torch.Tensor:
+        rows = -(-n_blocks * block // d)
+        x = torch.randn(rows, d, generator=g, dtype=torch.float64)
+        x = x / torch.linalg.vector_norm(x, dim=1, keepdim=True)
+        return x.reshape(-1, block)[:n_blocks]
+
+    def nearest(x: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = (x * x).sum(1, keepdim=True) - 2 * x @ c.T + (c * c).sum(1)[None]
+        best, idx = dist.min(1)
+        return idx, best.clamp_min(0)
+
+    train = sample(64 * K)
+    # start from the scalar Lloyd-Max grid's product (a good, symmetric start), then iterate
+    sc = torch.tensor(sphere_codebook(d, b).centroids)
+    grids = torch.meshgrid(*([sc] * block), indexing="ij")
+    c = torch.stack([t.reshape(-1) for t in grids], dim=1)
+    # the symmetric product is a fixed point of Lloyd's step (pairs at d = 256 stay there):
+    # a seeded jitter of a quarter of the scalar spacing lets the cells turn into non-boxes
+    gap = float((sc[1:] - sc[:-1]).min()) if len(sc) > 1 else 1.0
+    c = c + 0.25 * gap * torch.randn(c.shape, generator=g, dtype=c.dtype)
+    t32 = train.float()
+    for _ in range(40):
+        idx, _ = nearest(t32, c.float())
+        cnt = torch.bincount(idx, minlength=K).to(train.dtype)
+        tot = torch.zeros_like(c).index_add_(0, idx, train)
+        empty = cnt == 0
+        c = torch.where(empty[:, None], c, tot / cnt.clamp_min(1)[:, None])
+    _, err = nearest(sample(64 * K), c)
+    return BlockCodebook(c.float().numpy(), block, float(err.mean()) * d / block)

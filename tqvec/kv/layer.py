@@ -158,7 +158,7 @@ class CompressedLayer(CacheLayerMixin):
             self.wvq = make_quantizer("turbo", d, s.residual_bits, seed=seed + 4,
                                       role="values")
         if s.calibrate and s.key_codec != "fp16":
-            self.kq = ChannelScale(self.kq)
+            self.kq = ChannelScale(self.kq, rope_pairs=True)
         if s.calibrate and s.value_codec != "fp16":
             self.vq = ChannelScale(self.vq)
         # A sliding window forgets old tokens anyway: no sink and no token selection there.

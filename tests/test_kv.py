@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -405,8 +406,11 @@ def test_block_vq_codes_beat_scalar_codes_at_equal_bytes(d):
         make_quantizer("turbo-vq", d, 5, seed=1, role="keys")
 
 
-def test_block_codebook_bad_arguments():
+def test_block_codebook_is_seeded_and_checks_arguments():
     from tqvec.codebooks import sphere_block_codebook
+    a, b = (sphere_block_codebook.__wrapped__(16, 3, 2) for _ in range(2))
+    np.testing.assert_array_equal(a.points, b.points)
+    assert a.points.shape == (64, 2) and a.block == 2
     with pytest.raises(ValueError, match="block must be 1, 2, 4 or 8 and divide dim=6"):
         sphere_block_codebook(6, 2, 4)
     with pytest.raises(ValueError, match="bits \\* block must be <= 8"):

@@ -19,8 +19,10 @@ import torch
 
 from .. import _validate as V
 from .. import ops
+from ..codebooks import sphere_block_codebook
 from ..codecs import QJL, TurboQuant
 from ..codecs.base import Codec, Codes, store_norm
+from ..random import make_rotation
 
 __all__ = ["KVQuantizer", "CodecQuantizer", "BlockVQQuantizer", "TokenQuantizer", "ChannelSplit",
            "make_quantizer", "Float16Quantizer"]
@@ -89,6 +91,9 @@ class _LogNorms:
         v = torch.exp2((c.float() - half) / self._STEPS + (self.center or 0.0))
         return torch.where(c > 0, v, torch.zeros_like(v)).to(torch.float16)
 
+    def side_bytes(self) -> int:
+        return 4 if self.center is not None else 0
+
 
 class CodecQuantizer(_LogNorms, KVQuantizer):
     """Any tqvec codec with a term-form estimator (TurboQuant mse/prod, QJL).
@@ -106,12 +111,8 @@ class CodecQuantizer(_LogNorms, KVQuantizer):
         self.log_fields = [k for k, (shape, dt) in layout.items()
                            if shape == () and dt == torch.float16] if norm_bits == 8 else []
         self.bytes_per_token = codec.code_size - len(self.log_fields)  # 2 bytes -> 1 each
-        self.center: float | None = None
         # Values can be summed in the rotated domain only for a single rotated-domain term.
         self.rotated_values = isinstance(codec, TurboQuant) and codec.variant == "mse"
-
-    def side_bytes(self) -> int:
-        return 4 if self.center is not None else 0
 
     def encode(self, x: torch.Tensor) -> Fields:
         c = self.codec.encode(x)
@@ -172,9 +173,6 @@ class BlockVQQuantizer(_LogNorms, KVQuantizer):
     """
 
     def __init__(self, dim: int, bits: int, seed: int, norm_bits: int = 16):
-        from ..codebooks import sphere_block_codebook
-        from ..random import make_rotation
-
         self.dim = V.positive_int(dim, "dim", minimum=2)
         self.bits = V.positive_int(bits, "bits", 1, 4)
         self.block = next(b for b in (8, 4, 2, 1) if b * self.bits <= 8 and self.dim % b == 0)
@@ -187,10 +185,6 @@ class BlockVQQuantizer(_LogNorms, KVQuantizer):
         self.norm_bits = V.choice(norm_bits, "norm_bits", (8, 16))
         self.bytes_per_token = ops.row_bytes(self.nblocks, self.code_bits) + (
             1 if self.norm_bits == 8 else 2)
-        self.center: float | None = None
-
-    def side_bytes(self) -> int:
-        return 4 if self.center is not None else 0
 
     def _points(self, device) -> torch.Tensor:
         if self.points.device != torch.device(device):

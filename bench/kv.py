@@ -32,7 +32,6 @@ from _machine import machine_info  # noqa: E402
 import tqvec.kv as kv  # noqa: E402
 from tqvec.kv import KVSettings  # noqa: E402
 from tqvec.kv.plan import (  # noqa: E402
-    DEFAULT_CANDIDATES,
     capture_attention_inputs,
     causal_mask,
     choose,
@@ -45,8 +44,10 @@ RESULTS = Path(__file__).resolve().parent / "results"
 TEXTS = {"gpl3": "/usr/share/common-licenses/GPL-3", "sedfaq": "/usr/share/doc/sed/sedfaq.txt.gz",
          # calibration only (``plan``): never one of the evaluation texts
          "gpl2": "/usr/share/common-licenses/GPL-2"}
-# options shared by every layer of the planned caches (tq-plan<budget>)
+# options shared by every layer of the planned caches (tq-plan<budget>, vq-plan<budget>)
 PLAN_BASE = dict(residual_bits=8, norm_bits=8, sink_length=4)
+# method prefix -> (plan key prefix in kv_plan.json, codec of the candidates)
+PLAN_CODECS = {"tq": ("", "turbo"), "vq": ("vq", "turbo-vq")}
 # bits/element are averaged over the last CYCLE steps: a cache that moves tokens in blocks
 # (residual_bits=8: 16 tokens) holds between residual_length and residual_length + 15 window
 # tokens, and its end state is one phase of that cycle
@@ -100,10 +101,10 @@ def tokens(tok, name: str, n: int) -> torch.Tensor:
 def method(model_name: str, head_dim: int, name: str) -> dict:
     """Cache keyword arguments of a method; ``tq-plan<budget>`` (e.g. tq-plan3.5) is the
     per-layer plan ``python bench/kv.py plan`` chose for this model at that budget."""
-    if name.startswith("tq-plan"):
+    if name.startswith(("tq-plan", "vq-plan")):
         path = RESULTS / "kv_plan.json"
         plans = json.loads(path.read_text())["plans"] if path.exists() else {}
-        key = f"{model_name}@{name[len('tq-plan'):]}"
+        key = f"{model_name}@{PLAN_CODECS[name[:2]][0]}{name[len('tq-plan'):]}"
         if key not in plans:
             raise SystemExit(f"no plan {key} in {path}: run python bench/kv.py plan first")
         return dict(PLAN_BASE, layer_overrides={int(i): o for i, o in
@@ -243,54 +244,59 @@ def run_plan(args) -> None:
     not an evaluation text); perplexity/attention then run them as tq-plan<budget>."""
     path = RESULTS / "kv_plan.json"
     plans = json.loads(path.read_text())["plans"] if path.exists() else {}
+    prefix = "vq" if args.codec == "turbo-vq" else ""
+    cands = kv.candidate_grid(args.codec)
     for model_name in args.models:
         model, tok = load_model(model_name)
         ids = tokens(tok, args.text, args.context)
         t0 = time.time()
-        old = plans.get(f"{model_name}@measured", {})
+        old = plans.get(f"{model_name}@{prefix}measured", {})
         same = {"text": args.text, "context": args.context, "queries": args.queries,
-                "base": PLAN_BASE, "candidates": DEFAULT_CANDIDATES}
+                "prefill": args.prefill, "base": PLAN_BASE, "candidates": cands}
         if args.reuse and all(old.get(k) == v for k, v in same.items()):
             # the grid of attention errors is deterministic: measure only the sensitivities
             measured, sens = old["measured"], kv.layer_sensitivity(model, ids)
             seconds = old["seconds"] + time.time() - t0
         else:
-            plan = kv.plan_layers(model, ids, max(args.budgets), base=PLAN_BASE,
-                                  queries=args.queries,
+            plan = kv.plan_layers(model, ids, max(args.budgets), cands, base=PLAN_BASE,
+                                  queries=args.queries, prefill=args.prefill,
                                   progress=lambda line: print(line, flush=True))
             measured, sens, seconds = plan.measured, plan.sensitivity, time.time() - t0
         for b in args.budgets:
             for objective, weights in (("loss", sens), ("error", None)):
                 choice, bits, err = choose(measured, b, weights)
                 loss = predicted_loss(measured, sens, choice)
-                name = f"{model_name}@{b:g}" + ("" if objective == "loss" else "-error")
+                name = f"{model_name}@{prefix}{b:g}" + ("" if objective == "loss" else "-error")
                 plans[name] = {
                     "model": model_name, "budget": b, "objective": objective, "bits": bits,
                     "error": err, "loss_increase": loss, "choice": choice,
-                    "overrides": {i: DEFAULT_CANDIDATES[c] for i, c in enumerate(choice)},
-                    "base": PLAN_BASE, "text": args.text, "context": args.context,
-                    "queries": args.queries, "seconds_to_plan": seconds}
+                    "overrides": {i: cands[c] for i, c in enumerate(choice)},
+                    "codec": args.codec, "base": PLAN_BASE, "text": args.text,
+                    "context": args.context, "queries": args.queries,
+                    "prefill": args.prefill, "seconds_to_plan": seconds}
                 print(f"{name}: bits {bits:.3f} error {err:.4f} loss +{loss:.4f} {choice}",
                       flush=True)
-        plans[f"{model_name}@measured"] = {"model": model_name, "measured": measured,
+        plans[f"{model_name}@{prefix}measured"] = {"model": model_name, "measured": measured,
                                            "sensitivity": sens, "seconds": seconds, **same}
         del model
     write("kv_plan", {"machine": machine_info(), "plans": plans}, plan_md(plans))
 
 
 def plan_md(plans) -> str:
-    out = ["| model | budget | objective | predicted bits/element | predicted mean error | "
-           "predicted loss increase (nats/token) | per-layer choice (k key bits, v value bits, "
-           "r window tokens) | calibration |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| model | codec | budget | objective | predicted bits/element | predicted mean error "
+           "| predicted loss increase (nats/token) | per-layer choice (k key bits, v value bits, "
+           "r window tokens) | calibration |", "|---|---|---|---|---|---|---|---|---|"]
     for p in plans.values():
         if "budget" in p:
-            out.append(f"| {p['model']} | {p['budget']:g} | {p.get('objective', 'error')} | "
-                       f"{p['bits']:.3f} | {p['error']:.4f} | {p.get('loss_increase', 0):.4f} "
-                       f"| {' '.join(p['choice'])} | {p['text']}, {p['context']} tokens, "
+            pre = f", prefill {p['prefill']}" if p.get("prefill") else ""
+            out.append(f"| {p['model']} | {p.get('codec', 'turbo')} | {p['budget']:g} | "
+                       f"{p.get('objective', 'error')} | {p['bits']:.3f} | {p['error']:.4f} | "
+                       f"{p.get('loss_increase', 0):.4f} | {' '.join(p['choice'])} | "
+                       f"{p['text']}, {p['context']} tokens, {p['queries']} queries{pre}, "
                        f"{p['seconds_to_plan']:.0f} s |")
-    for p in plans.values():
+    for key, p in plans.items():
         if "sensitivity" in p:
-            out.append(f"\n{p['model']} layer sensitivity (KL nats/token per unit squared "
+            out.append(f"\n{key}: layer sensitivity (KL nats/token per unit squared "
                        f"attention error): " + " ".join(f"{x:.3g}" for x in p["sensitivity"]))
     return "\n".join(out) + "\n"
 
@@ -593,7 +599,12 @@ def main(argv=None) -> None:
     n.add_argument("--budgets", nargs="+", type=float, default=[3.5, 2.5])
     n.add_argument("--text", default="gpl2")
     n.add_argument("--context", type=int, default=2048)
-    n.add_argument("--queries", type=int, default=64)
+    n.add_argument("--queries", type=int, default=64,
+                   help="decode steps whose attention error is measured (more: less noise)")
+    n.add_argument("--prefill", type=int,
+                   help="calibration prefill of the measurement (default: context - queries)")
+    n.add_argument("--codec", default="turbo", choices=["turbo", "turbo-vq"],
+                   help="codec of the candidates (turbo-vq plans run as vq-plan<budget>)")
     n.add_argument("--reuse", action="store_true",
                    help="reuse the stored attention-error grid when its settings match")
     p = sub.add_parser("ppl")

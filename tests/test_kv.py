@@ -617,6 +617,27 @@ def test_layer_error_is_small_for_wide_codes_and_grows_as_bits_drop():
     assert e < 1e-3  # float16 storage only
 
 
+def test_layer_error_with_a_short_prefill_stores_the_same_tokens():
+    """prefill < L - queries: calibrated on the first tokens, the rest appended in one block;
+    what the layer stands for (elements, bits) is the same, the default is the longest
+    prefill, and bad values are refused."""
+    model = gemma3()
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
+    samples = kv.capture_attention_inputs(model, ids)
+    opts = dict(key_bits=3, value_bits=3, residual_length=4, sink_length=0)
+    for s in (samples[0], samples[2]):  # sliding and global
+        e_long, b_long, n_long = kv.layer_error(opts, s, queries=16)
+        e_short, b_short, n_short = kv.layer_error(opts, s, queries=16, prefill=8)
+        assert n_short == n_long and b_short == pytest.approx(b_long)
+        assert 0.01 < e_short < 1 and 0.01 < e_long < 1
+        # the default is the longest prefill
+        assert kv.layer_error(opts, s, queries=16, prefill=32) == (e_long, b_long, n_long)
+    with pytest.raises(ValueError, match="prefill"):
+        kv.layer_error(opts, samples[2], queries=16, prefill=33)
+    with pytest.raises(TypeError, match="prefill"):
+        kv.layer_error(opts, samples[2], queries=16, prefill=8.0)
+
+
 def test_choose_solves_the_budgeted_knapsack_exactly_on_a_small_case():
     import itertools
 
@@ -706,6 +727,27 @@ def test_plan_layers_spends_the_budget_where_it_buys_error():
         kv.plan_layers(model, ids, 3, candidates={"x": dict(bits=3)})
     with pytest.raises(ValueError, match="candidate 'y': key_bits"):
         kv.plan_layers(model, ids, 3, candidates={"y": dict(key_bits=0)})
+
+
+
+def test_candidate_grid_names_every_setting_of_one_codec():
+    grid = kv.candidate_grid()
+    assert len(grid) == 36 and grid == kv.plan.DEFAULT_CANDIDATES
+    assert grid["k3v2-r16"] == dict(key_bits=3, value_bits=2, residual_length=16)
+    vq = kv.candidate_grid("turbo-vq", key_bits=(3,), value_bits=(2, 3), windows=(32,))
+    assert vq == {f"k3v{b}-r32": dict(key_codec="turbo-vq", value_codec="turbo-vq", key_bits=3,
+                                      value_bits=b, residual_length=32) for b in (2, 3)}
+    # a vq plan measures vq caches: the same bytes as scalar codes, less error
+    model = gemma3()
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
+    base = dict(sink_length=0)
+    plans = {c: kv.plan_layers(model, ids, 100, candidates=kv.candidate_grid(
+        c, key_bits=(2,), value_bits=(2,), windows=(0,)), base=base, queries=16, prefill=16,
+        objective="error") for c in ("turbo", "turbo-vq")}
+    assert plans["turbo-vq"].bits == pytest.approx(plans["turbo"].bits)
+    assert plans["turbo-vq"].error < plans["turbo"].error
+    with pytest.raises(ValueError, match="codec"):
+        kv.candidate_grid("qjl")
 
 
 # -- BalanceKV ----------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
 from .plan import (
     LayerPlan,
     LayerSample,
+    candidate_grid,
     capture_attention_inputs,
     layer_error,
     layer_sensitivity,
@@ -32,4 +33,4 @@ __all__ = ["TurboQuantCache", "BalanceConfig", "MergeAndReduce", "balance_signs"
            "CompressedLayer", "KVSettings", "ChannelSplit", "CodecQuantizer", "TokenQuantizer",
            "make_quantizer", "attend", "register", "ATTENTION_NAME", "LAYER_OPTIONS", "LayerPlan",
            "LayerSample", "capture_attention_inputs", "layer_error", "layer_sensitivity",
-           "plan_layers"]
+           "plan_layers", "candidate_grid"]

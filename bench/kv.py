@@ -144,6 +144,8 @@ def methods(head_dim: int) -> dict[str, dict]:
         "tq-k3v3-r96w8n8": dict(key_bits=3, value_bits=3, residual_length=96,
                                 residual_bits=8, norm_bits=8),
         "tq-k2v2-r32w8n8": dict(key_bits=2, value_bits=2, residual_bits=8, norm_bits=8),
+        # ablation: values as tq-k3v3-w8, keys not quantized (how much of its loss is values')
+        "tq-kfp16v3-w8": dict(key_codec="fp16", value_bits=3, residual_bits=8),
         # the vector codebook (key_codec / value_codec "turbo-vq"), same bytes as "turbo"
         "vq-k2v2-r32w8n8": dict(key_codec="turbo-vq", key_bits=2, value_codec="turbo-vq",
                                 value_bits=2, residual_bits=8, norm_bits=8),

@@ -149,6 +149,8 @@ def methods(head_dim: int) -> dict[str, dict]:
         # the vector codebook (key_codec / value_codec "turbo-vq"), same bytes as "turbo"
         "vq-k2v2-r32w8n8": dict(key_codec="turbo-vq", key_bits=2, value_codec="turbo-vq",
                                 value_bits=2, residual_bits=8, norm_bits=8),
+        "vq-k2v2-r96w8n8": dict(key_codec="turbo-vq", key_bits=2, value_codec="turbo-vq",
+                                value_bits=2, residual_length=96, residual_bits=8, norm_bits=8),
         "vq-k3v3-w8": dict(key_codec="turbo-vq", key_bits=3, value_codec="turbo-vq",
                            value_bits=3, residual_bits=8),
         "vq-k3v3-r96w8n8": dict(key_codec="turbo-vq", key_bits=3, value_codec="turbo-vq",

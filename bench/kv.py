@@ -100,7 +100,8 @@ def tokens(tok, name: str, n: int) -> torch.Tensor:
 # perplexity runs). Baselines that are not cache settings (KIVI) are simulated offline.
 def method(model_name: str, head_dim: int, name: str) -> dict:
     """Cache keyword arguments of a method; ``tq-plan<budget>`` (e.g. tq-plan3.5) is the
-    per-layer plan ``python bench/kv.py plan`` chose for this model at that budget."""
+    per-layer plan ``python bench/kv.py plan`` chose for this model at that budget,
+    ``vq-plan<budget>`` the one ``plan --codec turbo-vq`` chose."""
     if name.startswith(("tq-plan", "vq-plan")):
         path = RESULTS / "kv_plan.json"
         plans = json.loads(path.read_text())["plans"] if path.exists() else {}
@@ -245,10 +246,11 @@ def run_attn(args) -> None:
 
 def run_plan(args) -> None:
     """Per-layer plans (tqvec.kv.plan_layers) at each budget, calibrated on args.text (GPL-2,
-    not an evaluation text); perplexity/attention then run them as tq-plan<budget>."""
+    not an evaluation text); perplexity/attention then run them as tq-plan<budget> (or
+    vq-plan<budget> with --codec turbo-vq)."""
     path = RESULTS / "kv_plan.json"
     plans = json.loads(path.read_text())["plans"] if path.exists() else {}
-    prefix = "vq" if args.codec == "turbo-vq" else ""
+    prefix = next(key for key, codec in PLAN_CODECS.values() if codec == args.codec)
     cands = kv.candidate_grid(args.codec)
     for model_name in args.models:
         model, tok = load_model(model_name)
@@ -607,7 +609,7 @@ def main(argv=None) -> None:
                    help="decode steps whose attention error is measured (more: less noise)")
     n.add_argument("--prefill", type=int,
                    help="calibration prefill of the measurement (default: context - queries)")
-    n.add_argument("--codec", default="turbo", choices=["turbo", "turbo-vq"],
+    n.add_argument("--codec", default="turbo", choices=[c for _, c in PLAN_CODECS.values()],
                    help="codec of the candidates (turbo-vq plans run as vq-plan<budget>)")
     n.add_argument("--reuse", action="store_true",
                    help="reuse the stored attention-error grid when its settings match")

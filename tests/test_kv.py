@@ -729,7 +729,6 @@ def test_plan_layers_spends_the_budget_where_it_buys_error():
         kv.plan_layers(model, ids, 3, candidates={"y": dict(key_bits=0)})
 
 
-
 def test_candidate_grid_names_every_setting_of_one_codec():
     grid = kv.candidate_grid()
     assert len(grid) == 36 and grid == kv.plan.DEFAULT_CANDIDATES

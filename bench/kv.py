@@ -1,6 +1,7 @@
 """KV-cache benchmark on real small LLMs loaded offline (SmolLM2-135M, Gemma 3 270M).
 
     python bench/kv.py attn      # attention-output error per layer vs bits/element
+    python bench/kv.py balance   # BalanceKV vs uniform sampling per layer, over seeds
     python bench/kv.py plan      # per-layer settings at 3.5 / 2.5 bits (tq-plan3.5, tq-plan2.5;
                                  # tq-plan3.5-error: by mean attention error alone)
     python bench/kv.py ppl       # perplexity, cache used token by token (prefill + decode)
@@ -317,6 +318,75 @@ def attn_md(rows) -> str:
     return "\n".join(out) + "\n"
 
 
+# -- BalanceKV against uniform sampling ---------------------------------------------------------
+# Token selection alone (keys and values kept in float16, keep 1/4 of the middle tokens, 32 sink
+# and 32 window tokens exact), in the attn regime. One seed moves a layer's error by up to 2x on
+# layers whose error comes from a few heavy tokens, so each setting is averaged over seeds.
+SELECTIONS = {
+    "uniform": dict(method="uniform"),
+    "balance": dict(),  # the library default: one walk per batch, multiscale kernel
+    "balance-attention": dict(bandwidth="attention"),
+    "balance-neighbor": dict(bandwidth="neighbor"),
+    "balance-blocked64": dict(bandwidth="attention", block=64),  # the paper's blocked walk
+}
+
+
+def run_balance(args) -> None:
+    path = RESULTS / f"{args.out or 'kv_balance'}.json"
+    rows = [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models] \
+        if args.resume and path.exists() else []
+    for model_name in args.models:
+        model, tok = load_model(model_name)
+        layers = capture_attention_inputs(model, tokens(tok, args.text, args.context))
+        full = [i for i, lay in enumerate(layers) if lay.sliding_window is None]
+        t0 = time.time()
+        res = {}
+        for name in args.selections:
+            per_layer = []
+            for i in full:
+                errs = [layer_error(KVSettings(
+                    key_codec="fp16", value_codec="fp16", sink_length=32, residual_length=32,
+                    seed=seed, balance=kv.BalanceConfig(rounds=args.rounds,
+                                                        **SELECTIONS[name])),
+                    layers[i], args.queries)[0] for seed in range(args.seeds)]
+                mean = sum(errs) / len(errs)
+                se = (sum((e - mean) ** 2 for e in errs) / max(len(errs) - 1, 1)
+                      / len(errs)) ** 0.5
+                per_layer.append({"layer": i, "mean": mean, "se": se, "errors": errs})
+            res[name] = per_layer
+            print(f"{model_name:8s} {name:18s} mean "
+                  f"{sum(x['mean'] for x in per_layer) / len(per_layer):.4f}", flush=True)
+        rows.append({"model": model_name, "text": args.text, "context": args.context,
+                     "queries": args.queries, "rounds": args.rounds, "seeds": args.seeds,
+                     "selections": {n: SELECTIONS[n] for n in args.selections},
+                     "layers": res, "seconds": time.time() - t0})
+        del model
+    write(args.out or "kv_balance", {"machine": machine_info(), "rows": rows}, balance_md(rows))
+
+
+def balance_md(rows) -> str:
+    out = []
+    for r in rows:
+        names = list(r["layers"])
+        uni = {x["layer"]: x["mean"] for x in r["layers"].get("uniform", [])}
+        out += [f"### {r['model']} ({r['text']}, {r['context']} tokens, last {r['queries']} "
+                f"queries, keep 1/{2 ** r['rounds']}, mean ± s.e. over {r['seeds']} seeds)", "",
+                "| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for j, x in enumerate(r["layers"][names[0]]):
+            out.append(f"| {x['layer']} | " + " | ".join(
+                f"{r['layers'][n][j]['mean']:.4f} ± {r['layers'][n][j]['se']:.4f}"
+                for n in names) + " |")
+        out.append("| mean | " + " | ".join(
+            f"{sum(x['mean'] for x in r['layers'][n]) / len(r['layers'][n]):.4f}"
+            for n in names) + " |")
+        if uni:
+            out.append("| below uniform | " + " | ".join(
+                f"{sum(x['mean'] < uni[x['layer']] for x in r['layers'][n])} of "
+                f"{len(r['layers'][n])}" for n in names) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 # -- perplexity --------------------------------------------------------------------------------
 def perplexity(model, ids: torch.Tensor, prefill: int, cache):
     """Prefill ``prefill`` tokens, then feed the rest one token at a time through ``cache``.
@@ -600,6 +670,16 @@ def main(argv=None) -> None:
     a.add_argument("--queries", type=int, default=64)
     a.add_argument("--methods", nargs="*", help="subset of the methods (default: all)")
     a.add_argument("--out")
+    b = sub.add_parser("balance")
+    b.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
+    b.add_argument("--text", default="gpl3")
+    b.add_argument("--context", type=int, default=2048)
+    b.add_argument("--queries", type=int, default=64)
+    b.add_argument("--rounds", type=int, default=2, help="keep 1 / 2^rounds of the middle")
+    b.add_argument("--seeds", type=int, default=10)
+    b.add_argument("--selections", nargs="+", default=list(SELECTIONS), choices=list(SELECTIONS))
+    b.add_argument("--resume", action="store_true", help="keep other models' rows")
+    b.add_argument("--out")
     n = sub.add_parser("plan")
     n.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     n.add_argument("--budgets", nargs="+", type=float, default=[3.5, 2.5])
@@ -643,8 +723,8 @@ def main(argv=None) -> None:
     v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
-    {"attn": run_attn, "plan": run_plan, "ppl": run_ppl, "passkey": run_passkey,
-     "speed": run_speed}[args.cmd](args)
+    {"attn": run_attn, "balance": run_balance, "plan": run_plan, "ppl": run_ppl,
+     "passkey": run_passkey, "speed": run_speed}[args.cmd](args)
 
 
 if __name__ == "__main__":

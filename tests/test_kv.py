@@ -774,6 +774,59 @@ def test_balance_signs_beat_random_signs():
     assert torch.stack(disc_bal).mean() < 0.6 * torch.stack(disc_rnd).mean()
 
 
+def test_balance_signs_still_balance_keys_far_apart_at_the_attention_scale():
+    """Keys 10x larger, queries 10x smaller: the same attention logits, but at the attention's
+    own scale every pair of keys is ~exp(-36) apart and that walk flips coins; the neighbour
+    width (alone or in the default multiscale kernel) still balances."""
+    g = torch.Generator().manual_seed(11)
+    n, d = 128, 16
+    centres = torch.randn(6, d, generator=g)
+    k = centres[torch.randint(0, 6, (n,), generator=g)] + 0.3 * torch.randn(n, d, generator=g)
+    v = 1.0 + 0.2 * torch.randn(n, 8, generator=g)
+    q = torch.randn(64, d, generator=g)
+    disc = {b: [] for b in ("multiscale", "neighbor", "attention", "random")}
+    for s in range(10):
+        for b in ("multiscale", "neighbor", "attention"):
+            eta, _ = kv.balance_signs(10 * k, v, scale=1 / math.sqrt(d), bandwidth=b,
+                                      generator=torch.Generator().manual_seed(s))
+            disc[b].append(_discrepancy(k, v, eta, q))
+        disc["random"].append(_discrepancy(k, v, torch.randint(0, 2, (n,), generator=g)
+                                           .float() * 2 - 1, q))
+    mean = {b: torch.stack(x).mean() for b, x in disc.items()}
+    assert mean["multiscale"] < 0.6 * mean["random"]
+    assert mean["neighbor"] < 0.75 * mean["random"]
+    assert mean["attention"] > 0.8 * mean["random"]
+
+
+def test_balance_neighbor_width_ignores_the_key_scale():
+    """The neighbour width is the median nearest-neighbour distance of the walk's own keys, so
+    scaling every key by 4 (exact in binary floating point) leaves the signs unchanged."""
+    g = torch.Generator().manual_seed(15)
+    k, v = torch.randn(2, 64, 8, generator=g), torch.randn(2, 64, 8, generator=g)
+    a = kv.balance_signs(k, v, scale=0.3, bandwidth="neighbor",
+                         generator=torch.Generator().manual_seed(0))
+    b = kv.balance_signs(4 * k, v, scale=0.3, bandwidth="neighbor",
+                         generator=torch.Generator().manual_seed(0))
+    assert torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
+    # identical keys: a zero width is floored, the walk still runs and pairs them off
+    same = k[:, :1].expand(-1, 64, -1).contiguous()
+    eta, _ = kv.balance_signs(same, v.abs() + 1, scale=0.3, bandwidth="neighbor",
+                              generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(eta).all() and bool((eta.sum(-1).abs() <= 8).all())
+
+
+def test_balance_config_rejects_bad_settings():
+    assert kv.BalanceConfig().block is None and kv.BalanceConfig().bandwidth == "multiscale"
+    with pytest.raises(ValueError, match="bandwidth"):
+        kv.BalanceConfig(bandwidth="wide")
+    with pytest.raises(ValueError, match="block must divide batch"):
+        kv.BalanceConfig(batch=256, block=48)
+    with pytest.raises(ValueError, match="batch must be a power of two"):
+        kv.BalanceConfig(batch=96)
+    with pytest.raises(ValueError, match="bandwidth"):
+        kv.balance_signs(torch.zeros(4, 2), torch.ones(4, 2), scale=1.0, bandwidth="x")
+
+
 def test_halve_keeps_exactly_half_sorted():
     g = torch.Generator().manual_seed(12)
     k, v = torch.randn(3, 2, 64, 8, generator=g), torch.randn(3, 2, 64, 8, generator=g)

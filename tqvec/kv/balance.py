@@ -15,16 +15,30 @@ Choices made here, and why:
 * Value-norm buckets (paper Algorithm 1, line 4): tokens only interact with tokens whose
   ||v|| lies in the same power-of-two bucket (the kernel is masked across buckets), which is
   running one walk per bucket; r is the bucket's upper edge, so ||v / r|| lies in (1/2, 1].
-* The kernel is normalized per pair, K_ij / sqrt(K_ii K_jj) (a Gaussian kernel in k, times the
-  value term), not by the paper's R^2 = max_i K_ii: at real key norms the latter leaves every
-  off-diagonal entry ~0 and the walk flips fair coins (see ``balance_signs``).
+* The kernel is normalized per pair, K_ij / sqrt(K_ii K_jj) = exp(-||k_i - k_j||^2 scale / 2)
+  (a Gaussian kernel in k, times the value term), not by the paper's R^2 = max_i K_ii: at real
+  key norms the latter leaves every off-diagonal entry ~0 and the walk flips fair coins.
+* Bandwidth (``bandwidth``): the attention's own scale makes real keys nearly orthogonal to the
+  walk too (Gemma 3: median nearest-neighbour kernel value ~exp(-30)), so most signs are coin
+  flips. ``"neighbor"`` sets the Gaussian's width per walk to the median squared distance from
+  a key to its nearest neighbour (tokens then interact with their neighbours, whatever the
+  model's key scale); ``"multiscale"`` (default) balances the sum of both kernels (the walk then
+  bounds the discrepancy at both scales: a sum of kernels is the concatenation of their feature
+  maps); ``"attention"`` is the attention scale alone. Measured (SmolLM2-135M, GPL-3, keep 1/4,
+  fp16 tokens, 20 seeds; bench/results/kv_balance.md): "attention" wins on the early layers whose
+  error comes from a few heavy tokens, "neighbor" on Gemma 3 and SmolLM2's late layers, and
+  "multiscale" is below uniform sampling on every layer either way.
+* One walk per batch (``block=None``, default). The paper's blocked parallel form (Section 4)
+  cuts the batch into blocks walked independently (a block-diagonal kernel); here the walk over
+  a batch is one sequential loop whatever the block, so blocks only cut the interactions: with
+  blocks of 64 out of 256, SmolLM2's heavy tokens (a few % of the attention each, a few hundred
+  positions apart) rarely share a walk and the selection lost to uniform sampling on 8 of 30
+  layers (0.105 mean error against 0.105); one walk per batch: 0.096.
 * The constant c: the theory's c = 30 log(n / delta) makes every p_j ~ 1/2 (the walk degenerates
   to uniform sampling). ``c`` is a parameter (default 0.05 against the normalized kernel:
-  near-greedy; on SmolLM2 c = 0.5 was a little better, 0.103 vs 0.105 mean error at keep 1/4,
-  on Gemma 3 a little worse, 0.123 vs 0.120); p_j is clipped to [0, 1].
-* Blocked parallel form (paper Section 4): the tokens are cut into contiguous blocks of
-  ``block`` tokens that are walked in parallel (the kernel is block-diagonal), then exactly
-  floor(n / 2) tokens are kept: the +1 side, completed or trimmed by p_j.
+  near-greedy); p_j is clipped to [0, 1].
+* Exactly floor(n / 2) tokens are kept ("we strictly select n/2 embeddings", paper Section 4):
+  the +1 side, completed or trimmed by p_j.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ from .. import _validate as V
 
 __all__ = ["BalanceConfig", "balance_signs", "halve", "MergeAndReduce"]
 
+BANDWIDTHS = ("multiscale", "attention", "neighbor")
+
 
 @dataclass(frozen=True)
 class BalanceConfig:
@@ -47,15 +63,19 @@ class BalanceConfig:
     method: ``"balance"`` (SoftmaxBalance walk) or ``"uniform"`` (a uniformly random half per
         round: the baseline the paper compares with).
     batch: MergeAndReduce batch size t (tokens reduced together; a power of two >= 2).
-    block: block length of the parallel walk (divides ``batch``).
+    block: ``None`` (default): one walk over each batch; an int dividing ``batch``: the
+        paper's blocked parallel walk (blocks of that many tokens walked independently).
     c: walk constant (see the module docstring).
+    bandwidth: the walk's kernel width: ``"multiscale"`` (default), ``"attention"`` or
+        ``"neighbor"`` (see the module docstring).
     """
 
     rounds: int = 1
     method: str = "balance"
     batch: int = 256
-    block: int = 64
+    block: int | None = None
     c: float = 0.05
+    bandwidth: str = "multiscale"
 
     def __post_init__(self) -> None:
         V.positive_int(self.rounds, "rounds", 1, 16)
@@ -63,21 +83,24 @@ class BalanceConfig:
         b = V.positive_int(self.batch, "batch", 2)
         if b & (b - 1):
             raise ValueError(f"batch must be a power of two, got {b}")
-        blk = V.positive_int(self.block, "block", 2)
-        if b % blk:
-            raise ValueError(f"block must divide batch {b}, got {blk}")
+        if self.block is not None:
+            blk = V.positive_int(self.block, "block", 2)
+            if b % blk:
+                raise ValueError(f"block must divide batch {b}, got {blk}")
+        V.choice(self.bandwidth, "bandwidth", BANDWIDTHS)
         if not (math.isfinite(self.c) and self.c > 0):
             raise ValueError(f"c must be a positive finite number, got {self.c}")
 
 
 def balance_signs(k: torch.Tensor, v: torch.Tensor, *, scale: float, c: float = 0.05,
-                  block: int | None = None, generator: torch.Generator | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  block: int | None = None, bandwidth: str = "multiscale",
+                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Self-balancing walk signs for (k, v) pairs.
 
     k: (..., n, d), v: (..., n, s) float32 (leading dims are independent problems).
     Returns (eta (..., n) float32 of +-1, p (..., n) the probability each sign had of being +1).
     """
+    V.choice(bandwidth, "bandwidth", BANDWIDTHS)
     k = k.float()
     v = v.float()
     n = k.shape[-2]
@@ -86,18 +109,19 @@ def balance_signs(k: torch.Tensor, v: torch.Tensor, *, scale: float, c: float = 
     bucket = torch.floor(torch.log2(vn.clamp_min(1e-30)))
     vr = v / torch.exp2(bucket + 1)[..., None]
     pos = torch.arange(n, device=k.device)
-    same = (bucket[..., :, None] == bucket[..., None, :]) & (
-        (pos[:, None] // block) == (pos[None, :] // block))
-    logits = (k @ k.transpose(-1, -2)) * scale
-    diag = torch.diagonal(logits, dim1=-2, dim2=-1)
-    # K_ij / sqrt(K_ii K_jj): every entry <= 1, and no token's norm silences the others. (Dividing
-    # by the block's max K_ii instead, as R^2 in the paper, makes every off-diagonal entry
-    # ~exp(-50) at Gemma 3's key norms (~42, scale 1/16): p = 1/2 everywhere, random signs, and
-    # an attention error above uniform sampling's; this form is below it on 19 of SmolLM2's 30
-    # layers, level with it on Gemma 3's 3 global layers; bench/kv.py attn, 3 seeds.)
-    kern = torch.exp(logits - (diag[..., :, None] + diag[..., None, :]) / 2) * (
-        (vr @ vr.transpose(-1, -2) + 1.0) / 2.0)
-    kern = kern * same
+    walk = (pos[:, None] // block) == (pos[None, :] // block)
+    same = (bucket[..., :, None] == bucket[..., None, :]) & walk
+    sq = (k * k).sum(-1)
+    dist = (sq[..., :, None] + sq[..., None, :] - 2.0 * (k @ k.transpose(-1, -2))).clamp_min(0.0)
+    kern = torch.zeros_like(dist)
+    if bandwidth != "neighbor":
+        # K_ij / sqrt(K_ii K_jj) of the attention kernel exp(<k_i, k_j> scale)
+        kern = kern + torch.exp(-dist * (scale / 2.0))
+    if bandwidth != "attention":
+        kern = kern + torch.exp(-dist / _neighbor_width(dist, walk, sq, scale))
+    if bandwidth == "multiscale":
+        kern = kern / 2.0
+    kern = kern * ((vr @ vr.transpose(-1, -2) + 1.0) / 2.0) * same
     eta = torch.zeros(k.shape[:-1], dtype=torch.float32, device=k.device)
     prob = torch.empty_like(eta)
     u = torch.rand(k.shape[:-1], generator=generator, device="cpu").to(k.device)
@@ -109,14 +133,30 @@ def balance_signs(k: torch.Tensor, v: torch.Tensor, *, scale: float, c: float = 
     return eta, prob
 
 
+def _neighbor_width(dist: torch.Tensor, walk: torch.Tensor, sq: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """(..., 1, 1): the median over tokens of the squared distance to the nearest other key of
+    the same walk; the attention's width 2 / scale where no token has a neighbour, and at
+    least 1e-6 of the mean squared norm (identical keys)."""
+    n = dist.shape[-1]
+    others = walk & ~torch.eye(n, dtype=torch.bool, device=dist.device)
+    nearest = dist.masked_fill(~others, float("inf")).amin(-1)
+    nearest = torch.where(torch.isfinite(nearest), nearest, torch.full_like(nearest, math.nan))
+    width = torch.nanmedian(nearest, dim=-1).values
+    width = torch.where(torch.isnan(width), torch.full_like(width, 2.0 / scale), width)
+    return width.clamp_min(1e-6 * sq.mean(-1) + 1e-30)[..., None, None]
+
+
 def halve(k: torch.Tensor, v: torch.Tensor, *, method: str, scale: float, c: float,
-          block: int, generator: torch.Generator | None) -> torch.Tensor:
+          block: int | None, generator: torch.Generator | None,
+          bandwidth: str = "multiscale") -> torch.Tensor:
     """Indices (..., n // 2), increasing, of the tokens one balancing round keeps."""
     n = k.shape[-2]
     if method == "uniform":
         r = torch.rand(k.shape[:-1], generator=generator, device="cpu").to(k.device)
     else:
-        eta, p = balance_signs(k, v, scale=scale, c=c, block=block, generator=generator)
+        eta, p = balance_signs(k, v, scale=scale, c=c, block=block, bandwidth=bandwidth,
+                               generator=generator)
         # +1 side first, completed or trimmed by the probability of +1 (paper Section 4:
         # "we strictly select n/2 embeddings").
         r = eta + p
@@ -168,7 +208,8 @@ class MergeAndReduce:
         # Each batch of t tokens is reduced on its own (batches are independent problems).
         shp = (B, H, nb, t)
         idx = halve(kb.reshape(*shp, -1), vb.reshape(*shp, -1), method=self.cfg.method,
-                    scale=self.scale, c=self.cfg.c, block=self.cfg.block, generator=self.gen)
+                    scale=self.scale, c=self.cfg.c, block=self.cfg.block, generator=self.gen,
+                    bandwidth=self.cfg.bandwidth)
         idx = idx + (torch.arange(nb, device=idx.device) * t)[None, None, :, None]
         idx = idx.reshape(B, H, -1)
         sel = idx[..., None]

@@ -18,22 +18,25 @@ Choices made here, and why:
 * The kernel is normalized per pair, K_ij / sqrt(K_ii K_jj) = exp(-||k_i - k_j||^2 scale / 2)
   (a Gaussian kernel in k, times the value term), not by the paper's R^2 = max_i K_ii: at real
   key norms the latter leaves every off-diagonal entry ~0 and the walk flips fair coins.
-* Bandwidth (``bandwidth``): the attention's own scale makes real keys nearly orthogonal to the
-  walk too (Gemma 3: median nearest-neighbour kernel value ~exp(-30)), so most signs are coin
-  flips. ``"neighbor"`` sets the Gaussian's width per walk to the median squared distance from
-  a key to its nearest neighbour (tokens then interact with their neighbours, whatever the
-  model's key scale); ``"multiscale"`` (default) balances the sum of both kernels (the walk then
-  bounds the discrepancy at both scales: a sum of kernels is the concatenation of their feature
-  maps); ``"attention"`` is the attention scale alone. Measured (SmolLM2-135M, GPL-3, keep 1/4,
-  fp16 tokens, 20 seeds; bench/results/kv_balance.md): "attention" wins on the early layers whose
-  error comes from a few heavy tokens, "neighbor" on Gemma 3 and SmolLM2's late layers, and
-  "multiscale" is below uniform sampling on every layer either way.
+* Bandwidth (``bandwidth``): at the attention's own scale real keys are far apart for the walk
+  too (Gemma 3: a key's nearest neighbour at a kernel value of e^-24 to e^-67; SmolLM2 e^-1 to
+  e^-8), so most signs are coin flips. ``"neighbor"`` sets the Gaussian's width per walk to the
+  median squared distance from a key to its nearest neighbour (tokens interact with their
+  neighbours, whatever the model's key scale); ``"multiscale"`` (default) balances the mean of
+  both kernels (a sum of kernels is the concatenation of their feature maps, so the walk bounds
+  the discrepancy at both scales); ``"attention"`` is the attention's scale alone. Measured
+  (``python bench/kv.py balance``: GPL-3, keep 1/4, fp16 tokens, mean over seeds; numbers in
+  bench/results/kv_balance.md): "attention" wins on SmolLM2's early layers, whose error comes
+  from a few heavy tokens, "neighbor" on Gemma 3 and SmolLM2's late layers; "multiscale" has
+  the lowest mean on SmolLM2 (0.093 against uniform sampling's 0.108) and ties "neighbor" on
+  Gemma 3 (0.112 against 0.123), and is below uniform sampling on every layer of both (20
+  seeds; on three of SmolLM2's 30 layers by less than two standard errors).
 * One walk per batch (``block=None``, default). The paper's blocked parallel form (Section 4)
-  cuts the batch into blocks walked independently (a block-diagonal kernel); here the walk over
-  a batch is one sequential loop whatever the block, so blocks only cut the interactions: with
-  blocks of 64 out of 256, SmolLM2's heavy tokens (a few % of the attention each, a few hundred
-  positions apart) rarely share a walk and the selection lost to uniform sampling on 8 of 30
-  layers (0.105 mean error against 0.105); one walk per batch: 0.096.
+  cuts the batch into blocks walked independently (a block-diagonal kernel); here a batch's
+  walk is one sequential loop over its tokens whatever the block, so blocks only cut
+  interactions. With blocks of 64 of 256, SmolLM2's heavy tokens (a few % of the attention
+  each, hundreds of positions apart) rarely share a walk: 0.107 mean error, level with uniform
+  sampling (0.108) and below it on 24 of 30 layers; one walk, same kernel: 0.096.
 * The constant c: the theory's c = 30 log(n / delta) makes every p_j ~ 1/2 (the walk degenerates
   to uniform sampling). ``c`` is a parameter (default 0.05 against the normalized kernel:
   near-greedy); p_j is clipped to [0, 1].

@@ -755,15 +755,22 @@ def _discrepancy(k, v, eta, q):
     return ((w * eta) @ v).norm(dim=1).mean()
 
 
-def test_balance_signs_beat_random_signs():
-    """Clustered keys (as real keys are; for i.i.d. Gaussian keys the exp kernel's effective
-    dimension is so high that no signing beats random by much)."""
+def _clustered():
+    """(generator, keys (128, 16) in 6 clusters, values (128, 8) of norm ~2.8, queries (64, 16))."""
     g = torch.Generator().manual_seed(11)
     n, d = 128, 16
     centres = torch.randn(6, d, generator=g)
     k = centres[torch.randint(0, 6, (n,), generator=g)] + 0.3 * torch.randn(n, d, generator=g)
     v = 1.0 + 0.2 * torch.randn(n, 8, generator=g)
     q = torch.randn(64, d, generator=g)
+    return g, k, v, q
+
+
+def test_balance_signs_beat_random_signs():
+    """Clustered keys (as real keys are; for i.i.d. Gaussian keys the exp kernel's effective
+    dimension is so high that no signing beats random by much)."""
+    g, k, v, q = _clustered()
+    n, d = k.shape
     disc_bal, disc_rnd = [], []
     for s in range(10):
         eta, _ = kv.balance_signs(k, v, scale=1 / math.sqrt(d),
@@ -775,15 +782,11 @@ def test_balance_signs_beat_random_signs():
 
 
 def test_balance_signs_still_balance_keys_far_apart_at_the_attention_scale():
-    """Keys 10x larger, queries 10x smaller: the same attention logits, but at the attention's
-    own scale every pair of keys is ~exp(-36) apart and that walk flips coins; the neighbour
-    width (alone or in the default multiscale kernel) still balances."""
-    g = torch.Generator().manual_seed(11)
-    n, d = 128, 16
-    centres = torch.randn(6, d, generator=g)
-    k = centres[torch.randint(0, 6, (n,), generator=g)] + 0.3 * torch.randn(n, d, generator=g)
-    v = 1.0 + 0.2 * torch.randn(n, 8, generator=g)
-    q = torch.randn(64, d, generator=g)
+    """The walk sees keys 10x larger (the same attention logits as queries 10x smaller): at the
+    attention's own scale every pair of keys is then ~exp(-36) apart and that walk flips coins;
+    the neighbour width (alone or in the default multiscale kernel) still balances."""
+    g, k, v, q = _clustered()
+    n, d = k.shape
     disc = {b: [] for b in ("multiscale", "neighbor", "attention", "random")}
     for s in range(10):
         for b in ("multiscale", "neighbor", "attention"):

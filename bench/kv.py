@@ -153,6 +153,9 @@ def methods(head_dim: int) -> dict[str, dict]:
                                 value_bits=2, residual_bits=8, norm_bits=8),
         "vq-k2v2-r96w8n8": dict(key_codec="turbo-vq", key_bits=2, value_codec="turbo-vq",
                                 value_bits=2, residual_length=96, residual_bits=8, norm_bits=8),
+        # 80-token window: <= 2.5 bits at 2,048 tokens as well as at 2,304 (r96: 2.52 / 2.48)
+        "vq-k2v2-r80w8n8": dict(key_codec="turbo-vq", key_bits=2, value_codec="turbo-vq",
+                                value_bits=2, residual_length=80, residual_bits=8, norm_bits=8),
         "vq-k3v3-w8": dict(key_codec="turbo-vq", key_bits=3, value_codec="turbo-vq",
                            value_bits=3, residual_bits=8),
         "vq-k3v3-r96w8n8": dict(key_codec="turbo-vq", key_bits=3, value_codec="turbo-vq",

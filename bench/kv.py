@@ -114,6 +114,11 @@ def method(model_name: str, head_dim: int, name: str) -> dict:
     return methods(head_dim)[name]
 
 
+# token selection alone: keys and values kept in float16, 32 sink tokens (and the default
+# 32-token window) exact
+SELECTION_BASE = dict(key_codec="fp16", value_codec="fp16", sink_length=32)
+
+
 def methods(head_dim: int) -> dict[str, dict]:
     o = 16 if head_dim == 64 else 32  # outlier channels for the 3.5 / 2.5-bit mixed widths
     m = {
@@ -131,9 +136,8 @@ def methods(head_dim: int) -> dict[str, dict]:
         "qjl-k3v3tok": dict(key_codec="qjl", key_bits=3, value_codec="token", value_bits=3),
         "token4-g32": dict(key_codec="token", key_bits=4, value_codec="token", value_bits=4,
                            residual_length=0, sink_length=0, calibrate=False),
-        "balance1/4-fp16": dict(key_codec="fp16", value_codec="fp16", sink_length=32,
-                                balance=kv.BalanceConfig(rounds=2)),
-        "uniform1/4-fp16": dict(key_codec="fp16", value_codec="fp16", sink_length=32,
+        "balance1/4-fp16": dict(SELECTION_BASE, balance=kv.BalanceConfig(rounds=2)),
+        "uniform1/4-fp16": dict(SELECTION_BASE,
                                 balance=kv.BalanceConfig(rounds=2, method="uniform")),
         "balance1/2+tq3": dict(key_bits=3, value_bits=3, sink_length=32,
                                balance=kv.BalanceConfig(rounds=1)),
@@ -322,8 +326,8 @@ def attn_md(rows) -> str:
 
 
 # -- BalanceKV against uniform sampling ---------------------------------------------------------
-# Token selection alone (keys and values kept in float16, keep 1/4 of the middle tokens, 32 sink
-# and 32 window tokens exact), in the attn regime. One seed moves a layer's error by up to 2x on
+# Token selection alone (SELECTION_BASE; keep 1/2^rounds of the middle tokens), in the attn
+# regime. One seed moves a layer's error by up to 2x on
 # layers whose error comes from a few heavy tokens, so each setting is averaged over seeds.
 SELECTIONS = {
     "uniform": dict(method="uniform"),
@@ -335,9 +339,7 @@ SELECTIONS = {
 
 
 def run_balance(args) -> None:
-    path = RESULTS / f"{args.out or 'kv_balance'}.json"
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models] \
-        if args.resume and path.exists() else []
+    rows = other_models_rows(args.out or "kv_balance", args)
     for model_name in args.models:
         model, tok = load_model(model_name)
         layers = capture_attention_inputs(model, tokens(tok, args.text, args.context))
@@ -348,9 +350,8 @@ def run_balance(args) -> None:
             per_layer = []
             for i in full:
                 errs = [layer_error(KVSettings(
-                    key_codec="fp16", value_codec="fp16", sink_length=32, residual_length=32,
-                    seed=seed, balance=kv.BalanceConfig(rounds=args.rounds,
-                                                        **SELECTIONS[name])),
+                    **SELECTION_BASE, seed=seed,
+                    balance=kv.BalanceConfig(rounds=args.rounds, **SELECTIONS[name])),
                     layers[i], args.queries)[0] for seed in range(args.seeds)]
                 mean = sum(errs) / len(errs)
                 se = (sum((e - mean) ** 2 for e in errs) / max(len(errs) - 1, 1)
@@ -537,10 +538,7 @@ def passkey_prompt(tok, context: int, depth: float, key: int) -> torch.Tensor:
 
 def run_passkey(args) -> None:
     from transformers import DynamicCache
-    path = RESULTS / f"{args.out or 'kv_passkey'}.json"
-    # --resume keeps the rows of other models (one model per run fits a CPU session)
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models] \
-        if args.resume and path.exists() else []
+    rows = other_models_rows(args.out or "kv_passkey", args)
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
     for model_name in args.models:
@@ -654,6 +652,15 @@ def speed_md(rows) -> str:
                    f"{mem} | {mem16} | {r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | "
                    f"{speed} |")
     return "\n".join(out) + "\n"
+
+
+def other_models_rows(stem: str, args) -> list[dict]:
+    """With --resume, the stored rows of models other than args.models (one model per run fits
+    a CPU session); otherwise none."""
+    path = RESULTS / f"{stem}.json"
+    if not (args.resume and path.exists()):
+        return []
+    return [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models]
 
 
 def write(stem: str, obj, md: str) -> None:

@@ -351,12 +351,13 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
         index.search(xq[:, :40], 10)
 
 
-@pytest.mark.parametrize("spec", ["TQ2", "TQ3", "TQ4", "TQ6", "TQ8"])
+@pytest.mark.parametrize("spec", ["TQ1", "TQ1gf", "TQ2", "TQ3", "TQ4", "TQ6", "TQ8"])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_sign_prefilter(spec, metric, rng, tmp_path):
-    """prefilter = P: the sign plane picks P * k candidates, their full codes rank them. With
-    P * k >= n every row is re-scored: the exact search's results. Small P keeps most of the
-    exact top k on structured data; the sign plane follows adds and removes; it persists."""
+    """prefilter = P: the sign plane picks P * k candidates, their full codes rank them (1-bit
+    codes: the first half of the coordinates picks them). With P * k >= n every row is
+    re-scored: the exact search's results. Small P keeps most of the exact top k on structured
+    data; the sign plane follows adds and removes; it persists."""
     # Fashion-like: non-negative rows near a 6-dimensional subspace, norms spread 4x. A first
     # pass that mixed the 1-bit inner product with the full code's ||x_hat||^2 (L2) ranked
     # short rows first and kept ~50 % of the exact top 10 here (Fashion-MNIST: 17 %).
@@ -517,9 +518,11 @@ def test_prefilter_factory_string():
 
 
 def test_prefilter_rejected_where_it_cannot_apply():
-    for spec in ("TQ1", "TQprod3", "QJL64", "Polar"):
+    for spec in ("TQprod3", "QJL64", "Polar"):
         with pytest.raises(ValueError, match="prefilter must be 0"):
             tqvec.index_factory(64, spec).prefilter = 4
+    with pytest.raises(ValueError, match="1-bit codes: d > 8"):  # no shorter prefix of 8
+        tqvec.index_factory(8, "TQ1").prefilter = 4
     with pytest.raises(ValueError, match="prefilter must be >= 0"):
         tqvec.index_factory(64, "TQ4").prefilter = -1
     with pytest.raises(ValueError, match="prefilter must be 0 for an IVF index"):

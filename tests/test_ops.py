@@ -288,6 +288,72 @@ def test_fast_scan_two_stage(backend, b, grid, rng):
     assert np.mean([len(set(p[i].tolist()) & set(cand[i].tolist())) / k for i in range(nq)]) > 0.9
 
 
+@pytest.mark.parametrize("d", [64, 72, 100])
+def test_fast_scan_two_stage_prefix(backend, d, rng):
+    """1-bit codes: the first pass scans a prefix of the coordinates (d1 = 8 * its bytes per
+    row). With k1 >= n, lut_scan's exact top k; with a small k1, the candidates are those of
+    the reference's prefix pass (up to ties at the k1-th place) and scored with the full codes.
+    A plane wider than the codes, or not a whole prefix, is refused."""
+    if backend == "cuda":
+        pytest.skip("fast_scan_two_stage is a CPU kernel")
+    n, nq, k = 3000, 5, 10
+    qr, packed, c, mult, add = scan_case(rng, nq, n, d, 1, excluded_every=13)
+    nbytes = (-(-d // 8) + 1) // 2
+    signs = ops.block_codes(packed[:, :nbytes].contiguous(), 8 * nbytes, 1)
+    add1 = torch.where(torch.isinf(add), add, add * (8 * nbytes / d))
+    vx, px = ops.lut_scan(qr, packed, c, mult, add, 1, k, backend="ref")
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, add1, n, k,
+                                   backend=backend)
+    torch.testing.assert_close(v, vx, rtol=1e-5, atol=1e-5)
+    assert (p == px).float().mean() > 0.95
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, add1, 100, k,
+                                   backend=backend)
+    exact = torch.stack([ops.ref.lut_rescore_ref(qr[i:i + 1], packed, c, mult, add, p[i:i + 1],
+                                                 1, k)[0][0] for i in range(nq)])
+    torch.testing.assert_close(v, exact, rtol=1e-5, atol=1e-5)
+    assert not torch.isin(p, torch.arange(0, n, 13)).any()
+    vr, pr = ops.ref.fast_scan_two_stage_ref(qr, signs, n, c, packed, 1, c, mult, add, add1,
+                                             100, k)
+    assert (p == pr).float().mean() > 0.9
+    wide = ops.block_codes(ops.pack_bits(torch.zeros((n, d + 16), dtype=torch.uint8), 1),
+                           d + 16, 1)
+    with pytest.raises((ValueError, RuntimeError), match="signs must"):
+        ops.fast_scan_two_stage(qr, wide, n, c, packed, 1, c, mult, add, add1, 100, k,
+                                backend=backend)
+
+
+@pytest.mark.parametrize("d1_bytes", [4, 8])
+def test_fast_scan_two_stage_few_queries_path(d1_bytes, rng):
+    """A few queries (fewer than 3 per thread) store every first-pass score and select the k1
+    best once; more queries keep shortlists. Both keep the same rows (the k1 best approximate
+    scores, ties included), so one query at a time gives the batch's results; k1 >= n (a
+    threshold sample that leaves too few rows falls back to every finite row) is exact."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("compiled CPU kernels not built")
+    n, d, nq, k = 4000, 64, 8, 10
+    qr, packed, c, mult, add = scan_case(rng, nq, n, d, 1, excluded_every=7)
+    signs = ops.block_codes(packed[:, :d1_bytes].contiguous(), 8 * d1_bytes, 1)
+    add1 = torch.where(torch.isinf(add), add, torch.zeros_like(add))
+    high = add1.clone()
+    high[::64] += 1000.0  # the threshold's sample (rows 0, 64, ...) leads: too few survive
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        for k1, add1 in ((37, add1), (300, add1), (n, add1), (300, high)):
+            vb, pb = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, add1, k1,
+                                             k, backend="cpu")  # 8 queries: shortlists
+            for i in range(nq):  # one query: stored scores
+                v1, p1 = ops.fast_scan_two_stage(qr[i:i + 1], signs, n, c, packed, 1, c, mult,
+                                                 add, add1, k1, k, backend="cpu")
+                torch.testing.assert_close(v1[0], vb[i], rtol=0, atol=0)
+                assert torch.equal(p1[0], pb[i])
+            if k1 == n:
+                vx, _ = ops.lut_scan(qr, packed, c, mult, add, 1, k, backend="ref")
+                torch.testing.assert_close(vb, vx, rtol=1e-5, atol=1e-5)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("bh,g,d,t,kb,vb", [(3, 4, 128, 700, 3, 3), (2, 1, 64, 300, 4, 2),
                                             (4, 8, 96, 257, 2, 4), (3, 3, 64, 50, 8, 1)])
 def test_decode_attention_matches_reference(backend, bh, g, d, t, kb, vb, rng):

@@ -48,8 +48,8 @@ def tqvec_specs(b: int) -> list[str]:
     # Center: mu fitted by train; f: the least-squares scale (same bytes); u: the unbiased one
     out = [f"TQ{b}", f"TQ{b}u", f"TQ{b}f", f"TQprod{b}", f"Center,TQ{b}", f"Center,TQ{b}f",
            f"Center,TQ{b}u"]
-    if b >= 2:
-        out.append(f"TQ{b},Prefilter(10)")  # sign-bit first pass, the same bytes as TQ{b}
+    # sign-bit first pass (1 bit: over the first half of the coordinates), the bytes of TQ{b}
+    out.append(f"TQ{b},Prefilter(10)")
     if b <= 2:  # the 8-bit grid: re-scored without table gathers (TurboQuant codebook="grid")
         out.append(f"TQ{b},Refine(TQ8g)")
     return out

@@ -996,15 +996,18 @@ namespace {
 // fin(qi, lut, shortlists) that writes query qi's results. approx: tables without the exact
 // float copy and with a zero error bound, so a shortlist holds the rows of the best
 // approximate (quantized-table) scores, each with that score as its bound.
+// qstride: floats between consecutive queries (>= d: a two-stage scan's first pass reads the
+// first d coordinates of its queries).
 template <class Finish>
-void fast_scan_impl(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
-                    int b, const float* centroids, const float* mult, const float* add,
-                    int64_t k_scan, bool approx, int nthreads, Finish&& fin) {
+void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
+                    const uint8_t* blocked, int64_t n, int b, const float* centroids,
+                    const float* mult, const float* add, int64_t k_scan, bool approx,
+                    int nthreads, Finish&& fin) {
   const int64_t rb = fs_row_bytes(d, b);
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t t = std::max(1, nthreads);
   auto lut = [&](int64_t qi) {
-    Lut L = build_lut(qr + qi * d, d, b, centroids, rb, !approx);
+    Lut L = build_lut(qr + qi * qstride, d, b, centroids, rb, !approx);
     if (approx) L.err = 0.0f;
     return L;
   };
@@ -1061,7 +1064,7 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                const float* centroids, const float* mult, const float* add, int64_t k,
                bool approx, float* out_vals, int64_t* out_idx, int nthreads) {
   const int64_t rb = fs_row_bytes(d, b);
-  fast_scan_impl(qr, nq, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
+  fast_scan_impl(qr, nq, d, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
                  [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
                    if (approx)
                      finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
@@ -1071,43 +1074,166 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                  });
 }
 
-void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
-                         const float* c1, const uint8_t* packed, int b, const float* centroids,
-                         const float* mult, const float* add, const float* add1, int64_t k1,
-                         int64_t k, float* out_vals, int64_t* out_idx, int nthreads) {
+namespace {
+
+// The approximate scores (8-bit table sums, as consider() forms them with off = 0) of the rows
+// of blocks [j0, j1), written to s[row]: a two-stage scan's first pass at a few queries, which
+// keeps the k1 best of them. At one query (MiniLM 60k x 384, 1 bit, first half of the
+// coordinates) a shortlist of k1 = 100..400 rows admitted thousands of rows and compacted
+// itself every k1 admissions: half of the pass's time, ~0.5 us per unit of k1. Writing every
+// score and selecting once costs a store per 8 rows and one pass over n floats (L2-resident).
+__attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint8_t* blocked,
+                                                        int64_t rb, int64_t n, int64_t j0,
+                                                        int64_t j1, const float* mult,
+                                                        const float* add, float* s) {
+  alignas(32) uint32_t tot[4 * kRows];
+  const uint8_t* q8[1] = {L.q8.data()};
+  const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
+  for (int64_t j = j0; j < j1;) {
+    const int nb = j + 4 <= j1 ? 4 : 1;
+    if (nb == 4)
+      block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    else
+      block_sums<1, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
+    for (int u = 0; u < nb; ++u, ++j) {
+      const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+      const uint32_t* bt = tot + u * kRows;
+      if (rows < kRows) {  // last, partial block: consider()'s float operations
+        for (int64_t t = 0; t < rows; ++t)
+          s[base + t] = mult[base + t] * (L.delta * static_cast<float>(bt[t]) + L.bias) +
+                        add[base + t] + 0.0f;
+        continue;
+      }
+      for (int g = 0; g < kRows; g += 8) {
+        const __m256 sum =
+            _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bt + g)));
+        const __m256 v = _mm256_add_ps(
+            _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(mult + base + g),
+                                        _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)),
+                          _mm256_loadu_ps(add + base + g)),
+            _mm256_setzero_ps());
+        _mm256_storeu_ps(s + base + g, v);
+      }
+    }
+  }
+}
+
+// The rows i with s[i] >= t and s[i] > -inf, in order: 8 at a time, a compare and a mask
+// (a scalar loop's branch on each of 60,000 scores cost ~70 us).
+__attribute__((target("avx2"))) void rows_at_least(const float* s, int64_t n, float t,
+                                                   std::vector<int64_t>& rows) {
+  rows.clear();
+  const __m256 vt = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    int bits = _mm256_movemask_ps(
+        _mm256_and_ps(_mm256_cmp_ps(v, vt, _CMP_GE_OQ), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ)));
+    while (bits) {
+      rows.push_back(i + __builtin_ctz(bits));
+      bits &= bits - 1;
+    }
+  }
+  for (; i < n; ++i)
+    if (s[i] >= t && s[i] > -std::numeric_limits<float>::infinity()) rows.push_back(i);
+}
+
+// The rows whose score s[i] (n of them) reaches the k-th largest finite score (ties included;
+// all finite rows where fewer than k): what a shortlist of k approximate scores keeps
+// (final_threshold, then ub >= th). A threshold from a strided sample first (its r-th largest,
+// r chosen for ~2k survivors), one pass keeping the rows at or above it, and the exact select
+// among those; a sample that leaves fewer than k survivors is retried at a 4x larger rank.
+void rows_reaching_kth(const float* s, int64_t n, int64_t k, std::vector<int64_t>& rows) {
+  constexpr int64_t kStride = 64;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  thread_local std::vector<float> sample, vals, tmp;
+  sample.clear();
+  for (int64_t i = 0; i < n; i += kStride)
+    if (s[i] > ninf) sample.push_back(s[i]);  // finite (no NaN: a NaN fails the test too)
+  const int64_t m = static_cast<int64_t>(sample.size());
+  int64_t r = std::min(m, 2 * ((k + kStride - 1) / kStride) + 8);
+  auto keep = [&](float t) { rows_at_least(s, n, std::max(t, ninf), rows); };
+  for (;;) {
+    const float t = r >= 1 && r < m ? select_kth_largest(sample.data(), m, r, tmp) : ninf;
+    keep(t);
+    if (static_cast<int64_t>(rows.size()) >= k || t == ninf) break;
+    r = 4 * r;  // too few survivors: a lower threshold (the sample was reordered, not changed)
+  }
+  const int64_t c = static_cast<int64_t>(rows.size());
+  if (c <= k) return;
+  vals.resize(static_cast<size_t>(c));
+  for (int64_t i = 0; i < c; ++i) vals[i] = s[rows[i]];
+  const float th = select_kth_largest(vals.data(), c, k, tmp);
+  int64_t w = 0;
+  for (int64_t i = 0; i < c; ++i) {
+    rows[w] = rows[i];
+    w += s[rows[i]] >= th;
+  }
+  rows.resize(static_cast<size_t>(w));
+}
+
+}  // namespace
+
+void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs,
+                         int64_t d1, int64_t n, const float* c1, const uint8_t* packed, int b,
+                         const float* centroids, const float* mult, const float* add,
+                         const float* add1, int64_t k1, int64_t k, float* out_vals,
+                         int64_t* out_idx, int nthreads) {
   const int64_t rb = (d * b + 7) / 8;
   const float hs = b >= 3 ? grid_half_step(centroids, b) : 0.0f;
-  fast_scan_impl(qr, nq, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+  // the exact full-code scores of query qi's candidate rows -> its top k
+  auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
+    const float* q = qr + qi * d;
+    thread_local std::vector<float> T;
+    rescore_table(q, d, b, centroids, T);
+    // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
+    // a few rows ahead of the one being scored, so the misses overlap.
+    constexpr size_t kAhead = 8;
+    auto fetch = [&](size_t r) {
+      const uint8_t* p = packed + rows[r] * rb;
+      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
+    };
+    for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
+    std::vector<Hit> hits;
+    hits.reserve(rows.size());
+    for (size_t r = 0; r < rows.size(); ++r) {
+      if (r + kAhead < rows.size()) fetch(r + kAhead);
+      const int64_t i = rows[r];
+      hits.emplace_back(
+          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) +
+              add[i],
+          i);
+    }
+    write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+  };
+  const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
+  if (simd_avx2() && nq < 3 * t && nb >= 64) {
+    // A few queries: every first-pass score stored (threads over blocks), one select
+    const int64_t rb1 = fs_row_bytes(d1, 1);
+    std::vector<float> s(static_cast<size_t>(n));
+    std::vector<int64_t> rows;
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      Lut L = build_lut(qr + qi * d, d1, 1, c1, rb1, false);
+      const int64_t tb = std::min<int64_t>(t, nb / 64), chunk = (nb + tb - 1) / tb;
+      run_workers(tb, [&](int64_t w) {
+        const int64_t j0 = std::min(nb, w * chunk), j1 = std::min(nb, (w + 1) * chunk);
+        approx_scores_avx2(L, signs, rb1, n, j0, j1, mult, add1, s.data());
+      });
+      rows_reaching_kth(s.data(), n, k1, rows);
+      second(qi, rows);
+    }
+    return;
+  }
+  fast_scan_impl(qr, nq, d1, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
                  [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
                    // the rows of the k1 best approximate sign scores (ties included), then
                    // their exact full-code scores
                    const float th = final_threshold(parts, k1);
-                   const float* q = qr + qi * d;
-                   thread_local std::vector<float> T;
-                   rescore_table(q, d, b, centroids, T);
                    std::vector<int64_t> rows;
                    for (auto* sl : parts)
                      for (const auto& c : sl->cand)
                        if (c.ub >= th) rows.push_back(c.row);
-                   // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
-                   // a few rows ahead of the one being scored, so the misses overlap.
-                   constexpr size_t kAhead = 8;
-                   auto fetch = [&](size_t r) {
-                     const uint8_t* p = packed + rows[r] * rb;
-                     for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
-                   };
-                   for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
-                   std::vector<Hit> hits;
-                   hits.reserve(rows.size());
-                   for (size_t r = 0; r < rows.size(); ++r) {
-                     if (r + kAhead < rows.size()) fetch(r + kAhead);
-                     const int64_t i = rows[r];
-                     hits.emplace_back(
-                         mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) +
-                             add[i],
-                         i);
-                   }
-                   write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+                   second(qi, rows);
                  });
 }
 

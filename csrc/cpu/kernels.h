@@ -50,14 +50,16 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
                const float* centroids, const float* mult, const float* add, int64_t k,
                bool approx, float* out_vals, int64_t* out_idx, int nthreads);
 // Two stages: the approximate top k1 rows by the sign plane (signs: 1-bit codes of the top
-// bit of each index, blocked, centroids c1 (2), offsets add1), then the exact top k of those by
-// their full b-bit packed codes (n, ceil(d b / 8)), centroids (2^b) and offsets add; mult is
-// shared (a row's scale). add1 = -inf must hold wherever add = -inf.
-void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs, int64_t n,
-                         const float* c1, const uint8_t* packed, int b, const float* centroids,
-                         const float* mult, const float* add, const float* add1, int64_t k1,
-                         int64_t k,
-                         float* out_vals, int64_t* out_idx, int nthreads);
+// bit of each index of the first d1 <= d coordinates, blocked (nb, ceil(d1/8), 32), centroids
+// c1 (2), offsets add1), then the exact top k of those by their full b-bit packed codes
+// (n, ceil(d b / 8)), centroids (2^b) and offsets add; mult is shared (a row's scale).
+// add1 = -inf must hold wherever add = -inf. (1-bit codes: d1 < d, a prefix of the coordinates
+// is the coarse pass.)
+void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs,
+                         int64_t d1, int64_t n, const float* c1, const uint8_t* packed, int b,
+                         const float* centroids, const float* mult, const float* add,
+                         const float* add1, int64_t k1, int64_t k, float* out_vals,
+                         int64_t* out_idx, int nthreads);
 // fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
 // width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the
@@ -150,6 +152,7 @@ struct FlatSearchArgs {
   const float* mult;
   const float* add;
   const uint8_t* packed;  // nullptr: one stage
+  int64_t d1;             // the sign plane's coordinates (a prefix: d1 <= d)
   int bfull;
   const float* cfull;
   const float* add1;

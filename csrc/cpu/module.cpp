@@ -94,6 +94,17 @@ tqvec::CodedRefine coded_refine(const CArr<const uint8_t>& packed, int b,
   return r;
 }
 
+// The coordinates a two-stage scan's sign plane (nb, bytes, 32) covers: all d where bytes =
+// ceil(d / 8), else the first 8 * bytes (a prefix: 1-bit codes' coarse pass); 0 if bytes is
+// too many.
+template <class Arr>
+int64_t sign_plane_dims(const Arr& signs, int64_t d) {
+  if (signs.ndim() != 3) return 0;
+  const int64_t bytes = static_cast<int64_t>(signs.shape(1));
+  if (bytes == tqvec::fs_row_bytes(d, 1)) return d;
+  return bytes >= 1 && 8 * bytes < d ? 8 * bytes : 0;
+}
+
 // flat_search's prepared state: the index's arrays, validated once, kept alive by this object.
 struct FlatSearcher {
   CArr<const int64_t> perms, ids;
@@ -282,10 +293,11 @@ NB_MODULE(_C, m) {
     require(qr.ndim() == 2 && signs.ndim() == 3 && packed.ndim() == 2 && out_vals.ndim() == 2 &&
                 out_idx.ndim() == 2, "fast_scan_two_stage: bad ranks");
     const int64_t nq = qr.shape(0), d = qr.shape(1);
-    require(n >= 0 && signs.shape(0) == static_cast<size_t>((n + 31) / 32) &&
-                signs.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, 1)) &&
+    // the sign plane covers the first d1 coordinates: all d, or 8 per byte of a shorter row
+    const int64_t d1 = sign_plane_dims(signs, d);
+    require(n >= 0 && signs.shape(0) == static_cast<size_t>((n + 31) / 32) && d1 >= 1 &&
                 signs.shape(2) == 32,
-            "fast_scan_two_stage: signs must be (ceil(n/32), ceil(d/8), 32)");
+            "fast_scan_two_stage: signs must be (ceil(n/32), ceil(d1/8), 32), d1 <= d");
     require(packed.shape(0) == static_cast<size_t>(n) &&
                 packed.shape(1) == static_cast<size_t>(rb(d, b)),
             "fast_scan_two_stage: packed must be (n, ceil(d b / 8))");
@@ -298,7 +310,7 @@ NB_MODULE(_C, m) {
     require(k1 >= 1, "fast_scan_two_stage: k1 must be >= 1");
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan_two_stage");
     nb::gil_scoped_release rel;
-    tqvec::fast_scan_two_stage(qr.data(), nq, d, signs.data(), n, c1.data(), packed.data(), b,
+    tqvec::fast_scan_two_stage(qr.data(), nq, d, signs.data(), d1, n, c1.data(), packed.data(), b,
                                centroids.data(), mult.data(), add.data(), add1.data(), k1, k,
                                out_vals.data(), out_idx.data(), nthreads);
   });
@@ -546,10 +558,14 @@ NB_MODULE(_C, m) {
              const tqvec::RotationArgs rot = checked_rotation(perms, signs, p, d, "FlatSearcher");
              const bool two = packed.shape(0) > 0;
              require(b >= 1 && b <= 4 && (!two || b == 1), "FlatSearcher: bits");
+             // two-stage: blocked is the sign plane of the first d1 coordinates
+             const int64_t d1 = two ? sign_plane_dims(blocked, d) : d;
              require(n >= 1 && blocked.shape(0) == static_cast<size_t>((n + 31) / 32) &&
-                         blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d, b)) &&
+                         d1 >= 1 &&
+                         blocked.shape(1) == static_cast<size_t>(tqvec::fs_row_bytes(d1, b)) &&
                          blocked.shape(2) == 32,
-                     "FlatSearcher: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32)");
+                     "FlatSearcher: blocked must be (ceil(n/32), fs_row_bytes(d, b), 32), or "
+                     "with a prefilter (ceil(n/32), ceil(d1/8), 32), d1 <= d");
              check_centroids(codebook, b, "FlatSearcher");
              require(mult.shape(0) == static_cast<size_t>(n) &&
                          add.shape(0) == static_cast<size_t>(n) &&
@@ -593,6 +609,7 @@ NB_MODULE(_C, m) {
              a.mult = mult.data();
              a.add = add.data();
              a.packed = two ? packed.data() : nullptr;
+             a.d1 = d1;
              a.bfull = bfull;
              a.cfull = cfull.data();
              a.add1 = add1.data();

@@ -110,7 +110,7 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   std::vector<float> vals(nqs * kk);
   std::vector<int64_t> idx(nqs * kk);
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
-    fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.n, a.codebook, a.packed, a.bfull,
+    fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.d1, a.n, a.codebook, a.packed, a.bfull,
                         a.cfull, a.mult, a.add, a.add1, a.prefilter * kk, kk, vals.data(),
                         idx.data(), nthreads);
   else

@@ -284,19 +284,35 @@ class TurboQuant(Codec):
     def lut_term_bits(self) -> list[int] | None:
         return ([self.mse_bits] if self.mse_bits else []) + ([1] if self.variant == "prod" else [])
 
+    def _sign_prefix_dims(self) -> int:
+        """1-bit codes: the coordinates of their coarse pass, the first half of the code bytes
+        (8 per byte; 0 where that would be all of them, d <= 8)."""
+        d1 = 8 * ((self._mse_bytes + 1) // 2)
+        return d1 if d1 < self.dim else 0
+
     def has_sign_term(self) -> bool:
-        return self.variant == "mse" and self.mse_bits >= 2
+        return self.variant == "mse" and (self.mse_bits >= 2 or (
+            self.mse_bits == 1 and self._sign_prefix_dims() > 0))
 
     def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
                                                 torch.Tensor] | None:
-        """The mse codes cut to their top bit, as a ``lut_terms`` entry (packed 1-bit codes, d,
+        """The mse codes cut to their top bit, as a ``lut_terms`` entry (packed 1-bit codes, d1,
         1, centroids, multiplier): the coarse first pass of a two-stage scan. The codebook is
         symmetric with a threshold at 0, so the top bit of an index is the sign of the rotated
         coordinate, and the 1-bit Lloyd-Max centroids +-E[|u_j|] are exactly the probability-
-        weighted means of the finer cells on each side. None below 2 mse bits or for prod."""
+        weighted means of the finer cells on each side (d1 = d). 1-bit codes have no coarser
+        bit: their pass is the codes of the first d1 = 8 ceil(ceil(d / 8) / 2) coordinates,
+        half of the bytes (after the random rotation every coordinate carries the same share of
+        <q, x>, so a prefix scores ~d1/d of it with ~d/d1 times the relative noise). None for
+        prod, or 1 bit at d <= 8."""
         if not self.has_sign_term():
             return None
         b, dev = self.mse_bits, codes.device
+        if b == 1:
+            d1 = self._sign_prefix_dims()
+            packed = codes.payload[:, : d1 // 8].contiguous()
+            return (packed, d1, 1, self._arr.get("centroids", dev).to(torch.float32),
+                    self._multiplier(codes).to(torch.float32))
         payload = codes.payload[:, : self._mse_bytes]
         parts = [ops.pack_bits(ops.unpack_bits(payload[s:s + 65536], self.dim, b, self.backend)
                                >> (b - 1), 1, self.backend)

@@ -19,9 +19,10 @@ spec                codec                                                    byt
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes
 (``Refine(TQ8g)``: the same bytes on a uniform grid, re-scored ~2x faster on the CPU).
-``TQ4,Prefilter(10)`` (TurboQuant-mse, 2-8 bits, CPU) scans only the sign bits of the codes
-first and ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra
-bytes: the sign plane is the top bit of each index).
+``TQ4,Prefilter(10)`` (TurboQuant-mse, CPU) scans only the sign bits of the codes first and
+ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra bytes: the sign
+plane is the top bit of each index; ``TQ1,Prefilter(10)`` scans the codes of the first half of
+the coordinates first).
 ``Center,`` in front (``Center,TQ2``) codes x - mu with mu the mean of the rows passed to
 ``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``);
 for ip and cosine it stores 4 more bytes per vector (the exact <mu, x - mu> term).

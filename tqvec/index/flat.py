@@ -163,11 +163,13 @@ class FlatIndex:
         then takes ``k_factor * k`` candidates from the codes and re-ranks them with the refinement.
     k_factor: candidates per result for refinement (default 4, faiss's default is 1).
     prefilter: 0 (default: every row's full code is scored, the exact top-k of the estimator),
-        or candidates per result of a first pass over the sign bits only (TurboQuant-mse codes
-        of 2+ bits, CPU): the top ``prefilter * k`` rows by their 1-bit score are re-scored with
-        their full codes. That first pass reads b times fewer bytes; on MiniLM-384 (60k, 1,000
-        queries) prefilter 10 kept 99.6-99.9 % of the exact 4/3/2-bit top-10 and recall@10
-        within 0.001. An attribute, like faiss's ``nprobe``: may change between searches.
+        or candidates per result of a first pass over the sign bits only (TurboQuant-mse codes,
+        CPU): the top ``prefilter * k`` rows by their 1-bit score are re-scored with their full
+        codes. That first pass reads b times fewer bytes; on MiniLM-384 (60k, 1,000 queries)
+        prefilter 10 kept 99.6-99.9 % of the exact 4/3/2-bit top-10 and recall@10 within
+        0.001. 1-bit codes have no coarser bit: their first pass is the codes of the first half
+        of the (rotated) coordinates, half the bytes (``TurboQuant.sign_term``). An attribute,
+        like faiss's ``nprobe``: may change between searches.
     center: ``None`` (default), ``"fit"`` or a (d,) vector mu: codes of x - mu instead of x (for
         cosine: of x / ||x|| - mu). A fit of one vector, so the index then needs ``train`` when
         ``"fit"`` (mu = the training rows' mean). The codec's error scales with the norm it
@@ -230,7 +232,7 @@ class FlatIndex:
         v = V.positive_int(value, "prefilter", minimum=0)
         if v and not self.codec.has_sign_term():
             raise ValueError(f"prefilter must be 0 for {self.codec!r}: the sign-bit first pass "
-                             "needs TurboQuant-mse codes of 2 or more bits")
+                             "needs TurboQuant-mse codes (1-bit codes: d > 8)")
         with self._lock:
             self._prefilter = v
             self._scan = None  # the scan state holds the sign plane or the full blocked codes
@@ -369,6 +371,8 @@ class FlatIndex:
             self._signs, self._signs_n = (new if old is None else torch.cat([old, new])), n
             self._blocked, self._blocked_n = None, 0  # RAM holds one search-time copy
             add1 = state["add"]
+            if d1 < self.d:  # a prefix of the coordinates (1-bit codes) scores ~d1/d of <q, x>
+                add1 = (add1 * (d1 / self.d)).contiguous()
             if self._scoring == METRIC_L2:
                 # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign]
                 # (norm^2 = m^2 d c1^2), not with the full code's ||x_hat||^2: its inner

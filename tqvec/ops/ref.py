@@ -138,9 +138,24 @@ def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: t
     offsets add1: e.g. -||x_1bit||^2 for L2, the distance to the 1-bit reconstruction), stage
     2 ``lut_rescore_ref`` over ``packed`` with the offsets add. The CPU kernel ranks stage 1
     by its 7-bit tables (no exact re-score), so its candidate set may differ at the k1-th
-    place: a heuristic first pass, which is what it is for (the exact scan is ``fast_scan``)."""
-    _, cand = fast_scan_ref(qr, signs, n, c1, mult, add1, 1, min(k1, n) if n else k1)
+    place: a heuristic first pass, which is what it is for (the exact scan is ``fast_scan``).
+    ``signs`` may cover only the first d1 = 8 * signs.shape[1] < d coordinates (1-bit codes:
+    a prefix of the coordinates is their coarse pass); stage 1 then scores qr[:, :d1]."""
+    d1 = sign_plane_dims(signs.shape[1], qr.shape[1])
+    _, cand = fast_scan_ref(qr[:, :d1].contiguous(), signs, n, c1, mult, add1, 1,
+                            min(k1, n) if n else k1)
     return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
+
+
+def sign_plane_dims(row_bytes: int, d: int) -> int:
+    """The coordinates a two-stage scan's sign plane of ``row_bytes`` bytes per row covers: all
+    d where row_bytes = ceil(d / 8), else the first 8 * row_bytes (a prefix)."""
+    if row_bytes == -(-d // 8):
+        return d
+    if not 1 <= row_bytes or 8 * row_bytes >= d:
+        raise ValueError(f"signs must have ceil(d1 / 8) bytes per row for d1 <= d = {d}, got "
+                         f"{row_bytes}")
+    return 8 * row_bytes
 
 
 def _topk_padded(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -339,12 +339,12 @@ def test_fast_scan_two_stage_few_queries_path(d1_bytes, rng):
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        for k1, add1 in ((37, add1), (300, add1), (n, add1), (300, high)):
-            vb, pb = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, add1, k1,
+        for k1, first in ((37, add1), (300, add1), (n, add1), (300, high)):
+            vb, pb = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, first, k1,
                                              k, backend="cpu")  # 8 queries: shortlists
             for i in range(nq):  # one query: stored scores
                 v1, p1 = ops.fast_scan_two_stage(qr[i:i + 1], signs, n, c, packed, 1, c, mult,
-                                                 add, add1, k1, k, backend="cpu")
+                                                 add, first, k1, k, backend="cpu")
                 torch.testing.assert_close(v1[0], vb[i], rtol=0, atol=0)
                 assert torch.equal(p1[0], pb[i])
             if k1 == n:

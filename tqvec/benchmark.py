@@ -50,8 +50,9 @@ def tqvec_specs(b: int) -> list[str]:
     # Center: mu fitted by train; f: the least-squares scale (same bytes); u: the unbiased one
     out = [f"TQ{b}", f"TQ{b}u", f"TQ{b}f", f"TQprod{b}", f"Center,TQ{b}", f"Center,TQ{b}f",
            f"Center,TQ{b}u"]
-    # sign-bit first pass (1 bit: over the first half of the coordinates), the bytes of TQ{b}
-    out.append(f"TQ{b},Prefilter(10)")
+    # sign-bit first pass (1 bit: over the first half of the coordinates), the bytes of TQ{b};
+    # also behind the centred, fitted codes (the best recall on unnormalized L2 data)
+    out += [f"TQ{b},Prefilter(10)", f"Center,TQ{b}f,Prefilter(10)"]
     if b <= 2:  # the 8-bit grid: re-scored without table gathers (TurboQuant codebook="grid")
         out.append(f"TQ{b},Refine(TQ8g)")
     return out
@@ -218,13 +219,15 @@ def save(name, xb, xq, metric, rows, a, final=False) -> str:
 
 
 def write_md(res: dict, path: str, a) -> str:
+    from ._machine import cpu_label
+
     lines = [f"# Search: {res['dataset']} ({res['n']:,} x {res['d']}, {res['nq']} queries, "
              f"{res['metric']})", "",
              f"Command: `tqvec bench --dataset {res['dataset']} --nq {a.nq} --single {a.single}"
              + (f" --bits {a.bits}" if a.bits != "1,2,3,4" else "")
              + (f" --skip {' '.join(a.skip)}" if a.skip else "")
              + (f" --out {a.out}" if a.out != os.path.join("bench", "results") else "") + "`. "
-             f"Machine: {res['machine'].get('cpu')}, {res['machine']['cpus']} CPUs. "
+             f"Machine: {cpu_label(res['machine'])}, {res['machine']['cpus']} CPUs. "
              "recall@10 and @1@10 from a k = 10 search, recall@100 from a k = 100 search; "
              "QPS at k = 10 (batch: all queries per call, best "
              "of up to 3 calls; single: one query per call, 1 thread, best of up to 3 passes).",

@@ -74,7 +74,7 @@ def test_bench_help_lists_its_options(capsys):
     assert "--dataset" in capsys.readouterr().out
 
 
-def test_machine_info_names_the_cpu_generation(monkeypatch):
+def test_machine_info_names_the_cpu_generation():
     """Results name the CPU family and model: a VM's "AMD EPYC" alone hid a Zen 1 host (family
     23, model 1) that ran every benchmark ~2.5x slower than the Zen 3 of earlier runs."""
     from tqvec._machine import cpu_label, machine_info

@@ -1076,7 +1076,7 @@ void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, i
 
 namespace {
 
-// The approximate scores (8-bit table sums, as consider() forms them with off = 0) of the rows
+// The approximate scores (8-bit table sums, as consider() forms them) of the rows
 // of blocks [j0, j1), written to s[row]: a two-stage scan's first pass at a few queries, which
 // keeps the k1 best of them. At one query (MiniLM 60k x 384, 1 bit, first half of the
 // coordinates) a shortlist of k1 = 100..400 rows admitted thousands of rows and compacted
@@ -1100,18 +1100,17 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
       const uint32_t* bt = tot + u * kRows;
       if (rows < kRows) {  // last, partial block: consider()'s float operations
         for (int64_t t = 0; t < rows; ++t)
-          s[base + t] = mult[base + t] * (L.delta * static_cast<float>(bt[t]) + L.bias) +
-                        add[base + t] + 0.0f;
+          s[base + t] =
+              mult[base + t] * (L.delta * static_cast<float>(bt[t]) + L.bias) + add[base + t];
         continue;
       }
       for (int g = 0; g < kRows; g += 8) {
         const __m256 sum =
             _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bt + g)));
-        const __m256 v = _mm256_add_ps(
+        const __m256 v =
             _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(mult + base + g),
                                         _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)),
-                          _mm256_loadu_ps(add + base + g)),
-            _mm256_setzero_ps());
+                          _mm256_loadu_ps(add + base + g));
         _mm256_storeu_ps(s + base + g, v);
       }
     }
@@ -1152,10 +1151,9 @@ void rows_reaching_kth(const float* s, int64_t n, int64_t k, std::vector<int64_t
     if (s[i] > ninf) sample.push_back(s[i]);  // finite (no NaN: a NaN fails the test too)
   const int64_t m = static_cast<int64_t>(sample.size());
   int64_t r = std::min(m, 2 * ((k + kStride - 1) / kStride) + 8);
-  auto keep = [&](float t) { rows_at_least(s, n, std::max(t, ninf), rows); };
   for (;;) {
     const float t = r >= 1 && r < m ? select_kth_largest(sample.data(), m, r, tmp) : ninf;
-    keep(t);
+    rows_at_least(s, n, t, rows);
     if (static_cast<int64_t>(rows.size()) >= k || t == ninf) break;
     r = 4 * r;  // too few survivors: a lower threshold (the sample was reordered, not changed)
   }
@@ -1200,9 +1198,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
       if (r + kAhead < rows.size()) fetch(r + kAhead);
       const int64_t i = rows[r];
       hits.emplace_back(
-          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) +
-              add[i],
-          i);
+          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) + add[i], i);
     }
     write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
   };

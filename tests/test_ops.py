@@ -183,7 +183,11 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
 
 @pytest.mark.parametrize("terms", [[(3, 100, 2), (1, 100, 1)], [(1, 64, 1), (1, 48, 1)],
                                    [(4, 384, 3), (1, 384, 1)], [(2, 33, 1)],
-                                   [(3, 20, 1), (2, 7, 2), (1, 100, 1)]])
+                                   [(3, 20, 1), (2, 7, 2), (1, 100, 1)],
+                                   # mixed widths (turboquant-mixed: an 8-bit group as two
+                                   # 4-bit terms, then 4, 3, 2, 1 bits): the 8-term maximum
+                                   [(4, 13, 1), (4, 13, 1), (4, 88, 1), (3, 150, 1),
+                                    (2, 220, 1), (1, 174, 1), (1, 9, 1), (2, 2, 1)]])
 @pytest.mark.parametrize("n,nq,k", [(5000, 3, 10), (777, 40, 25), (40, 2, 50)])
 def test_fast_scan_terms_matches_reference(backend, terms, n, nq, k, rng):
     """Several codes per row (TurboQuant-prod: mse codes + QJL signs), each with its own width,
@@ -374,8 +378,10 @@ def test_decode_attention_matches_reference(backend, bh, g, d, t, kb, vb, rng):
 def test_fast_scan_terms_rejects_bad_terms(rng):
     qr, packed, c, mult, add = scan_case(rng, 2, 64, 16, 2, excluded_every=5)
     bl = ops.block_codes(packed, 16, 2)
-    with pytest.raises(ValueError, match="1 to 4 terms"):
+    with pytest.raises(ValueError, match="1 to 8 terms"):
         ops.fast_scan_terms([qr, qr], [bl], 64, [c], [mult], add, [2], 5)
+    with pytest.raises(ValueError, match="1 to 8 terms"):
+        ops.fast_scan_terms([qr] * 9, [bl] * 9, 64, [c] * 9, [mult] * 9, add, [2] * 9, 5)
     with pytest.raises(ValueError, match="bits must be in"):
         ops.fast_scan_terms([qr, qr], [bl, bl], 64, [c, c], [mult, mult], add, [2, 5], 5)
 

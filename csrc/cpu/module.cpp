@@ -322,9 +322,9 @@ NB_MODULE(_C, m) {
                               int64_t n, CArr<const float> add, int64_t k, CArr<float> out_vals,
                               CArr<int64_t> out_idx, int nthreads) {
     const size_t T = qrs.size();
-    require(T >= 1 && T <= 4 && blocked.size() == T && centroids.size() == T &&
+    require(T >= 1 && T <= 8 && blocked.size() == T && centroids.size() == T &&
                 mults.size() == T && bits.size() == T,
-            "fast_scan_terms: 1 to 4 terms, each with queries, blocked codes, centroids, "
+            "fast_scan_terms: 1 to 8 terms, each with queries, blocked codes, centroids, "
             "multipliers and bits");
     require(add.ndim() == 1 && add.shape(0) == static_cast<size_t>(n) && n >= 0,
             "fast_scan_terms: add length");

@@ -189,8 +189,8 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
 
 
 def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: list[int]) -> None:
-    if not 1 <= nt <= 4 or not (len(blocked) == len(centroids) == len(mults) == len(bits) == nt):
-        raise ValueError(f"fast_scan_terms needs 1 to 4 terms with blocked, centroids, mults "
+    if not 1 <= nt <= 8 or not (len(blocked) == len(centroids) == len(mults) == len(bits) == nt):
+        raise ValueError(f"fast_scan_terms needs 1 to 8 terms with blocked, centroids, mults "
                          f"and bits each; got {nt}, {len(blocked)}, {len(centroids)}, "
                          f"{len(mults)}, {len(bits)}")
     for b in bits:
@@ -300,7 +300,7 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
                     centroids: list[torch.Tensor], mults: list[torch.Tensor], add: torch.Tensor,
                     bits: list[int], k: int, backend: str = "auto"
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``fast_scan`` with several codes per row (1 to 4 terms): score_i = add_i +
+    """``fast_scan`` with several codes per row (1 to 8 terms): score_i = add_i +
     sum_t mults[t]_i <qrs[t], centroids[t][idx_t,i]>; a row's error bound is the sum of its
     terms' bounds, the shortlist is re-scored exactly. One term is ``fast_scan`` (which also
     batches several queries per pass). See ``ref.fast_scan_terms_ref``; ``FastScan`` prepares

@@ -12,6 +12,7 @@ from .codecs import (
     QJL,
     Codec,
     Codes,
+    MixedTurboQuant,
     PolarQuant,
     TurboQuant,
     codec_from_params,
@@ -20,7 +21,7 @@ from .codecs import (
 )
 from .codecs.storage import load_codes, save_codes
 from .errors import BackendUnavailable, FormatError
-from .index import FlatIndex, IVFIndex, index_factory, read_index, write_index
+from .index import FlatIndex, IVFIndex, PCAIndex, index_factory, read_index, write_index
 from .ops import available_backends
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "TurboQuant",
     "QJL",
     "PolarQuant",
+    "MixedTurboQuant",
     "codec_from_params",
     "concat_codes",
     "top_channels",
@@ -40,6 +42,7 @@ __all__ = [
     "available_backends",
     "FlatIndex",
     "IVFIndex",
+    "PCAIndex",
     "index_factory",
     "read_index",
     "write_index",

@@ -26,6 +26,10 @@ the coordinates first).
 ``Center,`` in front (``Center,TQ2``) codes x - mu with mu the mean of the rows passed to
 ``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``);
 for ip and cosine it stores 4 more bytes per vector (the exact <mu, x - mu> term).
+``PCA,`` in front (``PCA,TQ2``, ``PCA,TQ2,Refine(Flat)``) builds a ``PCAIndex``: a fitted
+PCA basis (``train`` first; the one index that learns more than a mean), then TurboQuant at
+mixed widths (0-4 or 8 bits per component, chosen by the components' variances) in the bytes
+of ``TQ{b}`` (ip / cosine included: their 4-byte centring term is counted).
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
 are those of the codes (plus nlist * d * 4 bytes of centroids per index; ip: 4 more bytes per
@@ -41,6 +45,7 @@ from ..codecs import QJL, PolarQuant, TurboQuant
 from ..codecs.base import Codec
 from .flat import FlatIndex
 from .ivf import IVFIndex
+from .pca import PCAIndex
 
 __all__ = ["index_factory", "parse_codec"]
 
@@ -72,12 +77,21 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
 
 
 def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
-                  k_factor: int = 4, device: Any = None) -> FlatIndex | IVFIndex:
+                  k_factor: int = 4, device: Any = None) -> FlatIndex | IVFIndex | PCAIndex:
     """Build an index from a factory string (see the module docstring); ``device="cuda"``
     keeps the codes on the GPU and searches them with the CUDA kernels."""
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     body = spec.replace(" ", "")
+    if body.startswith("PCA,"):
+        m = re.fullmatch(r"PCA,TQ(\d)(,Refine\((?P<ref>[^)]+)\))?", body)
+        if not m:
+            raise ValueError(f"spec must look like 'PCA,TQ2' or 'PCA,TQ2,Refine(Flat)' for a PCA "
+                             f"index (no Center, IVF or Prefilter with it), got {spec!r}")
+        if device is not None and str(device) != "cpu":
+            raise ValueError(f"device must be 'cpu' for a PCA index, got {device!r}")
+        ref = parse_codec(d, m["ref"], seed) if m["ref"] else None
+        return PCAIndex(d, int(m[1]), metric, refine=ref, k_factor=k_factor, seed=seed)
     center = body.startswith("Center,")
     if center:
         body = body[len("Center,"):]

@@ -12,6 +12,7 @@ from ..errors import FormatError
 from ..io import read_container, write_container
 from .flat import FlatIndex, metric_name
 from .ivf import IVFIndex
+from .pca import PCAIndex
 
 __all__ = ["write_index", "read_index"]
 
@@ -46,8 +47,14 @@ def _ipcorr_from(arrays: dict, ntotal: int, name: str = "ipcorr") -> torch.Tenso
     return corr
 
 
-def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
+def write_index(index: FlatIndex | IVFIndex | PCAIndex, path: str | os.PathLike) -> None:
     """Write an index atomically (versioned, checksummed, never pickled)."""
+    pca = None
+    if isinstance(index, PCAIndex):
+        if index.index is None:
+            raise ValueError("index must be trained before it is written (PCA,TQ{b} has no "
+                             "basis yet)")
+        pca, index = index, index.index
     if not isinstance(index, FlatIndex):
         raise TypeError(f"index must be a tqvec FlatIndex, got {type(index).__name__}")
     arrays: dict[str, np.ndarray] = {"ids": index._ids.numpy()}
@@ -80,11 +87,15 @@ def write_index(index: FlatIndex | IVFIndex, path: str | os.PathLike) -> None:
             arrays["ivf.lists"] = index._lists.numpy()
             if index._corrects_ip:  # a <c, r> - est<c, r>: not derivable from the codes
                 arrays["ivf.rowterm"] = index._rowterm.numpy()
+    if pca is not None:  # the inner index works in the basis; the wrapper's fit rides along
+        meta["pca"] = {"bits": pca.bits, "seed": pca.seed}
+        arrays["pca.basis"] = pca.basis.numpy()
+        arrays["pca.variances"] = pca.variances
     write_container(path, _KIND, meta, arrays)
 
 
 def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
-               ) -> FlatIndex | IVFIndex:
+               ) -> FlatIndex | IVFIndex | PCAIndex:
     """Read an index written by ``write_index``; ``mmap=True`` maps the codes copy-on-write."""
     meta, arrays = read_container(path, _KIND, mmap=mmap, verify=verify)
     p = os.fspath(path)
@@ -147,4 +158,30 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
         index._next_id = int(meta["next_id"])
     except (KeyError, TypeError, ValueError) as e:
         raise FormatError(f"{p!r} does not match its header: {e}") from e
+    if "pca" in meta:
+        try:
+            return _pca_from(meta, arrays, index)
+        except (KeyError, TypeError, ValueError) as e:
+            raise FormatError(f"{p!r} has an invalid PCA basis: {e}") from e
     return index
+
+
+def _pca_from(meta: dict, arrays: dict, index: FlatIndex | IVFIndex) -> PCAIndex:
+    """Wrap the inner index of a ``PCAIndex`` file again, checking its fit."""
+    if type(index) is not FlatIndex or not index.centered:
+        raise ValueError("a PCA index must hold a centred flat index")
+    d = index.d
+    basis = torch.from_numpy(np.array(arrays["pca.basis"], dtype=np.float32))
+    var = np.array(arrays["pca.variances"], dtype=np.float32)
+    if basis.shape != (d, d) or var.shape != (d,) or not torch.isfinite(basis).all() or (
+            not np.isfinite(var).all()):
+        raise ValueError(f"basis must be finite ({d}, {d}) and variances ({d},), got "
+                         f"{tuple(basis.shape)} and {var.shape}")
+    # orthonormal columns, or distances in the basis are not the original ones
+    err = float((basis.T.double() @ basis.double() - torch.eye(d, dtype=torch.float64)).abs().max())
+    if err > 1e-3:
+        raise ValueError(f"basis must be orthogonal, got max |V^T V - I| = {err:.3g}")
+    pca = PCAIndex(d, int(meta["pca"]["bits"]), index.metric_type, refine=index.refine,
+                   k_factor=index.k_factor, seed=int(meta["pca"]["seed"]))
+    pca._install(basis, var, index)
+    return pca

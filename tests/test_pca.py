@@ -1,0 +1,220 @@
+"""MixedTurboQuant (TurboQuant at mixed widths over runs of coordinates) and PCAIndex
+(``PCA,TQ{b}``: a fitted basis, widths by the components' variances)."""
+
+import numpy as np
+import pytest
+import torch
+
+import tqvec
+from tqvec import ops
+from tqvec.codecs import MixedTurboQuant, codec_from_params
+from tqvec.codecs.storage import load_codes, save_codes
+from tqvec.errors import FormatError
+from tqvec.index import PCAIndex, allocate_widths
+from tqvec.io import read_container, write_container
+
+GROUPS = [(10, 8), (30, 4), (24, 3), (40, 2), (12, 1), (12, 0)]  # 128 coordinates, 6 terms
+
+
+def _runs_data(rng, n=3000, d=128):
+    """Rows whose coordinates have the energies the GROUPS runs expect."""
+    scale = np.concatenate([np.full(10, 10.0), np.full(30, 3.0), np.full(24, 1.5),
+                            np.full(40, 1.0), np.full(12, 0.5), np.full(12, 0.05)])
+    return (rng.standard_normal((n, d)) * scale).astype(np.float32), scale
+
+
+def _low_rank(rng, n, d=96, rank_scale=6.0, offset=2.0, seed_rot=1):
+    """Data with a decaying spectrum in a random basis, off the origin (like pixels)."""
+    spec = np.exp(-np.arange(d) / rank_scale) * 4 + 0.02
+    rot, _ = np.linalg.qr(np.random.default_rng(seed_rot).standard_normal((d, d)))
+    return ((rng.standard_normal((n, d)) * spec) @ rot.T + offset).astype(np.float32)
+
+
+def _recall(found, truth):
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth)]))
+
+
+def _truth(q, x, metric, k):
+    if metric == "l2":
+        return np.argsort(((q[:, None] - x[None]) ** 2).sum(-1), 1)[:, :k]
+    if metric == "cosine":
+        x = x / np.linalg.norm(x, axis=1, keepdims=True)
+    return np.argsort(-(q @ x.T), 1)[:, :k]
+
+
+# -- the codec ---------------------------------------------------------------------------------
+def test_mixed_codec_error_and_bytes(rng):
+    x, scale = _runs_data(rng)
+    c = MixedTurboQuant(128, GROUPS, seed=3)
+    # 10 + 15 + 9 + 10 + 2 bytes of codes, one float16 scale per coded run
+    assert c.payload_bytes == 46 and c.code_size == 46 + 2 * 5
+    assert c.lut_term_bits() == [4, 4, 4, 3, 2, 1]
+    xh = c.decode(c.encode(x), like=x)
+    err = ((x - xh) ** 2).sum(1).mean() / (x ** 2).sum(1).mean()
+    energy = [n * s * s for (n, _), s in zip(GROUPS, [10, 3, 1.5, 1, 0.5, 0.05])]
+    pred = c.expected_mse(energy)
+    # the fitted scale only lowers the error below the Lloyd-Max prediction
+    assert 0.7 * pred < err <= 1.02 * pred
+    # each run is coded alone: a dropped run decodes to zeros
+    assert np.all(xh[:, -12:] == 0)
+
+
+def test_mixed_codec_terms_agree(rng):
+    """score = <q, decode>; code_terms and lut_terms (the 8-bit run as two nibble terms on the
+    grid codebook) give the same estimator."""
+    x, _ = _runs_data(rng, n=500)
+    c = MixedTurboQuant(128, GROUPS, seed=5)
+    codes = c.encode(x)
+    q = rng.standard_normal((7, 128)).astype(np.float32)
+    s = c.score(q, codes)
+    np.testing.assert_allclose(s, q @ c.decode(codes, like=x).T, rtol=1e-4, atol=1e-3)
+    qt = c.query_terms(torch.from_numpy(q))
+    lut = sum((qq @ cent[ops.unpack_bits(p, d, b).long()].T) * m
+              for qq, (p, d, b, cent, m) in zip(qt, c.lut_terms(codes), strict=True))
+    np.testing.assert_allclose(lut.numpy(), s, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_mixed_codec_flat_search_is_exact_for_its_estimator(metric, rng):
+    """A FlatIndex over the mixed codes (fast-scan kernel, one term per width) returns the
+    exact top k of the estimator: the neighbours among the reconstructions."""
+    x, _ = _runs_data(rng, n=2000)
+    c = MixedTurboQuant(128, GROUPS, seed=1)
+    index = tqvec.FlatIndex(c, metric)
+    index.add(x)
+    assert index._scan_state()["fast"]
+    q = rng.standard_normal((20, 128)).astype(np.float32) * 3
+    _, found = index.search(q, 10)
+    xh = c.decode(c.encode(x), like=x)
+    assert _recall(found, _truth(q, xh, metric, 10)) >= 0.99
+
+
+def test_mixed_codec_params_and_files(rng, tmp_path):
+    x, _ = _runs_data(rng, n=100)
+    c = MixedTurboQuant(128, GROUPS, seed=2)
+    assert codec_from_params(c.params) == c
+    codes = c.encode(x)
+    save_codes(tmp_path / "m.tqc", codes)
+    back = load_codes(tmp_path / "m.tqc")
+    assert torch.equal(back.payload, codes.payload)
+    np.testing.assert_array_equal(c.decode(back, like=x), c.decode(codes, like=x))
+
+
+@pytest.mark.parametrize("groups,match", [
+    ([(64, 2)], "summing to dim"),
+    ([(100, 5), (28, 1)], "bits must be in"),
+    ([(1, 4), (127, 1)], ">= 2 coordinates"),
+    ([(128, 0)], "at least one run"),
+    ([(2, 8)] * 5 + [(118, 1)], "at most 8 scan terms"),
+    ("bad", "sequence of"),
+])
+def test_mixed_codec_rejects_bad_groups(groups, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        MixedTurboQuant(128, groups)
+
+
+# -- the allocation ----------------------------------------------------------------------------
+def test_allocate_widths_fills_the_budget_by_variance():
+    var = np.exp(-np.arange(784) / 40.0) * 100
+    for target in (102, 200, 298, 396):
+        runs = allocate_widths(var, target)
+        assert sum(n for n, _ in runs) == 784
+        widths = [w for _, w in runs]
+        assert widths == sorted(widths, reverse=True)  # more variance, more bits
+        size = sum(ops.row_bytes(n, w) + 2 for n, w in runs if w)
+        assert target - 8 <= size <= target  # nearly all of the bytes, never more
+    flat = allocate_widths(np.ones(64), 20)  # equal variances: one width (16 bytes + scale)
+    assert flat == [(64, 2)]
+    with pytest.raises(ValueError, match="descending"):
+        allocate_widths(np.arange(10.0), 10)
+    with pytest.raises(ValueError, match="too small"):
+        allocate_widths(np.ones(10), 2)
+
+
+# -- the index ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_pca_index_beats_the_oblivious_code_on_low_rank_data(metric, rng):
+    """Decaying spectrum: the fit puts the bits where the variance is, and at the bytes of TQ2
+    (never more) the recall is well above Center,TQ2f's (which has 4 more bytes for ip/cosine)."""
+    x = _low_rank(rng, 6000)
+    q = _low_rank(rng, 60)
+    truth = _truth(q, x, metric, 10)
+    pca = tqvec.index_factory(96, "PCA,TQ2", metric)
+    assert isinstance(pca, PCAIndex) and not pca.is_trained
+    pca.train(x)
+    pca.add(x)
+    base = tqvec.index_factory(96, "Center,TQ2f", metric)
+    base.train(x)
+    base.add(x)
+    assert pca.code_size <= tqvec.index_factory(96, "TQ2", metric).code_size
+    r_pca, r_base = _recall(pca.search(q, 10)[1], truth), _recall(base.search(q, 10)[1], truth)
+    assert r_pca > r_base + 0.05, (r_pca, r_base)
+    D, idx = pca.search(q, 10)
+    assert D.dtype == np.float32 and idx.dtype == np.int64 and D.shape == (60, 10)
+
+
+def test_pca_index_surface(rng, tmp_path):
+    x = _low_rank(rng, 3000)
+    q = _low_rank(rng, 10)
+    index = tqvec.index_factory(96, "PCA,TQ3,Refine(Flat)", "l2")
+    with pytest.raises(ValueError, match="trained before search"):
+        index.search(q, 5)
+    with pytest.raises(ValueError, match="trained before add"):
+        index.add(x)
+    index.train(x[:2000])
+    ids = np.arange(3000, dtype=np.int64) * 7
+    index.add_with_ids(torch.from_numpy(x), ids)  # torch input
+    assert index.ntotal == 3000
+    with pytest.raises(ValueError, match="must be empty"):
+        index.train(x)
+    # exact refinement: the true nearest neighbours (as distances of the original space)
+    D, idx = index.search(q, 5)
+    truth = _truth(q, x, "l2", 5)
+    np.testing.assert_array_equal(idx, ids[truth])
+    np.testing.assert_allclose(D, ((q[:, None] - x[truth]) ** 2).sum(-1), rtol=1e-4)
+    # reconstruct is in the original space
+    rel = np.linalg.norm(index.reconstruct(int(ids[5])) - x[5]) / np.linalg.norm(x[5] - x.mean(0))
+    assert rel < 0.3
+    # filters, removal
+    allowed = ids[::3]
+    _, fi = index.search(q, 5, allowed_ids=allowed)
+    assert np.isin(fi, allowed).all()
+    assert index.remove_ids(ids[:10]) == 10 and index.ntotal == 2990
+    # files: the same results after a round trip
+    tqvec.write_index(index, tmp_path / "p.tqv")
+    back = tqvec.read_index(tmp_path / "p.tqv")
+    assert isinstance(back, PCAIndex) and back.groups == index.groups
+    for a, b in zip(back.search(q, 5), index.search(q, 5), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # reset keeps the fit
+    index.reset()
+    assert index.ntotal == 0 and index.is_trained
+    with pytest.raises(ValueError, match="no faiss equivalent"):
+        index.to_faiss()
+
+
+def test_pca_index_files_fail_cleanly(rng, tmp_path):
+    x = _low_rank(rng, 500)
+    index = tqvec.index_factory(96, "PCA,TQ2", "ip")
+    with pytest.raises(ValueError, match="trained before it is written"):
+        tqvec.write_index(index, tmp_path / "u.tqv")
+    index.train(x)
+    index.add(x)
+    tqvec.write_index(index, tmp_path / "p.tqv")
+    meta, arrays = read_container(tmp_path / "p.tqv", "index")
+    arrays = dict(arrays)
+    arrays["pca.basis"] = np.asarray(arrays["pca.basis"]) * 1.5  # not orthogonal any more
+    write_container(tmp_path / "bad.tqv", "index", meta, arrays)
+    with pytest.raises(FormatError, match="orthogonal"):
+        tqvec.read_index(tmp_path / "bad.tqv")
+    arrays["pca.basis"] = np.zeros((3, 3), np.float32)
+    write_container(tmp_path / "bad2.tqv", "index", meta, arrays)
+    with pytest.raises(FormatError, match="basis must be"):
+        tqvec.read_index(tmp_path / "bad2.tqv")
+
+
+@pytest.mark.parametrize("spec", ["PCA,TQ2,Prefilter(10)", "PCA,Center,TQ2", "PCA,IVF16,TQ2",
+                                  "PCA,TQ2f", "PCA,QJL64"])
+def test_pca_factory_rejects(spec):
+    with pytest.raises(ValueError, match="PCA index"):
+        tqvec.index_factory(96, spec, "l2")

@@ -1,0 +1,278 @@
+"""``PCAIndex``: a fitted PCA basis, then TurboQuant at mixed widths (factory ``PCA,TQ{b}``).
+
+The one index here that learns more than a mean - say so wherever it is compared. Data of low
+intrinsic dimension (Fashion-MNIST: 50 of 784 principal components hold 86 % of the variance)
+wastes a data-oblivious code's bits: the random rotation spreads every direction's energy over
+every coordinate, so a 2-bit TurboQuant code spends as much on noise directions as on the
+leading ones. Trained PQ exploits the structure and wins there (issue #6, lesson (c)).
+
+``train(x)`` fits the mean mu and the eigenvectors V of the covariance (descending variance;
+for cosine, of the unit rows), then gives the components bits by their variance: a greedy
+reverse water-filling over widths (0, 1, 2, 3, 4, 8), each step buying the largest drop of
+expected squared error per bit (variance x the Lloyd-Max cost of the width), until the codes
+fill the bytes of ``TQ{b}`` (ceil(b d / 8) + 4). Components of one width form a run, coded by
+``MixedTurboQuant`` (its own rotation and float16 scale per run). Vectors are coded as
+(x - mu) V; V is orthogonal, so inner products and distances are those of the original
+space, and the index behind it is a centred ``FlatIndex`` over x V (faiss's
+``IndexPreTransform`` idea) - ids, removal, filters, range search, refinement, threads and
+the fast-scan kernel (one term per width) come from it.
+
+Cost: d^2 floats of basis (2.4 MB at d = 784) and a training pass (covariance + eigh: 0.7 s
+for 60,000 x 784 on 2 cores); queries pay one d x d product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from .. import ops
+from ..codebooks import sphere_codebook, sphere_grid_codebook
+from ..codecs import TurboQuant
+from ..codecs.base import Codec
+from ..codecs.mixed import MIXED_WIDTHS, MixedTurboQuant
+from .flat import METRIC_COSINE, METRIC_L2, FlatIndex, metric_code
+
+__all__ = ["PCAIndex", "allocate_widths"]
+
+
+def _width_costs() -> dict[int, float]:
+    """Expected squared error per unit of a component's variance at each width: the Lloyd-Max
+    cost of a rotated coordinate (the uniform grid's at 8 bits, which MixedTurboQuant uses)."""
+    d = 1024  # the per-coordinate costs barely move with the run's length (d >= 16: < 3 %)
+    cost = {0: 1.0, 8: sphere_grid_codebook(d, 8).mse}
+    cost.update({b: sphere_codebook(d, b).mse for b in (1, 2, 3, 4)})
+    return cost
+
+
+def _runs(widths: np.ndarray) -> list[tuple[int, int]]:
+    """Non-increasing per-component widths -> (length, width) runs; a coded run of one
+    component (MixedTurboQuant needs two) joins the wider run before it, or the next one."""
+    runs: list[list[int]] = []
+    for w in widths.tolist():
+        if runs and runs[-1][1] == w:
+            runs[-1][0] += 1
+        else:
+            runs.append([1, w])
+    i = 0
+    while i < len(runs):
+        if runs[i][1] and runs[i][0] == 1 and len(runs) > 1:
+            j = i - 1 if i > 0 else i + 1
+            runs[j][0] += 1
+            runs.pop(i)
+            i = 0
+            continue
+        i += 1
+    return [(n, w) for n, w in runs]
+
+
+def allocate_widths(variances: Any, target_bytes: int) -> list[tuple[int, int]]:
+    """Runs (length, bits) for components with the given variances (sorted descending) whose
+    ``MixedTurboQuant`` codes take at most ``target_bytes`` per vector (scales included).
+
+    Greedy reverse water-filling: widths rise one allowed step at a time where the variance-
+    weighted cost drop per bit is largest (a heap; widths stay non-increasing along the sorted
+    components, so equal widths form runs). The budget shrinks by what rounding the runs to
+    whole bytes and their 2-byte scales overshoot (an overshoot of several
+    scales may vanish when fewer runs form), 2 bits at a time, until the codes fit."""
+    var = np.asarray(variances, dtype=np.float64)
+    if var.ndim != 1 or var.size < 2 or not np.isfinite(var).all() or (var < 0).any():
+        raise ValueError(f"variances must be >= 2 finite non-negative values, got shape "
+                         f"{var.shape}")
+    if (np.diff(var) > 1e-12 * max(float(var[0]), 1e-300)).any():
+        raise ValueError("variances must be sorted in descending order")
+    cost = _width_costs()
+    steps = {w: nxt for w, nxt in zip(MIXED_WIDTHS[:-1], MIXED_WIDTHS[1:], strict=True)}
+    d = var.size
+    budget = 8 * int(target_bytes)
+    import heapq
+
+    while budget > 0:
+        widths = np.zeros(d, dtype=np.int64)
+        # components with < 1e-6 of the variance (rank-deficient data: float32 noise of the
+        # covariance) get no bits: they could buy no error worth a bit;
+        # the budget may then stay partly unused
+        floor = 1e-6 * float(var.sum())
+        heap = [(-(var[i] * (cost[0] - cost[1])), i) for i in range(d) if var[i] > floor]
+        heapq.heapify(heap)
+        used = 0
+        while heap:
+            _, i = heapq.heappop(heap)
+            cur = int(widths[i])
+            nxt = steps[cur]
+            if used + nxt - cur > budget:
+                continue  # too dear now; a cheaper step elsewhere may still fit
+            used += nxt - cur
+            widths[i] = nxt
+            if nxt in steps:
+                after = steps[nxt]
+                heapq.heappush(heap, (-(var[i] * (cost[nxt] - cost[after]) / (after - nxt)), i))
+        widths = np.sort(widths)[::-1]  # ties in variance can leave steps out of order
+        runs = _runs(widths)
+        if not any(w for _, w in runs):
+            break
+        size = sum(ops.row_bytes(n, w) + 2 for n, w in runs if w)
+        if size <= target_bytes:
+            return runs
+        budget -= 2
+    raise ValueError(f"target_bytes={target_bytes} is too small to code any component of "
+                     f"{d} (a run needs 2 components and a 2-byte scale)")
+
+
+class PCAIndex:
+    """A flat index over TurboQuant codes at mixed widths in a fitted PCA basis (module
+    docstring). faiss's surface: ``train`` (required), ``add``/``add_with_ids``/``search``/
+    ``range_search``/``remove_ids``/``reconstruct``/``reset``, ``ntotal``, ``d``,
+    ``metric_type``, ``is_trained``, ``code_size``.
+
+    Parameters
+    ----------
+    d: dimension. bits: average budget in bits per coordinate (1-8): the codes take at most the
+    bytes of ``TQ{bits}``. metric, refine, k_factor: as ``FlatIndex`` (a refinement codec
+    works in the PCA basis, ``"flat"`` keeps the exact vectors). seed: the runs' rotations.
+    """
+
+    def __init__(self, d: int, bits: int, metric: Any = "ip", *,
+                 refine: Codec | str | None = None, k_factor: int = 4, seed: int = 0):
+        self.d = V.positive_int(d, "d", minimum=2)
+        self.bits = V.positive_int(bits, "bits", 1, 8)
+        self.metric_type = metric_code(metric)
+        if isinstance(refine, Codec) and refine.dim != self.d:
+            raise ValueError(f"refine codec must have dim {self.d}, got {refine.dim}")
+        if refine is not None and not (refine == "flat" or isinstance(refine, Codec)):
+            raise ValueError(f"refine must be None, 'flat' or a tqvec codec, got {refine!r}")
+        self.refine = refine
+        self._k_factor = V.positive_int(k_factor, "k_factor")
+        self.seed = V.seed(seed)
+        # the bytes of TQ{bits}; an inner-product (or cosine) index spends 4 of them on the
+        # centred index's exact <mu, x - mu> term (FlatIndex's center)
+        self.target_bytes = TurboQuant(self.d, self.bits).code_size
+        self._code_budget = self.target_bytes - (0 if self.metric_type == METRIC_L2 else 4)
+        self.basis: torch.Tensor | None = None  # (d, d) float32, columns = components
+        self.variances: np.ndarray | None = None  # (d,) of the components, descending
+        self.index: FlatIndex | None = None
+
+    # -- training ---------------------------------------------------------------------------
+    @property
+    def is_trained(self) -> bool:
+        return self.index is not None
+
+    def train(self, x: Any) -> None:
+        """Fit mu and the basis on x (n >= 2 rows), choose the runs, build the inner index.
+        Refuses once vectors are added (their codes are in the old basis)."""
+        if self.index is not None and self.index.ntotal:
+            raise ValueError(f"index must be empty to be trained again, got ntotal="
+                             f"{self.index.ntotal} (reset() first)")
+        t, _ = V.float_matrix(x, "x", self.d)
+        if t.shape[0] < 2:
+            raise ValueError(f"x must have >= 2 rows to fit a PCA basis, got {t.shape[0]}")
+        t = t.to(torch.float32)
+        if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
+            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
+        mu = t.to(torch.float64).mean(0)
+        # float32 products of centred blocks, summed in float64 (half the time of float64
+        # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
+        cov = torch.zeros((self.d, self.d), dtype=torch.float64)
+        mu32 = mu.to(torch.float32)
+        for s in range(0, t.shape[0], 8192):
+            c = t[s:s + 8192] - mu32
+            cov += (c.T @ c).to(torch.float64)
+        cov /= t.shape[0]
+        evals, evecs = torch.linalg.eigh(cov)  # ascending
+        order = torch.argsort(evals, descending=True)
+        var = evals[order].clamp_min(0).numpy()
+        basis = evecs[:, order].to(torch.float32).contiguous()
+        runs = allocate_widths(var, self._code_budget)
+        codec = MixedTurboQuant(self.d, runs, seed=self.seed)
+        center = (mu.to(torch.float32) @ basis).numpy()
+        self._install(basis, var.astype(np.float32),
+                      FlatIndex(codec, self.metric_type, refine=self.refine,
+                                k_factor=self._k_factor, center=center))
+
+    def _install(self, basis: torch.Tensor, variances: np.ndarray, index: FlatIndex) -> None:
+        self.basis, self.variances, self.index = basis, variances, index
+
+    @property
+    def codec(self) -> MixedTurboQuant | None:
+        return None if self.index is None else self.index.codec  # type: ignore[return-value]
+
+    @property
+    def groups(self) -> list[tuple[int, int]] | None:
+        """The runs (components, bits) chosen by ``train``."""
+        return None if self.index is None else list(self.index.codec.groups)
+
+    # -- the transform ----------------------------------------------------------------------
+    def _trained(self, what: str) -> FlatIndex:
+        if self.index is None:
+            raise ValueError(f"index must be trained before {what}: PCA,TQ{self.bits} fits its "
+                             f"basis in train(x)")
+        return self.index
+
+    def _to_basis(self, x: Any, name: str) -> np.ndarray:
+        t, _ = V.float_matrix(x, name, self.d)
+        return (t.to(torch.float32) @ self.basis).numpy()
+
+    def _from_basis(self, y: np.ndarray) -> np.ndarray:
+        return (torch.from_numpy(y) @ self.basis.T).numpy()
+
+    # -- faiss surface ----------------------------------------------------------------------
+    @property
+    def ntotal(self) -> int:
+        return 0 if self.index is None else self.index.ntotal
+
+    @property
+    def code_size(self) -> int:
+        """Bytes stored per vector (after train; before it, the budget ``TQ{bits}`` has)."""
+        return self.target_bytes if self.index is None else self.index.code_size
+
+    @property
+    def k_factor(self) -> int:
+        return self._k_factor
+
+    @k_factor.setter
+    def k_factor(self, value: int) -> None:
+        self._k_factor = V.positive_int(value, "k_factor")
+        if self.index is not None:
+            self.index.k_factor = self._k_factor
+
+    def add(self, x: Any) -> None:
+        self._trained("add").add(self._to_basis(x, "x"))
+
+    def add_with_ids(self, x: Any, ids: Any) -> None:
+        self._trained("add").add_with_ids(self._to_basis(x, "x"), ids)
+
+    def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
+               params: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """As ``FlatIndex.search`` (distances and inner products of the original space)."""
+        index = self._trained("search")
+        return index.search(self._to_basis(x, "x"), k, allowed_ids=allowed_ids, params=params)
+
+    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        return self._trained("range_search").range_search(self._to_basis(x, "x"), radius)
+
+    def remove_ids(self, ids: Any) -> int:
+        return 0 if self.index is None else self.index.remove_ids(ids)
+
+    def reset(self) -> None:
+        """Drop the vectors, keep the fit (as faiss's reset keeps training)."""
+        if self.index is not None:
+            self.index.reset()
+
+    def reconstruct(self, key: int) -> np.ndarray:
+        return self._from_basis(self._trained("reconstruct").reconstruct(key)[None])[0]
+
+    def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
+        return self._from_basis(self._trained("reconstruct").reconstruct_n(i0, n))
+
+    def to_faiss(self, **_: Any) -> Any:
+        raise ValueError("to_faiss() has no faiss equivalent for PCA,TQ{b} (mixed-width "
+                         "TurboQuant codes)")
+
+    def __repr__(self) -> str:
+        runs = "" if self.index is None else f", groups={self.groups}"
+        return (f"PCAIndex(d={self.d}, bits={self.bits}, ntotal={self.ntotal}, "
+                f"code_size={self.code_size}{runs})")

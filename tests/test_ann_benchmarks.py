@@ -46,6 +46,12 @@ def test_wrapper_follows_base_ann(metric, rng):
     centred = mod.TQVec(metric, "Center,TQ4")
     centred.fit(x)  # trains (the mean) before adding
     assert centred.index.is_trained and len(centred.query(x[3], 5)) == 5
+    pca = mod.TQVec(metric, "PCA,TQ2")
+    pca.fit(x)  # trains (mean and basis) before adding
+    pca.set_query_arguments(0)
+    assert pca.index.is_trained and len(pca.query(x[3], 5)) == 5
+    with pytest.raises(ValueError, match="prefilter must be 0"):
+        pca.set_query_arguments(10)
 
 
 def test_config_run_groups_build():

@@ -21,6 +21,7 @@ measured as a user would get them; RR,SQtqmse rows on normalized data are in ben
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import time
@@ -55,6 +56,8 @@ def tqvec_specs(b: int) -> list[str]:
     out += [f"TQ{b},Prefilter(10)", f"Center,TQ{b}f,Prefilter(10)"]
     if b <= 2:  # the 8-bit grid: re-scored without table gathers (TurboQuant codebook="grid")
         out.append(f"TQ{b},Refine(TQ8g)")
+    # a fitted PCA basis + mixed widths in the bytes of TQ{b}: trained (train() timed in build_s)
+    out.append(f"PCA,TQ{b}")
     return out
 
 
@@ -160,6 +163,9 @@ def build_parser(prog: str = "tqvec bench", datasets: tuple[str, ...] = ("digits
     ap.add_argument("--single", type=int, default=20, help="queries for single-query QPS")
     ap.add_argument("--skip", nargs="*", default=[],
                     help="method specs to leave out, e.g. PQ392x8 (hours of training)")
+    ap.add_argument("--only", nargs="*", default=[],
+                    help="run only the method specs matching these shell patterns, e.g. "
+                         "'PCA,TQ*' 'PQ*x4fs' (faiss Flat always runs)")
     ap.add_argument("--out", default=os.path.join("bench", "results"),
                     help="directory for the JSON / markdown / PNG results")
     return ap
@@ -185,7 +191,8 @@ def main(argv: list[str] | None = None, *, prog: str = "tqvec bench",
         for b in (int(s) for s in a.bits.split(",")):
             for kind, specs in (("tqvec", tqvec_specs(b)), ("faiss", faiss_specs(d, b))):
                 for spec in specs:
-                    if spec in a.skip:
+                    if spec in a.skip or (a.only and not any(
+                            fnmatch.fnmatchcase(spec, p) for p in a.only)):
                         continue
                     try:
                         r = run_method(kind, spec, d, metric, xb, xq, gt, a.single)
@@ -226,6 +233,7 @@ def write_md(res: dict, path: str, a) -> str:
              f"Command: `tqvec bench --dataset {res['dataset']} --nq {a.nq} --single {a.single}"
              + (f" --bits {a.bits}" if a.bits != "1,2,3,4" else "")
              + (f" --skip {' '.join(a.skip)}" if a.skip else "")
+             + (" --only " + " ".join(f"'{p}'" for p in a.only) if a.only else "")
              + (f" --out {a.out}" if a.out != os.path.join("bench", "results") else "") + "`. "
              f"Machine: {cpu_label(res['machine'])}, {res['machine']['cpus']} CPUs. "
              "recall@10 and @1@10 from a k = 10 search, recall@100 from a k = 100 search; "

@@ -3,7 +3,8 @@
 Build arguments: ``metric`` (ann-benchmarks passes 'euclidean' or 'angular'), ``spec`` (a
 ``tqvec.index_factory`` string, e.g. "TQ4" or "TQ2,Refine(TQ8)"). Query arguments:
 ``k_factor`` (candidates per result re-ranked by a ``Refine(...)`` stage; ignored without one).
-Data-oblivious: ``fit`` only encodes (nothing is trained).
+``fit`` encodes the base set; it trains first only where the spec asks for a fit
+("Center,": the mean; "PCA,": the mean and principal components).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class TQVec(BaseANN):
     def fit(self, X: np.ndarray) -> None:
         X = np.ascontiguousarray(X, dtype=np.float32)
         self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
-        if not self.index.is_trained:  # "Center,": the mean of the base set
+        if not self.index.is_trained:  # "Center," / "PCA,": fitted on the base set
             self.index.train(X)
         self.index.add(X)
 

@@ -239,6 +239,17 @@ class PCAIndex:
         if self.index is not None:
             self.index.k_factor = self._k_factor
 
+    @property
+    def prefilter(self) -> int:
+        """0: the mixed codes have no sign-bit first pass (``FlatIndex.prefilter``)."""
+        return 0
+
+    @prefilter.setter
+    def prefilter(self, value: int) -> None:
+        if V.positive_int(value, "prefilter", minimum=0):
+            raise ValueError(f"prefilter must be 0 for PCA,TQ{self.bits} (mixed-width codes "
+                             f"have no sign-bit first pass), got {value}")
+
     def add(self, x: Any) -> None:
         self._trained("add").add(self._to_basis(x, "x"))
 

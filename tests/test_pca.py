@@ -31,7 +31,7 @@ def _low_rank(rng, n, d=96, rank_scale=6.0, offset=2.0, seed_rot=1):
 
 
 def _recall(found, truth):
-    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth)]))
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth, strict=True)]))
 
 
 def _truth(q, x, metric, k):
@@ -51,7 +51,7 @@ def test_mixed_codec_error_and_bytes(rng):
     assert c.lut_term_bits() == [4, 4, 4, 3, 2, 1]
     xh = c.decode(c.encode(x), like=x)
     err = ((x - xh) ** 2).sum(1).mean() / (x ** 2).sum(1).mean()
-    energy = [n * s * s for (n, _), s in zip(GROUPS, [10, 3, 1.5, 1, 0.5, 0.05])]
+    energy = [n * s * s for (n, _), s in zip(GROUPS, [10, 3, 1.5, 1, 0.5, 0.05], strict=True)]
     pred = c.expected_mse(energy)
     # the fitted scale only lowers the error below the Lloyd-Max prediction
     assert 0.7 * pred < err <= 1.02 * pred

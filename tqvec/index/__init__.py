@@ -6,5 +6,5 @@ from .io import read_index, write_index
 from .ivf import IVFIndex
 from .pca import PCAIndex, allocate_widths
 
-__all__ = ["FlatIndex", "IVFIndex", "PCAIndex", "allocate_widths", "index_factory", "read_index", "write_index",
-           "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE"]
+__all__ = ["FlatIndex", "IVFIndex", "PCAIndex", "allocate_widths", "index_factory", "read_index",
+           "write_index", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE"]

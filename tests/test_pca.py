@@ -31,7 +31,8 @@ def _low_rank(rng, n, d=96, rank_scale=6.0, offset=2.0, seed_rot=1):
 
 
 def _recall(found, truth):
-    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in zip(found, truth, strict=True)]))
+    pairs = zip(found, truth, strict=True)
+    return float(np.mean([len(set(a) & set(b)) / len(b) for a, b in pairs]))
 
 
 def _truth(q, x, metric, k):

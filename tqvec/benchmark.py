@@ -93,7 +93,7 @@ def run_method(kind: str, spec: str, d: int, metric: str, xb, xq, gt, single: in
     t0 = time.perf_counter()
     if kind == "tqvec":
         index = tqvec.index_factory(d, spec, metric)
-        if not index.is_trained:  # Center: the mean of the base rows (timed in build_s)
+        if not index.is_trained:  # Center / PCA: fitted on the base rows (timed in build_s)
             index.train(xb)
         index.add(xb)
         code_size = index.code_size

@@ -27,9 +27,15 @@ from .. import ops
 from .base import Codec, Codes, register
 from .turbo import TurboQuant
 
-__all__ = ["MixedTurboQuant", "MIXED_WIDTHS"]
+__all__ = ["MixedTurboQuant", "MIXED_WIDTHS", "mixed_code_size"]
 
 MIXED_WIDTHS = (0, 1, 2, 3, 4, 8)
+
+
+def mixed_code_size(groups: Any) -> int:
+    """Bytes per vector of ``MixedTurboQuant(d, groups)``: each coded run's packed codes and its
+    float16 scale (what ``code_size`` gives, without building the runs' codecs)."""
+    return sum(ops.row_bytes(int(n), int(b)) + 2 for n, b in groups if b)
 
 
 def _nibbles(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,11 +90,10 @@ class MixedTurboQuant(Codec):
                 self._parts.append((start, off, sub))
                 off += sub.payload_bytes
             start += n
-        if sum(2 if c.bits == 8 else 1 for _, _, c in self._parts) > 8:
+        if len(self.lut_term_bits()) > 8:
             raise ValueError(f"groups must give at most 8 scan terms (an 8-bit run counts 2), "
                              f"got {gs}")
         self._payload_bytes = off
-        self.bits = 8.0 * off / self.dim  # average code bits per coordinate (no scales)
 
     # -- description ------------------------------------------------------------------------
     @property

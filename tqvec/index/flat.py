@@ -152,6 +152,15 @@ def ip_row_correction(codec: Codec, codes: Codes, y: torch.Tensor, v: torch.Tens
     return (a * exact - est_v).to(torch.float32)
 
 
+def check_refine(refine: Codec | str | None, d: int) -> Codec | str | None:
+    """A refinement argument: None, ``"flat"`` or a codec of dimension d."""
+    if refine is not None and not (refine == "flat" or isinstance(refine, Codec)):
+        raise ValueError(f"refine must be None, 'flat' or a tqvec codec, got {refine!r}")
+    if isinstance(refine, Codec) and refine.dim != d:
+        raise ValueError(f"refine codec must have dim {d}, got {refine.dim}")
+    return refine
+
+
 class FlatIndex:
     """Exhaustive search over codes of one codec, optionally re-ranked by a finer refinement.
 
@@ -192,11 +201,7 @@ class FlatIndex:
         self.codec = codec
         self.d = codec.dim
         self.metric_type = metric_code(metric)
-        if refine is not None and not (refine == "flat" or isinstance(refine, Codec)):
-            raise ValueError(f"refine must be None, 'flat' or a tqvec codec, got {refine!r}")
-        if isinstance(refine, Codec) and refine.dim != self.d:
-            raise ValueError(f"refine codec must have dim {self.d}, got {refine.dim}")
-        self.refine = refine
+        self.refine = check_refine(refine, self.d)
         self.k_factor = V.positive_int(k_factor, "k_factor")
         self.device = _device(device)
         self.is_trained = True  # data-oblivious: nothing to train (unless center="fit")

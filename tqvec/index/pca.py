@@ -23,6 +23,7 @@ for 60,000 x 784 on 2 cores); queries pay one d x d product.
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Sequence
 from typing import Any
 
@@ -30,12 +31,11 @@ import numpy as np
 import torch
 
 from .. import _validate as V
-from .. import ops
 from ..codebooks import sphere_codebook, sphere_grid_codebook
 from ..codecs import TurboQuant
 from ..codecs.base import Codec
-from ..codecs.mixed import MIXED_WIDTHS, MixedTurboQuant
-from .flat import METRIC_COSINE, METRIC_L2, FlatIndex, metric_code
+from ..codecs.mixed import MIXED_WIDTHS, MixedTurboQuant, mixed_code_size
+from .flat import METRIC_COSINE, METRIC_L2, FlatIndex, check_refine, metric_code
 
 __all__ = ["PCAIndex", "allocate_widths"]
 
@@ -89,16 +89,15 @@ def allocate_widths(variances: Any, target_bytes: int) -> list[tuple[int, int]]:
     steps = {w: nxt for w, nxt in zip(MIXED_WIDTHS[:-1], MIXED_WIDTHS[1:], strict=True)}
     d = var.size
     budget = 8 * int(target_bytes)
-    import heapq
-
+    # components with < 1e-6 of the variance (rank-deficient data: float32 noise of the
+    # covariance) get no bits: they could buy no error worth a bit; the budget may then stay
+    # partly unused
+    first = [(-(var[i] * (cost[0] - cost[1])), i) for i in range(d)
+             if var[i] > 1e-6 * float(var.sum())]
+    heapq.heapify(first)
     while budget > 0:
         widths = np.zeros(d, dtype=np.int64)
-        # components with < 1e-6 of the variance (rank-deficient data: float32 noise of the
-        # covariance) get no bits: they could buy no error worth a bit;
-        # the budget may then stay partly unused
-        floor = 1e-6 * float(var.sum())
-        heap = [(-(var[i] * (cost[0] - cost[1])), i) for i in range(d) if var[i] > floor]
-        heapq.heapify(heap)
+        heap = list(first)
         used = 0
         while heap:
             _, i = heapq.heappop(heap)
@@ -115,7 +114,7 @@ def allocate_widths(variances: Any, target_bytes: int) -> list[tuple[int, int]]:
         runs = _runs(widths)
         if not any(w for _, w in runs):
             break
-        size = sum(ops.row_bytes(n, w) + 2 for n, w in runs if w)
+        size = mixed_code_size(runs)
         if size <= target_bytes:
             return runs
         budget -= 2
@@ -141,11 +140,7 @@ class PCAIndex:
         self.d = V.positive_int(d, "d", minimum=2)
         self.bits = V.positive_int(bits, "bits", 1, 8)
         self.metric_type = metric_code(metric)
-        if isinstance(refine, Codec) and refine.dim != self.d:
-            raise ValueError(f"refine codec must have dim {self.d}, got {refine.dim}")
-        if refine is not None and not (refine == "flat" or isinstance(refine, Codec)):
-            raise ValueError(f"refine must be None, 'flat' or a tqvec codec, got {refine!r}")
-        self.refine = refine
+        self.refine = check_refine(refine, self.d)  # checked now; used by train's FlatIndex
         self._k_factor = V.positive_int(k_factor, "k_factor")
         self.seed = V.seed(seed)
         # the bytes of TQ{bits}; an inner-product (or cosine) index spends 4 of them on the
@@ -173,7 +168,7 @@ class PCAIndex:
         t = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
             t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
-        mu = t.to(torch.float64).mean(0)
+        mu = t.mean(0, dtype=torch.float64)  # no float64 copy of the rows
         # float32 products of centred blocks, summed in float64 (half the time of float64
         # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
         cov = torch.zeros((self.d, self.d), dtype=torch.float64)
@@ -203,7 +198,7 @@ class PCAIndex:
     @property
     def groups(self) -> list[tuple[int, int]] | None:
         """The runs (components, bits) chosen by ``train``."""
-        return None if self.index is None else list(self.index.codec.groups)
+        return None if self.index is None else list(self.codec.groups)
 
     # -- the transform ----------------------------------------------------------------------
     def _trained(self, what: str) -> FlatIndex:

@@ -184,8 +184,7 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
 @pytest.mark.parametrize("terms", [[(3, 100, 2), (1, 100, 1)], [(1, 64, 1), (1, 48, 1)],
                                    [(4, 384, 3), (1, 384, 1)], [(2, 33, 1)],
                                    [(3, 20, 1), (2, 7, 2), (1, 100, 1)],
-                                   # mixed widths (turboquant-mixed: an 8-bit group as two
-                                   # 4-bit terms, then 4, 3, 2, 1 bits): the 8-term maximum
+                                   # mixed widths, the kernel's 8-term maximum
                                    [(4, 13, 1), (4, 13, 1), (4, 88, 1), (3, 150, 1),
                                     (2, 220, 1), (1, 174, 1), (1, 9, 1), (2, 2, 1)]])
 @pytest.mark.parametrize("n,nq,k", [(5000, 3, 10), (777, 40, 25), (40, 2, 50)])

@@ -11,9 +11,10 @@ from tqvec.codecs import MixedTurboQuant, codec_from_params
 from tqvec.codecs.storage import load_codes, save_codes
 from tqvec.errors import FormatError
 from tqvec.index import PCAIndex, allocate_widths
+from tqvec.index.pca import first_pass_runs
 from tqvec.io import read_container, write_container
 
-GROUPS = [(10, 8), (30, 4), (24, 3), (40, 2), (12, 1), (12, 0)]  # 128 coordinates, 6 terms
+GROUPS = [(10, 8), (30, 4), (24, 3), (40, 2), (12, 1), (12, 0)]  # 128 coordinates, 5 terms
 
 
 def _runs_data(rng, n=3000, d=128):
@@ -49,7 +50,7 @@ def test_mixed_codec_error_and_bytes(rng):
     c = MixedTurboQuant(128, GROUPS, seed=3)
     # 10 + 15 + 9 + 10 + 2 bytes of codes, one float16 scale per coded run
     assert c.payload_bytes == 46 and c.code_size == 46 + 2 * 5
-    assert c.lut_term_bits() == [4, 4, 4, 3, 2, 1]
+    assert c.lut_term_bits() == [4, 4, 3, 2, 1]  # the 8-bit run: one 4-bit term of nibbles
     xh = c.decode(c.encode(x), like=x)
     err = ((x - xh) ** 2).sum(1).mean() / (x ** 2).sum(1).mean()
     energy = [n * s * s for (n, _), s in zip(GROUPS, [10, 3, 1.5, 1, 0.5, 0.05], strict=True)]
@@ -61,8 +62,8 @@ def test_mixed_codec_error_and_bytes(rng):
 
 
 def test_mixed_codec_terms_agree(rng):
-    """score = <q, decode>; code_terms and lut_terms (the 8-bit run as two nibble terms on the
-    grid codebook) give the same estimator."""
+    """score = <q, decode>; code_terms and lut_terms (the 8-bit run as one 4-bit term over its
+    nibbles, query (q_i, 16 q_i)) and query_matrix give the same estimator."""
     x, _ = _runs_data(rng, n=500)
     c = MixedTurboQuant(128, GROUPS, seed=5)
     codes = c.encode(x)
@@ -70,9 +71,17 @@ def test_mixed_codec_terms_agree(rng):
     s = c.score(q, codes)
     np.testing.assert_allclose(s, q @ c.decode(codes, like=x).T, rtol=1e-4, atol=1e-3)
     qt = c.query_terms(torch.from_numpy(q))
-    lut = sum((qq @ cent[ops.unpack_bits(p, d, b).long()].T) * m
+    lut = sum((qq @ cent[ops.unpack_bits(p.contiguous(), d, b).long()].T) * m
               for qq, (p, d, b, cent, m) in zip(qt, c.lut_terms(codes), strict=True))
     np.testing.assert_allclose(lut.numpy(), s, rtol=1e-4, atol=1e-3)
+    M, slices = c.query_matrix()
+    qm = torch.from_numpy(q) @ M
+    for a, sl in zip(qt, slices, strict=True):
+        torch.testing.assert_close(qm[:, sl], a, rtol=1e-5, atol=1e-5)
+    assert c.first_runs == 2 and c.first_pass_terms() == 2  # the 8- and 4-bit runs
+    assert MixedTurboQuant(128, GROUPS, first_runs=4).first_pass_terms() == 4
+    with pytest.raises(ValueError, match="first_runs"):
+        MixedTurboQuant(128, GROUPS, first_runs=6)  # 5 coded runs
 
 
 @pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
@@ -106,7 +115,7 @@ def test_mixed_codec_params_and_files(rng, tmp_path):
     ([(100, 5), (28, 1)], "bits must be in"),
     ([(1, 4), (127, 1)], ">= 2 coordinates"),
     ([(128, 0)], "at least one run"),
-    ([(2, 8)] * 5 + [(118, 1)], "at most 8 scan terms"),
+    ([(2, 8)] * 9 + [(110, 1)], "at most 8 coded runs"),
     ("bad", "sequence of"),
 ])
 def test_mixed_codec_rejects_bad_groups(groups, match):
@@ -194,6 +203,96 @@ def test_pca_index_surface(rng, tmp_path):
         index.to_faiss()
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+def test_pca_index_prefilter_keeps_the_exact_results(metric, rng, tmp_path):
+    """Prefilter(P): a first pass over the leading runs (90 % of the variance), its P k best rows
+    re-scored with the whole codes - nearly the exact scan's top k, with exact scores; the one
+    product of the fused query path (basis and rotations in one matrix) gives the general
+    path's results; the setting survives a file."""
+    x = _low_rank(rng, 6000)
+    q = _low_rank(rng, 40)
+    index = tqvec.index_factory(96, "PCA,TQ2,Prefilter(10)", metric)
+    assert index.prefilter == 10
+    index.train(x)
+    index.add(x)
+    assert 1 <= index.codec.first_runs < len([b for _, b in index.groups if b])
+    assert index.index.prefilter == 10
+    D, idx = index.search(q, 10)
+    Dg, idxg = index.search(torch.from_numpy(q), 10)  # torch input: the general path
+    np.testing.assert_array_equal(idx, idxg)
+    np.testing.assert_allclose(D, Dg, rtol=1e-4, atol=1e-3 * np.abs(D).max())
+    index.prefilter = 0
+    D0, idx0 = index.search(q, 10)
+    assert _recall(idx, idx0) >= 0.95
+    # a row the first pass keeps is scored by the whole code: the exact scan's score
+    for i in range(len(q)):
+        exact = dict(zip(idx0[i].tolist(), D0[i].tolist(), strict=True))
+        for r, v in zip(idx[i].tolist(), D[i].tolist(), strict=True):
+            if r in exact:
+                assert v == pytest.approx(exact[r], rel=1e-4, abs=1e-3 * abs(D0).max())
+    index.prefilter = 10
+    tqvec.write_index(index, tmp_path / "p.tqv")
+    back = tqvec.read_index(tmp_path / "p.tqv")
+    assert back.prefilter == 10 and back.codec.first_runs == index.codec.first_runs
+    np.testing.assert_array_equal(back.search(q, 10)[1], idx)
+    with pytest.raises(ValueError, match="prefilter"):
+        index.prefilter = -1
+
+
+def test_first_pass_runs_holds_the_share_of_variance():
+    var = np.array([50.0, 30, 10, 5, 3, 2])
+    assert first_pass_runs([(2, 8), (2, 4), (2, 2)], var) == 2  # 0.80 < 0.9 <= 0.95
+    assert first_pass_runs([(2, 8), (2, 4), (2, 2)], var, share=0.8) == 1
+    assert first_pass_runs([(2, 8), (2, 0), (2, 2)], var, share=0.99) == 2  # 0-bit runs skipped
+    assert first_pass_runs([(6, 1)], var) == 1
+
+
+def test_mixed_two_stage_matches_reference(rng):
+    """ops.fast_scan_terms_two_stage on the mixed codes: with k1 >= n the exact top k of the
+    estimator; with a small k1 the reference's candidates (up to ties at the k1-th, which the
+    kernel ranks by 8-bit tables) and exact scores."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    x, _ = _runs_data(rng, n=3000)
+    c = MixedTurboQuant(128, GROUPS, seed=4)
+    codes = c.encode(x)
+    terms = c.lut_terms(codes)
+    packed = [t[0].contiguous() for t in terms]
+    blocked = [ops.block_codes(p, d, b) for p, d, b, _, _ in terms]
+    cents, mults = [t[3] for t in terms], [t[4] for t in terms]
+    bits = c.lut_term_bits()
+    add = torch.from_numpy(rng.standard_normal(3000).astype(np.float32))
+    add[::13] = -float("inf")
+    qts = c.query_terms(torch.from_numpy(rng.standard_normal((6, 128)).astype(np.float32)))
+    n = 3000
+    v0, p0 = ops.ref.fast_scan_terms_ref(qts, blocked, n, cents, mults, add, bits, 10)
+    for first in (1, 2, 5):
+        v, p = ops.fast_scan_terms_two_stage(qts, blocked, packed, n, cents, mults, add, bits,
+                                             first, n, 10)
+        torch.testing.assert_close(v, v0, rtol=1e-4, atol=1e-3)
+        assert (p == p0).float().mean() > 0.95
+        v, p = ops.fast_scan_terms_two_stage(qts, blocked, packed, n, cents, mults, add, bits,
+                                             first, 50, 10)
+        vr, pr = ops.ref.fast_scan_terms_two_stage_ref(qts, blocked, packed, n, cents, mults,
+                                                       add, bits, first, 50, 10)
+        assert np.mean([len(set(p[i].tolist()) & set(pr[i].tolist())) / 10
+                        for i in range(6)]) >= 0.9
+        assert not torch.isin(p, torch.arange(0, n, 13)).any()
+        full = ops.ref.fast_scan_terms_ref(qts, blocked, n, cents, mults, add, bits, n)
+        for i in range(6):  # every returned score is the row's exact full score
+            exact = dict(zip(full[1][i].tolist(), full[0][i].tolist(), strict=True))
+            torch.testing.assert_close(v[i], torch.tensor([exact[r] for r in p[i].tolist()]),
+                                       rtol=1e-4, atol=1e-3)
+    with pytest.raises(ValueError, match="first must be"):
+        ops.fast_scan_terms_two_stage(qts, blocked, packed[:2], n, cents, mults, add, bits, 1,
+                                      50, 10)
+    with pytest.raises(ValueError, match="first must be"):
+        ops.FastScan(blocked, n, cents, mults, add, bits, first=6, packed=packed)
+    scan = ops.FastScan(blocked, n, cents, mults, add, bits, first=2, packed=packed)
+    with pytest.raises(ValueError, match="k1 must be"):
+        scan.search(qts, 10)
+
+
 def test_pca_index_files_fail_cleanly(rng, tmp_path):
     x = _low_rank(rng, 500)
     index = tqvec.index_factory(96, "PCA,TQ2", "ip")
@@ -214,8 +313,8 @@ def test_pca_index_files_fail_cleanly(rng, tmp_path):
         tqvec.read_index(tmp_path / "bad2.tqv")
 
 
-@pytest.mark.parametrize("spec", ["PCA,TQ2,Prefilter(10)", "PCA,Center,TQ2", "PCA,IVF16,TQ2",
-                                  "PCA,TQ2f", "PCA,QJL64"])
+@pytest.mark.parametrize("spec", ["PCA,TQ2,Prefilter(x)", "PCA,Center,TQ2", "PCA,IVF16,TQ2",
+                                  "PCA,TQ2f", "PCA,QJL64", "PCA,TQ2,Refine(Flat),Prefilter(5)"])
 def test_pca_factory_rejects(spec):
     with pytest.raises(ValueError, match="PCA index"):
         tqvec.index_factory(96, spec, "l2")

@@ -57,7 +57,8 @@ def tqvec_specs(b: int) -> list[str]:
     if b <= 2:  # the 8-bit grid: re-scored without table gathers (TurboQuant codebook="grid")
         out.append(f"TQ{b},Refine(TQ8g)")
     # a fitted PCA basis + mixed widths in the bytes of TQ{b}: trained (train() timed in build_s)
-    out.append(f"PCA,TQ{b}")
+    # and with a first pass over its leading runs (90 % of the variance)
+    out += [f"PCA,TQ{b}", f"PCA,TQ{b},Prefilter(10)"]
     return out
 
 

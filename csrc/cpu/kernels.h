@@ -64,6 +64,10 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
 // width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the
 // mse codes and the QJL signs with centroids -1, +1).
+// nfirst > 0 makes it two-stage: the table scores of the first nfirst terms (add_i + their
+// sum; no bound) pick the k1 best rows, which are re-scored exactly with every term from the
+// terms' packed (n, ceil(d_t b_t / 8)) rows - a heuristic like fast_scan_two_stage (mixed-width
+// codes: the leading runs hold most of the variance). nfirst = 0: exact, packed unused.
 struct ScanTerm {
   const float* qr;
   int64_t d;
@@ -71,9 +75,11 @@ struct ScanTerm {
   int b;
   const float* centroids;
   const float* mult;
+  const uint8_t* packed;  // row-major codes (nfirst > 0), else may be null
 };
 void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,
-                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads);
+                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads, int nfirst = 0,
+                     int64_t k1 = 0);
 // fast_scan over inverted lists stored as consecutive block ranges of one blocked array (rows
 // past a list's end padded with add = -inf): query i scans the lists probes[i, :] (-1 = none),
 // list_blocks[l] .. list_blocks[l + 1], adding offsets[i, r] to the scores of list probes[i, r].

@@ -320,7 +320,8 @@ NB_MODULE(_C, m) {
                               std::vector<CArr<const float>> centroids,
                               std::vector<CArr<const float>> mults, std::vector<int> bits,
                               int64_t n, CArr<const float> add, int64_t k, CArr<float> out_vals,
-                              CArr<int64_t> out_idx, int nthreads) {
+                              CArr<int64_t> out_idx, int nthreads,
+                              std::vector<CArr<const uint8_t>> packed, int nfirst, int64_t k1) {
     const size_t T = qrs.size();
     require(T >= 1 && T <= 8 && blocked.size() == T && centroids.size() == T &&
                 mults.size() == T && bits.size() == T,
@@ -330,6 +331,10 @@ NB_MODULE(_C, m) {
             "fast_scan_terms: add length");
     require(out_vals.ndim() == 2 && out_idx.ndim() == 2, "fast_scan_terms: bad ranks");
     const int64_t nq = qrs[0].ndim() == 2 ? qrs[0].shape(0) : -1;
+    require(nfirst >= 0 && nfirst <= static_cast<int>(T) &&
+                (nfirst == 0 || (packed.size() == T && k1 >= 1)),
+            "fast_scan_terms: nfirst must be 0, or 1 to the number of terms with packed codes "
+            "for every term and k1 >= 1");
     std::vector<tqvec::ScanTerm> terms;
     for (size_t t = 0; t < T; ++t) {
       const int b = bits[t];
@@ -344,13 +349,20 @@ NB_MODULE(_C, m) {
       check_centroids(centroids[t], b, "fast_scan_terms");
       require(mults[t].ndim() == 1 && mults[t].shape(0) == static_cast<size_t>(n),
               "fast_scan_terms: mult length");
+      const uint8_t* rows = nullptr;
+      if (nfirst > 0) {
+        require(packed[t].ndim() == 2 && packed[t].shape(0) == static_cast<size_t>(n) &&
+                    packed[t].shape(1) == static_cast<size_t>((d * b + 7) / 8),
+                "fast_scan_terms: packed must be (n, ceil(d b / 8)) for each term");
+        rows = packed[t].data();
+      }
       terms.push_back({qrs[t].data(), d, blocked[t].data(), b, centroids[t].data(),
-                       mults[t].data()});
+                       mults[t].data(), rows});
     }
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan_terms");
     nb::gil_scoped_release rel;
     tqvec::fast_scan_terms(terms.data(), static_cast<int>(T), nq, n, add.data(), k,
-                           out_vals.data(), out_idx.data(), nthreads);
+                           out_vals.data(), out_idx.data(), nthreads, nfirst, k1);
   });
 
   m.def("ivf_fast_scan", [](CArr<const float> qr, CArr<const uint8_t> blocked,

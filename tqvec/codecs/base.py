@@ -200,6 +200,12 @@ class Codec:
         """Whether ``sign_term`` gives a coarse first pass (an index's ``prefilter``)."""
         return False
 
+    def first_pass_terms(self) -> int:
+        """How many leading ``lut_terms`` a two-stage search's first pass scores (an index's
+        ``prefilter`` for codecs with several terms, e.g. ``MixedTurboQuant``'s leading runs);
+        0: none (``has_sign_term`` is the other kind of first pass)."""
+        return 0
+
     def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
                                                 torch.Tensor] | None:
         """A 1-bit coarse version of the single ``lut_terms`` entry (paired with the same query

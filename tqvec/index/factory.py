@@ -29,7 +29,9 @@ for ip and cosine it stores 4 more bytes per vector (the exact <mu, x - mu> term
 ``PCA,`` in front (``PCA,TQ2``, ``PCA,TQ2,Refine(Flat)``) builds a ``PCAIndex``: a fitted
 PCA basis (``train`` first; the one index that learns more than a mean), then TurboQuant at
 mixed widths (0-4 or 8 bits per component, chosen by the components' variances) in the bytes
-of ``TQ{b}`` (ip / cosine included: their 4-byte centring term is counted).
+of ``TQ{b}`` (ip / cosine included: their 4-byte centring term is counted);
+``PCA,TQ2,Prefilter(10)`` scores the leading runs (90 % of the variance) first and re-scores
+their best 10k rows with the whole codes.
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
 are those of the codes (plus nlist * d * 4 bytes of centroids per index; ip: 4 more bytes per
@@ -84,14 +86,17 @@ def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     body = spec.replace(" ", "")
     if body.startswith("PCA,"):
-        m = re.fullmatch(r"PCA,TQ(\d)(,Refine\((?P<ref>[^)]+)\))?", body)
+        m = re.fullmatch(r"PCA,TQ(\d)(,Prefilter\((?P<pf>\d+)\))?(,Refine\((?P<ref>[^)]+)\))?",
+                         body)
         if not m:
-            raise ValueError(f"spec must look like 'PCA,TQ2' or 'PCA,TQ2,Refine(Flat)' for a PCA "
-                             f"index (no Center, IVF or Prefilter with it), got {spec!r}")
+            raise ValueError(f"spec must look like 'PCA,TQ2', 'PCA,TQ2,Prefilter(10)' or "
+                             f"'PCA,TQ2,Refine(Flat)' for a PCA index (no Center or IVF with "
+                             f"it), got {spec!r}")
         if device is not None and str(device) != "cpu":
             raise ValueError(f"device must be 'cpu' for a PCA index, got {device!r}")
         ref = parse_codec(d, m["ref"], seed) if m["ref"] else None
-        return PCAIndex(d, int(m[1]), metric, refine=ref, k_factor=k_factor, seed=seed)
+        return PCAIndex(d, int(m[1]), metric, refine=ref, k_factor=k_factor,
+                        prefilter=int(m["pf"] or 0), seed=seed)
     center = body.startswith("Center,")
     if center:
         body = body[len("Center,"):]

@@ -177,8 +177,10 @@ class FlatIndex:
         codes. That first pass reads b times fewer bytes; on MiniLM-384 (60k, 1,000 queries)
         prefilter 10 kept 99.6-99.9 % of the exact 4/3/2-bit top-10 and recall@10 within
         0.001. 1-bit codes have no coarser bit: their first pass is the codes of the first half
-        of the (rotated) coordinates, half the bytes (``TurboQuant.sign_term``). An attribute,
-        like faiss's ``nprobe``: may change between searches.
+        of the (rotated) coordinates, half the bytes (``TurboQuant.sign_term``). Mixed-width
+        codes (``MixedTurboQuant``, ``PCAIndex``) have a first pass over their leading runs
+        instead (``Codec.first_pass_terms``). An attribute, like faiss's ``nprobe``: may change
+        between searches.
     center: ``None`` (default), ``"fit"`` or a (d,) vector mu: codes of x - mu instead of x (for
         cosine: of x / ||x|| - mu). A fit of one vector, so the index then needs ``train`` when
         ``"fit"`` (mu = the training rows' mean). The codec's error scales with the norm it
@@ -235,9 +237,10 @@ class FlatIndex:
     @prefilter.setter
     def prefilter(self, value: int) -> None:
         v = V.positive_int(value, "prefilter", minimum=0)
-        if v and not self.codec.has_sign_term():
-            raise ValueError(f"prefilter must be 0 for {self.codec!r}: the sign-bit first pass "
-                             "needs TurboQuant-mse codes (1-bit codes: d > 8)")
+        if v and not (self.codec.has_sign_term() or self.codec.first_pass_terms()):
+            raise ValueError(f"prefilter must be 0 for {self.codec!r}: a first pass needs "
+                             "TurboQuant-mse codes (their sign bits; 1-bit codes: d > 8) or "
+                             "mixed-width codes (their leading runs)")
         with self._lock:
             self._prefilter = v
             self._scan = None  # the scan state holds the sign plane or the full blocked codes
@@ -366,7 +369,8 @@ class FlatIndex:
             "cents": [t[3].to(torch.float32).contiguous() for t in terms],
             "bits": [t[2] for t in terms], "add": add.to(torch.float32).contiguous(),
             "blocked": None, "scanner": None, "signs": None, "fast": fast}
-        if fast and self._prefilter:
+        first = self.codec.first_pass_terms() if self._prefilter else 0
+        if fast and self._prefilter and not first:
             # the sign plane of the rows not yet laid out (from the last whole block on); its
             # multiplier is the full code's (the same scale of the same coordinates)
             start = (self._signs_n // 32) * 32 if self._signs is not None else 0
@@ -400,8 +404,12 @@ class FlatIndex:
             self._blocked, self._blocked_n = blocked, n
             self._signs, self._signs_n = None, 0
             state["blocked"] = blocked
+            # a prefilter over several terms: the leading ones first, then every term of
+            # the shortlist from the packed codes
             state["scanner"] = ops.FastScan(blocked, n, state["cents"], state["mults"],
-                                            state["add"], state["bits"], self.codec.backend)
+                                            state["add"], state["bits"], self.codec.backend,
+                                            packed=state["packed"] if first else None,
+                                            first=first)
         # float32 numpy queries: the whole search in one compiled call (TurboQuant-mse codes,
         # Hadamard rotation)
         rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
@@ -730,6 +738,8 @@ class FlatIndex:
         row, or with a prefilter the sign plane first and the full codes of its best
         ``prefilter * kk`` rows (``ops.lut_rescore``). ``add`` overrides the row offsets."""
         if scan["signs"] is None:  # with a refinement, which re-ranks them: table scores only
+            if scan["scanner"].first:  # the leading terms first (first_pass_terms)
+                return scan["scanner"].search(qts, kk, add, k1=self._prefilter * kk)
             return scan["scanner"].search(qts, kk, add, approx=self.refine is not None)
         return scan["signs"].search(qts[:1], kk, add, k1=self._prefilter * kk)
 

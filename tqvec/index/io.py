@@ -182,6 +182,7 @@ def _pca_from(meta: dict, arrays: dict, index: FlatIndex | IVFIndex) -> PCAIndex
     if err > 1e-3:
         raise ValueError(f"basis must be orthogonal, got max |V^T V - I| = {err:.3g}")
     pca = PCAIndex(d, int(meta["pca"]["bits"]), index.metric_type, refine=index.refine,
-                   k_factor=index.k_factor, seed=int(meta["pca"]["seed"]))
+                   k_factor=index.k_factor, prefilter=index.prefilter,
+                   seed=int(meta["pca"]["seed"]))
     pca._install(basis, var, index)
     return pca

@@ -25,7 +25,8 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
-           "fast_scan", "fast_scan_terms", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
+           "fast_scan", "fast_scan_terms", "fast_scan_terms_two_stage", "fast_scan_two_stage",
+           "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "FlatSearch", "rescore_topk",
            "rescore_topk_np", "row_sqnorms", "row_dots", "decode_attention", "row_bytes",
            "fast_scan_row_bytes", "FAST_SCAN_BITS"]
@@ -211,16 +212,27 @@ class FastScan:
 
     ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
     is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``), and
-    ``search(..., k1=...)`` re-scores its k1 best rows with the full codes."""
+    ``search(..., k1=...)`` re-scores its k1 best rows with the full codes.
+
+    ``first=f`` with ``packed`` (each term's (n, ceil(d_t b_t / 8)) rows) makes a several-term
+    scan two-stage (``fast_scan_terms_two_stage``): the k1 best rows by the first f terms,
+    re-scored with every term."""
 
     def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
                  mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
                  backend: str = "auto",
                  full: tuple[torch.Tensor, int, torch.Tensor] | None = None,
-                 add1: torch.Tensor | None = None):
+                 add1: torch.Tensor | None = None,
+                 packed: list[torch.Tensor] | None = None, first: int = 0):
         _check_terms(len(blocked), blocked, centroids, mults, bits)
         if full is not None and bits != [1]:
             raise ValueError(f"a two-stage scan needs one 1-bit term (the signs), got bits {bits}")
+        self.first = int(first)
+        if self.first and not (1 <= self.first <= len(blocked) and packed is not None
+                               and len(packed) == len(blocked) and full is None):
+            raise ValueError(f"first must be 0, or 1 to {len(blocked)} (the terms) with packed "
+                             f"codes for every term, got first={first}")
+        self.packed = None if not self.first else [t.contiguous() for t in packed]
         self.n, self.bits, self.backend = int(n), [int(b) for b in bits], backend
         self.blocked = [t.contiguous() for t in blocked]
         self.centroids = [t.contiguous() for t in centroids]
@@ -230,16 +242,20 @@ class FastScan:
                                                full[2].contiguous())
         self.add1 = (self.add if add1 is None else add1.contiguous())
         name = ("fast_scan_two_stage" if full is not None
+                else "fast_scan_terms_two_stage" if self.first
                 else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
         impl = _pick(name, self.add.device, backend)
         # the compiled CPU kernel, called on numpy views made once (~1 us each per call)
         self._np = None
-        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu, _cpu.fast_scan_two_stage_cpu):
+        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu, _cpu.fast_scan_two_stage_cpu,
+                    _cpu.fast_scan_terms_two_stage_cpu):
             self._np = ([t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
                         [t.numpy() for t in self.mults], self.add.numpy())
             if self.full is not None:
                 self._full_np = (self.full[0].numpy(), self.full[1], self.full[2].numpy(),
                                  self.add1.numpy())
+            if self.first:
+                self._packed_np = [t.numpy() for t in self.packed]
 
     def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
                k1: int | None = None, approx: bool = False
@@ -265,14 +281,22 @@ class FastScan:
                                        *self.full, self.mults[0],
                                        self.add if add is None else add,
                                        self.add1 if add1 is None else add1, k1, k, self.backend)
+        if self.first and (k1 is None or k1 < 1):
+            raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
         if self._np is not None and qrs[0].device.type == "cpu":
             blocked, cents, mults, add_np = self._np
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
                                           self.n, cents, mults,
                                           add_np if add is None else add.contiguous().numpy(),
-                                          self.bits, int(k), approx)
+                                          self.bits, int(k), approx,
+                                          packed=self._packed_np if self.first else None,
+                                          first=self.first, k1=int(k1 or 0))
             return torch.from_numpy(vals), torch.from_numpy(pos)
         add = self.add if add is None else add
+        if self.first:
+            return fast_scan_terms_two_stage(qrs, self.blocked, self.packed, self.n,
+                                             self.centroids, self.mults, add, self.bits,
+                                             self.first, k1, k, self.backend)
         if len(qrs) == 1:
             return fast_scan(qrs[0], self.blocked[0], self.n, self.centroids[0], self.mults[0],
                              add, self.bits[0], k, self.backend)
@@ -307,6 +331,28 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
     the codes once for many searches."""
     _check_terms(len(qrs), blocked, centroids, mults, bits)
     return FastScan(blocked, n, centroids, mults, add, bits, backend).search(qrs, k)
+
+
+def fast_scan_terms_two_stage(qrs: list[torch.Tensor], blocked: list[torch.Tensor],
+                              packed: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
+                              mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
+                              first: int, k1: int, k: int, backend: str = "auto"
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fast_scan_terms`` in two stages: the k1 best rows by add_i plus the first ``first``
+    terms (their 8-bit table scores in the CPU kernel), then the top k of those by every term,
+    scored exactly from the terms' ``packed`` (n, ceil(d_t b_t / 8)) rows. A heuristic like
+    ``fast_scan_two_stage``: a row outside the first pass's k1 best is never scored. For
+    mixed-width codes whose leading runs hold most of the variance (``PCAIndex``). See
+    ``ref.fast_scan_terms_two_stage_ref``."""
+    _check_terms(len(qrs), blocked, centroids, mults, bits)
+    if not 1 <= first <= len(qrs) or len(packed) != len(qrs) or k1 < 1:
+        raise ValueError(f"first must be 1 to {len(qrs)} with packed codes for every term and "
+                         f"k1 >= 1, got first={first}, {len(packed)} packed, k1={k1}")
+    return _pick("fast_scan_terms_two_stage", qrs[0].device, backend)(
+        [t.contiguous() for t in qrs], [t.contiguous() for t in blocked],
+        [t.contiguous() for t in packed], int(n), [t.contiguous() for t in centroids],
+        [t.contiguous() for t in mults], add.contiguous(), [int(b) for b in bits], int(first),
+        int(k1), int(k))
 
 
 def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,

@@ -18,6 +18,7 @@ else:
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
+           "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
            "decode_attention_cpu", "rescore_topk_np", "rescore_topk_cpu"]
@@ -116,20 +117,21 @@ def _topk_out(nq: int, k: int, written: bool = False) -> tuple[np.ndarray, np.nd
 
 def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
                  centroids: list[np.ndarray], mults: list[np.ndarray], add: np.ndarray,
-                 bits: list[int], k: int, approx: bool = False
+                 bits: list[int], k: int, approx: bool = False,
+                 packed: list[np.ndarray] | None = None, first: int = 0, k1: int = 0
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The fast-scan kernels on numpy arrays (``ops.FastScan`` calls this per search): one term
     is ``fast_scan`` (several queries per pass; ``approx`` as in ``FastScan.search``), several
-    ``fast_scan_terms``."""
+    ``fast_scan_terms`` (two-stage with ``first`` > 0: ``ops.fast_scan_terms_two_stage``)."""
     nq = qrs[0].shape[0]
     vals, pos = _topk_out(nq, k, written=bool(n))
     if nq and n:
-        if len(qrs) == 1:
+        if len(qrs) == 1 and not first:
             _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k,
                          bool(approx), vals, pos, _threads())
         else:
             _C.fast_scan_terms(qrs, blocked, centroids, mults, bits, n, add, k, vals, pos,
-                               _threads())
+                               _threads(), packed if first else [], int(first), int(k1))
     return vals, pos
 
 
@@ -167,6 +169,17 @@ def fast_scan_terms_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n:
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     vals, pos = fast_scan_np(list(_np(*qrs)), list(_np(*blocked)), n, list(_np(*centroids)),
                              list(_np(*mults)), add.numpy(), [int(b) for b in bits], k)
+    return torch.from_numpy(vals), torch.from_numpy(pos)
+
+
+def fast_scan_terms_two_stage_cpu(qrs: list[torch.Tensor], blocked: list[torch.Tensor],
+                                  packed: list[torch.Tensor], n: int,
+                                  centroids: list[torch.Tensor], mults: list[torch.Tensor],
+                                  add: torch.Tensor, bits: list[int], first: int, k1: int, k: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    vals, pos = fast_scan_np(list(_np(*qrs)), list(_np(*blocked)), n, list(_np(*centroids)),
+                             list(_np(*mults)), add.numpy(), [int(b) for b in bits], k,
+                             packed=list(_np(*packed)), first=first, k1=k1)
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 

@@ -11,7 +11,8 @@ import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
            "lut_scan_ref", "lut_rescore_ref", "fast_scan_two_stage_ref", "block_codes_ref",
-           "fast_scan_ref", "fast_scan_terms_ref", "decode_attention_ref", "row_bytes"]
+           "fast_scan_ref", "fast_scan_terms_ref", "fast_scan_terms_two_stage_ref",
+           "decode_attention_ref", "row_bytes"]
 
 FAST_SCAN_BITS = (1, 2, 3, 4)  # widths with a fast-scan layout (3 bits: pairs, see block_codes_ref)
 BLOCK_ROWS = 32
@@ -248,6 +249,32 @@ def fast_scan_terms_ref(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n:
         yhat = c[unpack_bits_ref(unblock_codes(bl, n, d, b), d, b).long()]
         s = s + (qr @ yhat.T) * m[None, :]
     return _topk_padded(s, k)
+
+
+def fast_scan_terms_two_stage_ref(qrs: list[torch.Tensor], blocked: list[torch.Tensor],
+                                  packed: list[torch.Tensor], n: int,
+                                  centroids: list[torch.Tensor], mults: list[torch.Tensor],
+                                  add: torch.Tensor, bits: list[int], first: int, k1: int, k: int
+                                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two stages over several codes per row: the k1 best rows by add_i plus the first
+    ``first`` terms of ``fast_scan_terms_ref``'s score (the leading runs of a mixed-width code),
+    then the top k of those by the full score (every term), from the terms' packed (n,
+    ceil(d_t b_t / 8)) rows; ``blocked`` is not read here (the kernel's first pass reads it).
+    A kernel ranks its first pass by quantized tables, so rows near its k1-th score may differ
+    from this one's; what it returns is scored exactly."""
+    nq = qrs[0].shape[0]
+    parts = []
+    for qr, pk, c, m, b in zip(qrs, packed, centroids, mults, bits, strict=True):
+        d = qr.shape[1]
+        parts.append((qr @ c[unpack_bits_ref(pk, d, b).long()].T) * m[None, :])
+    s1 = add[None, :].expand(nq, -1) + sum(parts[:first], torch.zeros_like(parts[0]))
+    full = add[None, :].expand(nq, -1) + sum(parts, torch.zeros_like(parts[0]))
+    _, cand = _topk_padded(s1, min(k1, n))
+    keep = torch.full_like(full, -float("inf"))
+    ok = cand >= 0
+    rows = torch.arange(nq, device=full.device)[:, None].expand_as(cand)
+    keep[rows[ok], cand[ok]] = full[rows[ok], cand[ok]]
+    return _topk_padded(keep, k)
 
 
 def ivf_fast_scan_ref(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tensor,

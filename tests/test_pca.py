@@ -229,7 +229,7 @@ def test_pca_index_prefilter_keeps_the_exact_results(metric, rng, tmp_path):
         exact = dict(zip(idx0[i].tolist(), D0[i].tolist(), strict=True))
         for r, v in zip(idx[i].tolist(), D[i].tolist(), strict=True):
             if r in exact:
-                assert v == pytest.approx(exact[r], rel=1e-4, abs=1e-3 * abs(D0).max())
+                assert v == pytest.approx(exact[r], rel=1e-4, abs=1e-3 * float(np.abs(D0).max()))
     index.prefilter = 10
     tqvec.write_index(index, tmp_path / "p.tqv")
     back = tqvec.read_index(tmp_path / "p.tqv")

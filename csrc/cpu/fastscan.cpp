@@ -1258,30 +1258,11 @@ void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* 
                          const float* centroids, const float* mult, const float* add,
                          const float* add1, int64_t k1, int64_t k, float* out_vals,
                          int64_t* out_idx, int nthreads) {
-  const int64_t rb = (d * b + 7) / 8;
-  const float hs = b >= 3 ? grid_half_step(centroids, b) : 0.0f;
-  // the exact full-code scores of query qi's candidate rows -> its top k
+  // the exact full-code scores of query qi's candidate rows -> its top k (the full codes as
+  // the one term of rescore_terms)
+  const ScanTerm full{qr, d, nullptr, b, centroids, mult, packed};
   auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
-    const float* q = qr + qi * d;
-    thread_local std::vector<float> T;
-    rescore_table(q, d, b, centroids, T);
-    // The rows are scattered over the codes (cache misses, ~100 ns each): fetch
-    // a few rows ahead of the one being scored, so the misses overlap.
-    constexpr size_t kAhead = 8;
-    auto fetch = [&](size_t r) {
-      const uint8_t* p = packed + rows[r] * rb;
-      for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(p + o);
-    };
-    for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
-    std::vector<Hit> hits;
-    hits.reserve(rows.size());
-    for (size_t r = 0; r < rows.size(); ++r) {
-      if (r + kAhead < rows.size()) fetch(r + kAhead);
-      const int64_t i = rows[r];
-      hits.emplace_back(
-          mult[i] * rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) + add[i], i);
-    }
-    write_topk(hits, k, out_vals + qi * k, out_idx + qi * k);
+    rescore_terms(&full, 1, qi, rows, add, k, out_vals + qi * k, out_idx + qi * k);
   };
   const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
   if (simd_avx2() && nq < 3 * t && nb >= 64) {
@@ -1441,18 +1422,13 @@ void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, c
   if (nfirst > 0) {
     // Two stages: the first nfirst terms' table scores of every row stored, the rows of the k1
     // best selected once (rows_reaching_kth), then their exact scores with every term.
-    auto two_stage = [&](int64_t qi, int64_t j0, int64_t j1, std::vector<float>& s,
-                         int workers) {
+    auto two_stage = [&](int64_t qi, std::vector<float>& s, int workers) {
       const auto ts = make(qi, nfirst, false);
-      if (workers > 1) {
-        const int64_t chunk = (j1 - j0 + workers - 1) / workers;
-        run_workers(workers, [&](int64_t w) {
-          first_scores_terms(ts, static_cast<size_t>(nfirst), n, std::min(j1, j0 + w * chunk),
-                             std::min(j1, j0 + (w + 1) * chunk), add, s.data());
-        });
-      } else {
-        first_scores_terms(ts, static_cast<size_t>(nfirst), n, j0, j1, add, s.data());
-      }
+      const int64_t chunk = (nb + workers - 1) / workers;
+      run_workers(workers, [&](int64_t w) {
+        first_scores_terms(ts, static_cast<size_t>(nfirst), n, std::min(nb, w * chunk),
+                           std::min(nb, (w + 1) * chunk), add, s.data());
+      });
       thread_local std::vector<int64_t> rows;
       rows_reaching_kth(s.data(), n, k1, rows);
       rescore_terms(terms, nterms, qi, rows, add, k, out_vals + qi * k, out_idx + qi * k);
@@ -1461,12 +1437,12 @@ void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, c
       const int64_t tq = std::min<int64_t>(t, nq);
       run_workers(tq, [&](int64_t w) {
         std::vector<float> s(static_cast<size_t>(n));
-        for (int64_t qi = w; qi < nq; qi += tq) two_stage(qi, 0, nb, s, 1);
+        for (int64_t qi = w; qi < nq; qi += tq) two_stage(qi, s, 1);
       });
     } else {  // few queries: threads over blocks for the first pass
       std::vector<float> s(static_cast<size_t>(n));
       const int workers = static_cast<int>(std::min<int64_t>(t, nb / 64));
-      for (int64_t qi = 0; qi < nq; ++qi) two_stage(qi, 0, nb, s, workers);
+      for (int64_t qi = 0; qi < nq; ++qi) two_stage(qi, s, workers);
     }
     return;
   }

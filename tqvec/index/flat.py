@@ -719,8 +719,15 @@ class FlatIndex:
         if self.metric_type == METRIC_COSINE:
             q = _unit_rows(q)
         qt, offsets = self._centre(torch.from_numpy(q))
-        vals, pos = self._fast_scan(self.codec.query_terms(qt), scan, kk)
-        if self.metric_type == METRIC_L2:  # the same float operations as _lut_search and search
+        return self._scan_results(self.codec.query_terms(qt), qt, offsets, scan, ids, kk, k)
+
+    def _scan_results(self, qts: list[torch.Tensor], qt: torch.Tensor,
+                      offsets: np.ndarray | None, scan: dict[str, Any], ids: torch.Tensor,
+                      kk: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """(D, I) from the fast scan of prepared query terms: L2 distances with ||qt||^2 (the
+        same float operations as _lut_search and search), inner products plus ``offsets``."""
+        vals, pos = self._fast_scan(qts, scan, kk)
+        if self.metric_type == METRIC_L2:
             vals = -(vals - ops.row_sqnorms(qt)[:, None])
         vals, pos = vals.numpy(), pos.numpy()
         if offsets is not None:

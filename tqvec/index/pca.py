@@ -268,13 +268,8 @@ class PCAIndex:
         else:
             offsets = ops.row_dots(q, mu).numpy()
         t = q @ W
-        vals, pos = index._fast_scan([t[:, s].contiguous() for s in slices], scan, kk)
-        if self.metric_type == METRIC_L2:
-            vals = -(vals - ops.row_sqnorms(q)[:, None])
-        vals = vals.numpy()
-        if offsets is not None:
-            vals = vals + offsets[:, None]
-        return index._results(vals, pos.numpy(), ids.numpy(), k)
+        return index._scan_results([t[:, s].contiguous() for s in slices], q, offsets, scan,
+                                   ids, kk, k)
 
     @property
     def codec(self) -> MixedTurboQuant | None:

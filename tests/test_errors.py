@@ -35,6 +35,24 @@ def test_encode_rejects_bad_input(make):
         c.score(np.ones((2, 9), np.float32), codes)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_large_inputs_are_checked_for_nan_by_one_sum(dtype):
+    """From SUM_CHECK_MIN elements on, finiteness is one float32 sum: a NaN/Inf anywhere is
+    still found (and named by row), and finite rows whose sum overflows are still accepted."""
+    from tqvec import _validate as V
+
+    n = V.SUM_CHECK_MIN // 8 + 3
+    x = torch.ones((n, 8), dtype=dtype)
+    assert V.float_matrix(x, "x")[0] is x
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[n - 2, 5] = bad
+        with pytest.raises(ValueError, match=f"got NaN/Inf in 1 row.*row {n - 2}"):
+            V.float_matrix(y, "x")
+    big = torch.full((n, 8), torch.finfo(dtype).max / 2, dtype=dtype)  # the sum overflows
+    assert V.float_matrix(big, "x")[0] is big
+
+
 def test_float64_is_coerced_like_faiss():
     c = tqvec.TurboQuant(8, 2)
     x = np.random.default_rng(0).standard_normal((5, 8))

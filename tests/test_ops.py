@@ -51,6 +51,35 @@ def test_quantize_pack_matches_reference(backend, b, d, rng):
     assert torch.equal(idx, torch.searchsorted(thr, v, right=True))
 
 
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("d", [1, 7, 100, 769])
+def test_centroid_stats_matches_reference(backend, b, d, rng):
+    # float64 sums in another order, rounded to float32 once: equal up to that last rounding
+    n = 41
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    packed = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8)),
+                           b, backend="ref")
+    y = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    scale = torch.from_numpy(rng.uniform(0.1, 3, n).astype(np.float32))
+    csq, dot = ops.centroid_stats(packed, d, b, c, y, scale, backend="ref")
+    cc = c.double()[ops.unpack_bits(packed, d, b).long()]
+    torch.testing.assert_close(csq, (cc * cc).sum(1).float(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(dot, ((y * scale[:, None]).double() * cc).sum(1).float(),
+                               rtol=1e-6, atol=1e-6)
+    got_csq, got_dot = ops.centroid_stats(on(backend, packed), d, b, *on(backend, c, y, scale),
+                                          backend=backend)
+    torch.testing.assert_close(got_csq.cpu(), csq, rtol=1e-6, atol=0)
+    torch.testing.assert_close(got_dot.cpu(), dot, rtol=1e-6, atol=1e-6)
+    only, none = ops.centroid_stats(on(backend, packed), d, b, on(backend, c), backend=backend)
+    assert none is None
+    torch.testing.assert_close(only.cpu(), csq, rtol=1e-6, atol=0)
+    empty, _ = ops.centroid_stats(on(backend, packed[:0]), d, b, on(backend, c),
+                                  backend=backend)
+    assert empty.shape == (0,)
+    with pytest.raises(ValueError, match="y and scale together"):
+        ops.centroid_stats(packed, d, b, c, y, backend=backend)
+
+
 @pytest.mark.parametrize("d", AWKWARD_D[1:] + [1536])
 def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
     rot = make_rotation("hadamard", d, 7)

@@ -66,7 +66,16 @@ def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = 
     return t, was_numpy
 
 
+#: From this many elements on, finiteness is checked by one float32 sum (a NaN or Inf anywhere
+#: makes it non-finite, so a finite sum proves every element finite; a sum that overflows
+#: falls back to the element-wise check): ~4x faster than np.isfinite(x).all(), which writes a
+#: boolean per element (60,000 x 784: 9 ms against 30-50 ms).
+SUM_CHECK_MIN = 1 << 16
+
+
 def _all_finite(t: torch.Tensor) -> bool:
+    if t.numel() >= SUM_CHECK_MIN and bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return True
     # numpy's check costs ~4 us against torch's ~17 us: it matters for one-query searches
     if t.device.type == "cpu" and t.dtype in (torch.float32, torch.float16):
         return bool(np.isfinite(t.numpy()).all())

@@ -21,6 +21,11 @@ void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, in
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void quantize_pack(const float* y, const float* scale, int64_t n, int64_t d, const float* thr,
                    int b, uint8_t* out, int nthreads);
+// Per row of b-bit packed codes (n, row_bytes(d, b)) with centroids c (2^b): csq = sum_j
+// c[idx_j]^2 and, when y (n, d) and scale (n) are given, dot = sum_j (y_ij * scale_i) c[idx_j]
+// (dot may then be null otherwise). The sums run in double, rounded to float32 once.
+void centroid_stats(const uint8_t* packed, int64_t n, int64_t d, int b, const float* centroids,
+                    const float* y, const float* scale, float* csq, float* dot, int nthreads);
 void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
                      const float* signs, int rounds, int64_t p, bool inverse, float* out,
                      int nthreads);

@@ -3,6 +3,7 @@
 // for the one-call searchers' queries (all_finite).
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
@@ -175,6 +176,34 @@ NB_MODULE(_C, m) {
             "quantize_pack: out has the wrong shape");
     nb::gil_scoped_release rel;
     tqvec::quantize_pack(y.data(), scale.data(), n, d, thr.data(), b, out.data(), nthreads);
+  });
+
+  m.def("centroid_stats", [](CArr<const uint8_t> packed, int64_t d, int b,
+                             CArr<const float> centroids, std::optional<CArr<const float>> y,
+                             std::optional<CArr<const float>> scale, CArr<float> csq,
+                             std::optional<CArr<float>> dot, int nthreads) {
+    check_bits(b);
+    require(packed.ndim() == 2 && centroids.ndim() == 1 && csq.ndim() == 1,
+            "centroid_stats: bad ranks");
+    const int64_t n = packed.shape(0);
+    require(packed.shape(1) == static_cast<size_t>(rb(d, b)), "centroid_stats: packed row size");
+    require(centroids.shape(0) == static_cast<size_t>(1 << b), "centroid_stats: centroids");
+    require(csq.shape(0) == static_cast<size_t>(n), "centroid_stats: csq length");
+    require(y.has_value() == scale.has_value() && y.has_value() == dot.has_value(),
+            "centroid_stats: y, scale and dot go together");
+    if (y) {
+      require(y->ndim() == 2 && y->shape(0) == static_cast<size_t>(n) &&
+                  y->shape(1) == static_cast<size_t>(d),
+              "centroid_stats: y must be (n, d)");
+      require(scale->ndim() == 1 && scale->shape(0) == static_cast<size_t>(n),
+              "centroid_stats: scale length");
+      require(dot->ndim() == 1 && dot->shape(0) == static_cast<size_t>(n),
+              "centroid_stats: dot length");
+    }
+    nb::gil_scoped_release rel;
+    tqvec::centroid_stats(packed.data(), n, d, b, centroids.data(), y ? y->data() : nullptr,
+                          scale ? scale->data() : nullptr, csq.data(),
+                          dot ? dot->data() : nullptr, nthreads);
   });
 
   m.def("lut_scan", [](CArr<const float> qr, CArr<const uint8_t> packed,

@@ -114,6 +114,39 @@ void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, i
 
 }  // namespace
 
+void centroid_stats(const uint8_t* packed, int64_t n, int64_t d, int b, const float* centroids,
+                    const float* y, const float* scale, float* csq, float* dot, int nthreads) {
+  const int64_t rb = row_bytes(d, b);
+  const int K = 1 << b;
+  // Squared centroids once; the sums run in double (the reference's order is not ours, and
+  // float64 partial sums make the rounded float32 results agree with it in all but ties).
+  std::vector<double> c(static_cast<size_t>(K)), c2(static_cast<size_t>(K));
+  for (int k = 0; k < K; ++k) {
+    c[k] = centroids[k];
+    c2[k] = c[k] * c[k];
+  }
+  with_bits(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    parallel_rows(n, nthreads, [&](int64_t lo, int64_t hi) {
+      std::vector<uint8_t> idx(static_cast<size_t>(d));
+      for (int64_t i = lo; i < hi; ++i) {
+        unpack_row_fixed<B>(packed + i * rb, d, idx.data());
+        double s2 = 0.0;
+        for (int64_t j = 0; j < d; ++j) s2 += c2[idx[j]];
+        csq[i] = static_cast<float>(s2);
+        if (y != nullptr) {
+          const float* yi = y + i * d;
+          const float si = scale[i];
+          double s1 = 0.0;
+          // v = y * scale as one float32 multiply: the value the quantizer compared
+          for (int64_t j = 0; j < d; ++j) s1 += static_cast<double>(yi[j] * si) * c[idx[j]];
+          dot[i] = static_cast<float>(s1);
+        }
+      }
+    });
+  });
+}
+
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads) {
   const int64_t rb = row_bytes(d, b);
   with_bits(b, [&](auto bc) {

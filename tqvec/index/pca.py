@@ -44,6 +44,7 @@ from .flat import (
     _unit_rows,
     check_refine,
     metric_code,
+    row_mean,
 )
 
 __all__ = ["PCAIndex", "allocate_widths", "first_pass_runs", "FIRST_PASS_VARIANCE"]
@@ -206,7 +207,7 @@ class PCAIndex:
         t = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
             t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
-        mu = t.mean(0, dtype=torch.float64)  # no float64 copy of the rows
+        mu = row_mean(t)
         # float32 products of centred blocks, summed in float64 (half the time of float64
         # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
         cov = torch.zeros((self.d, self.d), dtype=torch.float64)

@@ -24,6 +24,7 @@ from . import ref as _ref
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
+           "centroid_stats",
            "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
            "fast_scan", "fast_scan_terms", "fast_scan_terms_two_stage", "fast_scan_two_stage",
            "FastScan", "ivf_fast_scan",
@@ -65,9 +66,7 @@ def _pick(name: str, device: torch.device, backend: str) -> Callable:
             raise BackendUnavailable("backend 'cpu' cannot run on a cuda tensor")
         why = _cuda.unavailable_reason()
         if why is None and not hasattr(_cuda, f"{name}_cuda"):
-            why = f"no CUDA kernel for {name}"
-            if backend == "auto":  # the reference is its CUDA implementation
-                return ref
+            return ref  # no kernel for this op: the reference (torch on the GPU) is its CUDA one
         if why is None:
             return getattr(_cuda, f"{name}_cuda")
         if backend == "cuda":
@@ -114,6 +113,20 @@ def quantize_pack(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor
     """Quantize ``y * scale[:, None]`` (float32) against ``thresholds`` and pack to b bits."""
     return _pick("quantize_pack", y.device, backend)(
         y.contiguous(), scale.contiguous(), thresholds.contiguous(), b)
+
+
+def centroid_stats(packed: torch.Tensor, d: int, b: int, centroids: torch.Tensor,
+                   y: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(csq, dot) per row of b-bit packed codes (n, row_bytes(d, b)) with c = centroids[idx]:
+    csq = sum_j c_j^2 and, given y (n, d) float32 and scale (n,), dot = sum_j (y_j scale) c_j
+    (else None); summed in float64, float32 results (see ``ref.centroid_stats_ref``)."""
+    if (y is None) != (scale is None):
+        raise ValueError("centroid_stats: give y and scale together, or neither")
+    if y is not None:
+        y, scale = y.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
+    return _pick("centroid_stats", packed.device, backend)(
+        packed.contiguous(), d, b, centroids.to(torch.float32).contiguous(), y, scale)
 
 
 def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,

@@ -16,6 +16,7 @@ else:
     IMPORT_ERROR = None
 
 __all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
+           "centroid_stats_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
            "fast_scan_terms_two_stage_cpu",
@@ -60,6 +61,19 @@ def quantize_pack_cpu(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Te
     if n:
         _C.quantize_pack(y, scale, thresholds, b, out, _threads())
     return out
+
+
+def centroid_stats_cpu(packed: torch.Tensor, d: int, b: int, centroids: torch.Tensor,
+                       y: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = packed.shape[0]
+    csq = np.empty(n, dtype=np.float32)
+    dot = None if y is None else np.empty(n, dtype=np.float32)
+    if n:
+        _C.centroid_stats(packed.numpy(), d, b, centroids.numpy(),
+                          None if y is None else y.numpy(),
+                          None if scale is None else scale.numpy(), csq, dot, _threads())
+    return torch.from_numpy(csq), None if dot is None else torch.from_numpy(dot)
 
 
 def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p: int,

@@ -56,6 +56,20 @@ def quantize_pack_ref(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Te
     return pack_bits_ref(idx, b)
 
 
+def centroid_stats_ref(packed: torch.Tensor, d: int, b: int, centroids: torch.Tensor,
+                       y: torch.Tensor | None = None, scale: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row of b-bit packed codes, with c = centroids[idx]: (sum_j c_j^2, sum_j v_j c_j or
+    None), v = y * scale[:, None] (float32, the product ``quantize_pack`` compared); both summed
+    in float64 and rounded to float32 once. What the fitted and the unbiased scales and an L2
+    index's ||x_hat||^2 need, without a (n, d) float tensor of centroids."""
+    c = centroids.to(torch.float64)[unpack_bits_ref(packed, d, b).long()]
+    csq = (c * c).sum(1).float()
+    if y is None:
+        return csq, None
+    return csq, ((y * scale[:, None]).to(torch.float64) * c).sum(1).float()
+
+
 def _fwht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of the rows of x (n, p), butterfly order
     h = 1, 2, 4, ...; pairs (j, j + h) within blocks of 2h."""

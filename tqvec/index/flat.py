@@ -286,10 +286,9 @@ class FlatIndex:
         if self._n:
             raise ValueError(f"index must be empty to fit its center, got ntotal={self._n} "
                              "(call reset() first)")
-        if self.metric_type == METRIC_COSINE:
-            mean = _normalized(t.to(torch.float64)).mean(0)
-        else:
-            mean = row_mean(t)
+        # cosine: the mean of the unit rows (float32 rows, float64 sum, like the codes' input)
+        mean = row_mean(_normalized(t.to(torch.float32)) if self.metric_type == METRIC_COSINE
+                        else t)
         self._center = mean.to(device=self.device, dtype=torch.float32).contiguous()
         self._scan = None  # the one-call search holds the center it subtracts
         self.is_trained = True

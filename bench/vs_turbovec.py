@@ -29,6 +29,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_info  # noqa: E402
 
+from tqvec._machine import cpu_label  # noqa: E402
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -141,7 +143,7 @@ def main(argv=None) -> int:
     (RESULTS / f"turbovec_{name}.json").write_text(json.dumps(res, indent=1))
     lines = [f"# tqvec vs turbovec vs faiss: {a.dataset}, normalized, inner product, 1 thread",
              "", f"Command: `python bench/vs_turbovec.py --dataset {a.dataset} --bits {a.bits} "
-             f"--nq {a.nq} --single {a.single}`. Machine: {res['machine'].get('cpu')}. "
+             f"--nq {a.nq} --single {a.single}`. Machine: {cpu_label(res['machine'])}. "
              "Recall from one k = 100 search; QPS at k = 10 (batch: best of up to 3 calls).", "",
              "| bits/dim | method | bytes/vec | build s | recall@10 | recall@1@10 | recall@100 | "
              "batch QPS | single QPS | batch vs turbovec | single vs turbovec |",

@@ -847,7 +847,7 @@ struct TermScan {
   const float* mult;
 };
 
-constexpr int kMaxTerms = 8;  // ops.MAX_SCAN_TERMS (mixed-width codes: one term per width)
+constexpr int kMaxTerms = 8;  // = ops.MAX_SCAN_TERMS (mixed-width codes: one term per run)
 
 void admit_terms_scalar(const std::vector<TermScan>& ts, uint32_t (*tot)[4 * kRows], int u,
                         int64_t j, int64_t n, const float* add, Shortlist& sl) {

@@ -98,8 +98,9 @@ class MixedTurboQuant(Codec):
                 self._parts.append((start, off, sub))
                 off += sub.payload_bytes
             start += n
-        if len(self._parts) > 8:
-            raise ValueError(f"groups must have at most 8 coded runs (scan terms), got {gs}")
+        if len(self._parts) > ops.MAX_SCAN_TERMS:
+            raise ValueError(f"groups must have at most {ops.MAX_SCAN_TERMS} coded runs (scan "
+                             f"terms), got {gs}")
         self._payload_bytes = off
         if first_runs is None:
             self.first_runs = max(1, sum(c.bits >= 4 for _, _, c in self._parts))

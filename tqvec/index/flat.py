@@ -750,8 +750,9 @@ class FlatIndex:
     def _fast_scan(self, qts: list[torch.Tensor], scan: dict[str, Any], kk: int,
                    add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top kk (similarities, positions) by the CPU fast-scan kernels: all terms of every
-        row, or with a prefilter the sign plane first and the full codes of its best
-        ``prefilter * kk`` rows (``ops.lut_rescore``). ``add`` overrides the row offsets."""
+        row, or with a prefilter a first pass - the sign plane, or a mixed-width code's leading
+        terms (``Codec.first_pass_terms``) - and the full codes of its best ``prefilter * kk``
+        rows. ``add`` overrides the row offsets."""
         if scan["signs"] is None:  # with a refinement, which re-ranks them: table scores only
             if scan["scanner"].first:  # the leading terms first (first_pass_terms)
                 return scan["scanner"].search(qts, kk, add, k1=self._prefilter * kk)

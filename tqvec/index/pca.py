@@ -17,8 +17,9 @@ space, and the index behind it is a centred ``FlatIndex`` over x V (faiss's
 ``IndexPreTransform`` idea) - ids, removal, filters, range search, refinement, threads and
 the fast-scan kernel (one term per width) come from it.
 
-Cost: d^2 floats of basis (2.4 MB at d = 784) and a training pass (covariance + eigh: 0.7 s
-for 60,000 x 784 on 2 cores); queries pay one d x d product.
+Cost: d^2 floats of basis (2.4 MB at d = 784) and a training pass (covariance + eigh, ~2 s
+for 60,000 x 784 on the 2-core Zen 1 machine); a query pays one (d, m) product, the basis and
+every run's rotation folded together (``MixedTurboQuant.query_matrix``).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .flat import (
     METRIC_COSINE,
     METRIC_L2,
     FlatIndex,
+    _normalized,
     _unit_rows,
     check_refine,
     metric_code,
@@ -140,8 +142,8 @@ def first_pass_runs(runs: Sequence[tuple[int, int]], variances: Any,
                     share: float = FIRST_PASS_VARIANCE) -> int:
     """How many leading coded runs hold ``share`` of the variance (at least one, at most all):
     the first pass of ``PCAIndex``'s prefilter. On Fashion-MNIST the 8- and 4-bit runs at
-    2 bits/dim (101 of 784 components, 91 % of the variance, 51 of 200 bytes with the 8-bit
-    run's high nibbles); at 4 bits the 8-bit run alone."""
+    2 bits/dim (101 of 784 components, 91 % of the variance, 13 + 44 of the 200 code bytes);
+    at 4 bits the 8-bit run alone."""
     var = np.asarray(variances, dtype=np.float64)
     total, held, start, coded = max(float(var.sum()), 1e-300), 0.0, 0, 0
     for n, b in runs:
@@ -167,7 +169,7 @@ class PCAIndex:
     works in the PCA basis, ``"flat"`` keeps the exact vectors). seed: the runs' rotations.
     prefilter: 0 (default: every row's whole code is scored, the exact top k of the estimator)
         or P: a first pass scores the leading runs that hold ``FIRST_PASS_VARIANCE`` of the
-        variance (an 8-bit run by its high nibbles), and its P k best rows are re-scored with
+        variance (an 8-bit run by both its nibbles), and its P k best rows are re-scored with
         their whole codes (``FlatIndex.prefilter``; an attribute, like faiss's ``nprobe``).
     """
 
@@ -206,7 +208,7 @@ class PCAIndex:
             raise ValueError(f"x must have >= 2 rows to fit a PCA basis, got {t.shape[0]}")
         t = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
-            t = t / torch.linalg.vector_norm(t, dim=1, keepdim=True).clamp_min(1e-30)
+            t = _normalized(t)
         mu = row_mean(t)
         # float32 products of centred blocks, summed in float64 (half the time of float64
         # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
@@ -231,7 +233,7 @@ class PCAIndex:
 
     def _install(self, basis: torch.Tensor, variances: np.ndarray, index: FlatIndex) -> None:
         self.basis, self.variances, self.index = basis, variances, index
-        self._query_map: tuple[torch.Tensor, list[slice], torch.Tensor] | None = None
+        self._query_map = None
 
     def _fused_query_map(self) -> tuple[torch.Tensor, list[slice], torch.Tensor]:
         """(W, slices, mu): the basis and the runs' rotations as one (d, m) matrix W = V M

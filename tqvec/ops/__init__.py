@@ -30,7 +30,7 @@ __all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quanti
            "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "FlatSearch", "rescore_topk",
            "rescore_topk_np", "row_sqnorms", "row_dots", "decode_attention", "row_bytes",
-           "fast_scan_row_bytes", "FAST_SCAN_BITS"]
+           "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS"]
 
 BACKENDS = ("auto", "ref", "cpu", "cuda")
 _log = logging.getLogger("tqvec")
@@ -202,11 +202,16 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
         mult.contiguous(), add.contiguous(), b, k)
 
 
+#: Code terms one fast scan sums per row (csrc/cpu/fastscan.cpp kMaxTerms).
+MAX_SCAN_TERMS = 8
+
+
 def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: list[int]) -> None:
-    if not 1 <= nt <= 8 or not (len(blocked) == len(centroids) == len(mults) == len(bits) == nt):
-        raise ValueError(f"fast_scan_terms needs 1 to 8 terms with blocked, centroids, mults "
-                         f"and bits each; got {nt}, {len(blocked)}, {len(centroids)}, "
-                         f"{len(mults)}, {len(bits)}")
+    if not 1 <= nt <= MAX_SCAN_TERMS or not (len(blocked) == len(centroids) == len(mults)
+                                             == len(bits) == nt):
+        raise ValueError(f"fast_scan_terms needs 1 to {MAX_SCAN_TERMS} terms with blocked, "
+                         f"centroids, mults and bits each; got {nt}, {len(blocked)}, "
+                         f"{len(centroids)}, {len(mults)}, {len(bits)}")
     for b in bits:
         if b not in FAST_SCAN_BITS:
             raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")

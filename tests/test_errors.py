@@ -73,7 +73,7 @@ def test_codes_are_never_cast():
 
 
 @pytest.mark.parametrize("kwargs,err,msg", [
-    (dict(dim=1), ValueError, "dim must be >= 2, got 1"),
+    (dict(dim=1), ValueError, "dim must be in 2..1048576, got 1"),
     (dict(dim=8, bits=0), ValueError, "bits must be in 1..8, got 0"),
     (dict(dim=8, bits=9), ValueError, "bits must be in 1..8, got 9"),
     (dict(dim=8, bits=2.0), TypeError, "bits must be an int"),

@@ -12,6 +12,21 @@ import torch
 
 _FLOAT_TORCH = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+# Limits on what a parameter may make tqvec allocate, checked where the parameter enters (the
+# constructors, setters and file readers), so that neither a typo nor a crafted file header
+# can ask for terabytes or hours.
+#: Largest vector dimension (and JL sketch size) of any codec.
+MAX_DIM = 1 << 20
+#: Largest dense random matrix in elements: a Haar rotation (d^2, so d <= 8,192) or a JL
+#: matrix (m d). 2^26 float64 elements are 512 MiB; a Haar draw at d = 8,192 takes ~1 min.
+MAX_DENSE = 1 << 26
+#: Largest candidates-per-result factor (``prefilter``, ``k_factor``): beyond ntotal / k every
+#: row is a candidate anyway.
+MAX_CANDIDATE_FACTOR = 1 << 20
+#: Largest k a search pads beyond ntotal (faiss pads k > ntotal with -1 results).
+MAX_PADDED_K = 1 << 16
+INT64_MAX = (1 << 63) - 1
+
 
 def describe(x: Any) -> str:
     if isinstance(x, torch.Tensor):
@@ -24,7 +39,9 @@ def describe(x: Any) -> str:
 def as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
     """Return ``(tensor, was_numpy)`` without copying where possible."""
     if isinstance(x, torch.Tensor):
-        return x, False
+        if x.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{name} must be on the 'cpu' or a 'cuda' device, got {describe(x)}")
+        return (x.detach() if x.requires_grad else x), False  # codes are never differentiated
     if isinstance(x, np.ndarray):
         if x.dtype == np.float64:
             # float64 is coerced to float32 as faiss does; a copy is unavoidable anyway.
@@ -106,6 +123,60 @@ def positive_int(value: Any, name: str, minimum: int = 1, maximum: int | None = 
     if v < minimum or (maximum is not None and v > maximum):
         rng = f">= {minimum}" if maximum is None else f"in {minimum}..{maximum}"
         raise ValueError(f"{name} must be {rng}, got {v}")
+    return v
+
+
+def finite_float(value: Any, name: str) -> float:
+    """A finite real number (an int or a float, not a bool)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer,
+                                                                     np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    v = float(value)
+    if not np.isfinite(v):
+        raise ValueError(f"{name} must be finite, got {v}")
+    return v
+
+
+def search_k(value: Any, ntotal: int) -> int:
+    """k of a search: 1..max(ntotal, MAX_PADDED_K) (more than ntotal pads with -1, as faiss)."""
+    return positive_int(value, "k", 1, max(int(ntotal), MAX_PADDED_K))
+
+
+def id_array(ids: Any, name: str = "ids") -> np.ndarray:
+    """Vector ids as a 1-D int64 numpy array: integers only (a float id is refused, never
+    truncated), each within int64."""
+    if isinstance(ids, torch.Tensor):
+        ids = ids.detach().cpu().numpy()
+    if isinstance(ids, (bool, np.bool_)) or isinstance(ids, (float, np.floating)):
+        raise TypeError(f"{name} must be integers, got {type(ids).__name__} {ids!r}")
+    try:
+        a = np.asarray(ids)
+    except (ValueError, TypeError) as e:
+        raise TypeError(f"{name} must be an integer array, got {type(ids).__name__}") from e
+    if a.dtype == object:  # Python ints beyond int64 (or a mixture of types)
+        vals = a.reshape(-1).tolist()
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} must be integers, got {type(v).__name__} {v!r}")
+            if not -INT64_MAX - 1 <= int(v) <= INT64_MAX:
+                raise ValueError(f"{name} must be int64 values, got {int(v)}")
+        a = np.array(vals, dtype=np.int64)
+    if a.size == 0 and a.dtype.kind == "f":  # np.asarray([]) is float64: an empty id list
+        a = a.astype(np.int64)
+    if a.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array, got dtype {a.dtype}")
+    if a.dtype == np.uint64 and a.size and int(a.max()) > INT64_MAX:
+        raise ValueError(f"{name} must be int64 values, got {int(a.max())}")
+    return a.astype(np.int64, copy=False).reshape(-1)
+
+
+def id_scalar(value: Any, name: str = "key") -> int:
+    """One vector id: an int within int64 (not a bool or a float)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int id, got {type(value).__name__} {value!r}")
+    v = int(value)
+    if not -INT64_MAX - 1 <= v <= INT64_MAX:
+        raise ValueError(f"{name} must be an int64 id, got {v}")
     return v
 
 

@@ -16,6 +16,7 @@ import zlib
 import numpy as np
 import torch
 
+from . import _validate as V
 from . import ops
 
 __all__ = [
@@ -28,6 +29,10 @@ __all__ = [
     "haar_matrix",
     "jl_matrix",
     "jl_row_scale",
+    "JL_VERSION",
+    "JL_VERSIONS",
+    "haar_frame",
+    "check_dense",
     "generator",
 ]
 
@@ -41,10 +46,24 @@ def generator(seed: int, purpose: str, *extra: int) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed, spawn_key=key)))
 
 
+def check_dense(rows: int, cols: int, what: str) -> None:
+    """Refuse a dense random matrix beyond ``MAX_DENSE`` elements before drawing it."""
+    if rows * cols > V.MAX_DENSE:
+        raise ValueError(f"{what} must have at most {V.MAX_DENSE} elements (a dense random "
+                         f"matrix), got {rows} x {cols}")
+
+
 def haar_matrix(d: int, rng: np.random.Generator) -> np.ndarray:
     """A Haar-distributed orthogonal (d, d) float64 matrix: QR of a Gaussian with the sign fix
     (multiplying column j of Q by sign(R_jj) makes the distribution exactly Haar)."""
-    g = rng.standard_normal((d, d))
+    return haar_frame(d, d, rng)
+
+
+def haar_frame(d: int, m: int, rng: np.random.Generator) -> np.ndarray:
+    """(d, m) float64 with orthonormal columns, distributed as the first m columns of a Haar
+    matrix: reduced QR of a (d, m) Gaussian with the sign fix; O(d m) memory, O(d m^2) time."""
+    check_dense(d, m, "a Haar draw")
+    g = rng.standard_normal((d, m))
     q, r = np.linalg.qr(g)
     s = np.sign(np.diag(r))
     s[s == 0] = 1.0
@@ -62,19 +81,32 @@ def jl_row_scale(d: int) -> float:
     return math.sqrt(2.0) * math.exp(math.lgamma((d + 1) / 2) - math.lgamma(d / 2))
 
 
-def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl"
-              ) -> np.ndarray:
+#: Versions of the orthogonal JL draw. They differ only for m < d: version 1 took the first m
+#: rows of a d x d Haar matrix (O(d^2) memory: 32 GiB for d = 65,536), version 2 draws the m
+#: orthonormal rows directly (``haar_frame``, O(m d)); the rows have the same law. Codecs
+#: record the version in their params where it matters (m < d) so that older files keep
+#: decoding with the matrix they were written with.
+JL_VERSIONS = (1, 2)
+JL_VERSION = 2
+
+
+def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl",
+              version: int = JL_VERSION) -> np.ndarray:
     """A JL matrix S (m, d) float64 for which sqrt(pi/2)/m * ||k|| * <Sq, sign(Sk)> is unbiased.
 
     ``gaussian``: i.i.d. N(0, 1) entries (QJL Definition 3.1). ``orthogonal``: rows of independent
     Haar blocks (m > d stacks ceil(m/d) blocks, truncating the last), each row scaled by
-    ``jl_row_scale(d)``; orthogonal rows lower the variance (QJL paper, Section 4).
+    ``jl_row_scale(d)``; orthogonal rows lower the variance (QJL paper, Section 4). ``version``:
+    see ``JL_VERSIONS``.
     """
+    if kind not in JL_KINDS:
+        raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
+    check_dense(m, d, "a JL matrix (sketch_dim x dim)")
     rng = generator(seed, purpose, m, d)
     if kind == "gaussian":
         return rng.standard_normal((m, d))
-    if kind != "orthogonal":
-        raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
+    if m < d and version >= 2:
+        return haar_frame(d, m, rng).T * jl_row_scale(d)
     blocks = []
     rows = 0
     while rows < m:
@@ -117,6 +149,7 @@ class HaarRotation(Rotation):
     kind = "haar"
 
     def __init__(self, d: int, seed: int):
+        check_dense(d, d, "a Haar rotation (rotation='haar': dim x dim)")
         self.d = d
         self.seed = seed
         self._m64 = haar_matrix(d, generator(seed, "rotation.haar", d))

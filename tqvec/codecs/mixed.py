@@ -69,11 +69,12 @@ class MixedTurboQuant(Codec):
 
     def __init__(self, dim: int, groups: Any, seed: int = 0, *, first_runs: int | None = None,
                  backend: str = "auto"):
-        self.dim = V.positive_int(dim, "dim", minimum=2)
+        self.dim = V.positive_int(dim, "dim", 2, V.MAX_DIM)
         self.seed = V.seed(seed)
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
         try:
-            gs = [(int(n), int(b)) for n, b in groups]
+            gs = [(V.positive_int(n, "groups' lengths", 0, self.dim),
+                   V.positive_int(b, "groups' bits", 0, 8)) for n, b in groups]
         except (TypeError, ValueError) as e:
             raise TypeError(f"groups must be a sequence of (length, bits) pairs, got "
                             f"{groups!r}") from e

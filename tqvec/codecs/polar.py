@@ -47,7 +47,7 @@ class PolarQuant(Codec):
     def __init__(self, dim: int, level_bits: Any = (4, 2, 2, 2), seed: int = 0, *,
                  rotation: str = "hadamard", rounds: int = 3, radius_dtype: str = "float16",
                  backend: str = "auto"):
-        self.dim = V.positive_int(dim, "dim", minimum=2)
+        self.dim = V.positive_int(dim, "dim", 2, V.MAX_DIM)
         if isinstance(level_bits, (int, np.integer)) or not len(level_bits):
             raise ValueError(f"level_bits must be a non-empty sequence of ints in 1..8, got "
                              f"{level_bits!r}")

@@ -19,7 +19,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..random import JL_KINDS, jl_matrix
+from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_matrix
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, register, store_norm
 
@@ -47,20 +47,27 @@ class QJL(Codec):
     outliers: channel indices quantized by a separate QJL instance (default none).
     outlier_sketch_dim: sign bits for the outlier part (default 8 per outlier channel).
     norm_dtype: ``"float32"`` or ``"float16"``.
+    jl_version: as ``TurboQuant``'s (the orthogonal draw of a sketch with fewer rows than
+        channels).
     """
 
     name = "qjl"
 
     def __init__(self, dim: int, sketch_dim: int | None = None, seed: int = 0, *,
                  jl: str = "orthogonal", outliers: Any = (), outlier_sketch_dim: int | None = None,
-                 norm_dtype: str = "float32", backend: str = "auto"):
-        self.dim = V.positive_int(dim, "dim", minimum=2)
-        self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim") if sketch_dim else self.dim
+                 norm_dtype: str = "float32", jl_version: int = JL_VERSION,
+                 backend: str = "auto"):
+        self.dim = V.positive_int(dim, "dim", 2, V.MAX_DIM)
+        self.sketch_dim = (self.dim if sketch_dim is None
+                           else V.positive_int(sketch_dim, "sketch_dim", 1, V.MAX_DIM))
         self.seed = V.seed(seed)
         self.jl = V.choice(jl, "jl", JL_KINDS)
+        self.jl_version = V.positive_int(jl_version, "jl_version", 1, max(JL_VERSIONS))
         self.norm_dtype = V.choice(norm_dtype, "norm_dtype", tuple(NORM_DTYPES))
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
-        out = sorted({int(i) for i in outliers})
+        if isinstance(outliers, (str, bytes)) or not hasattr(outliers, "__iter__"):
+            raise TypeError(f"outliers must be a sequence of channel indices, got {outliers!r}")
+        out = sorted({V.positive_int(i, "outliers[i]", minimum=-V.INT64_MAX) for i in outliers})
         if out and (out[0] < 0 or out[-1] >= self.dim):
             raise ValueError(f"outliers must be channel indices in 0..{self.dim - 1}, got {out}")
         if len(out) > self.dim - 2:
@@ -68,7 +75,8 @@ class QJL(Codec):
                              f"of {self.dim}")
         self.outliers = out
         if out:
-            self.outlier_sketch_dim = (V.positive_int(outlier_sketch_dim, "outlier_sketch_dim")
+            self.outlier_sketch_dim = (V.positive_int(outlier_sketch_dim, "outlier_sketch_dim", 1,
+                                                       V.MAX_DIM)
                                        if outlier_sketch_dim else 8 * len(out))
         elif outlier_sketch_dim:
             raise ValueError("outlier_sketch_dim must be None without outliers, got "
@@ -77,11 +85,12 @@ class QJL(Codec):
             self.outlier_sketch_dim = 0
         inl = np.setdiff1d(np.arange(self.dim), np.asarray(out, dtype=np.int64))
         arrays = {"S": jl_matrix(self.sketch_dim, len(inl), self.seed, self.jl,
-                                 purpose="qjl").astype(np.float32),
+                                 purpose="qjl", version=self.jl_version).astype(np.float32),
                   "inliers": inl.astype(np.int64)}
         if out:
             arrays["S_out"] = jl_matrix(self.outlier_sketch_dim, len(out), self.seed, self.jl,
-                                        purpose="qjl.outliers").astype(np.float32)
+                                        purpose="qjl.outliers",
+                                        version=self.jl_version).astype(np.float32)
             arrays["outliers"] = np.asarray(out, dtype=np.int64)
         self._arr = DeviceCache(**arrays)
         self._in_bytes = ops.row_bytes(self.sketch_dim, 1)
@@ -94,7 +103,16 @@ class QJL(Codec):
         if self.outliers:
             p["outliers"] = list(self.outliers)
             p["outlier_sketch_dim"] = self.outlier_sketch_dim
+        if self.jl == "orthogonal" and self.jl_version > 1 and (
+                self.sketch_dim < self.dim - len(self.outliers)
+                or (self.outliers and self.outlier_sketch_dim < len(self.outliers))):
+            # the draws differ only for m < d; absent: version 1 (files written before)
+            p["jl_version"] = self.jl_version
         return p
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> QJL:
+        return cls(**{"jl_version": 1, **params})  # absent: written before version 2
 
     @property
     def payload_bytes(self) -> int:

@@ -23,7 +23,15 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codebooks import sphere_codebook, sphere_grid_codebook
-from ..random import JL_KINDS, ROTATIONS, HadamardRotation, jl_matrix, make_rotation
+from ..random import (
+    JL_KINDS,
+    JL_VERSION,
+    JL_VERSIONS,
+    ROTATIONS,
+    HadamardRotation,
+    jl_matrix,
+    make_rotation,
+)
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, inverse_norms, register, store_norm
 
@@ -45,6 +53,8 @@ class TurboQuant(Codec):
     rounds: Hadamard rounds (default 3).
     sketch_dim: QJL rows m for ``prod`` (default d).
     jl: ``"orthogonal"`` (default) or ``"gaussian"`` rows for the QJL matrix.
+    jl_version: the orthogonal draw for sketch_dim < dim (``tqvec.random.JL_VERSIONS``; 1 only
+        to decode codes written before version 2).
     norm_dtype: ``"float32"`` (default) or ``"float16"`` for the stored norms.
     scale: ``"norm"`` (default, the paper: store ||x||, decode ||x|| Pi^T c[idx]) or
         ``"unbiased"`` (mse only; EDEN's scale ||x|| / <u, c[idx]> with u = Pi x / ||x||, so
@@ -75,14 +85,16 @@ class TurboQuant(Codec):
     def __init__(self, dim: int, bits: int = 4, variant: str = "mse", seed: int = 0, *,
                  rotation: str = "hadamard", rounds: int = 3, sketch_dim: int | None = None,
                  jl: str = "orthogonal", norm_dtype: str = "float32", scale: str = "norm",
-                 codebook: str = "lloyd-max", backend: str = "auto"):
-        self.dim = V.positive_int(dim, "dim", minimum=2)
+                 codebook: str = "lloyd-max", jl_version: int = JL_VERSION,
+                 backend: str = "auto"):
+        self.dim = V.positive_int(dim, "dim", 2, V.MAX_DIM)
         self.bits = V.positive_int(bits, "bits", 1, 8)
         self.variant = V.choice(variant, "variant", ("mse", "prod"))
         self.seed = V.seed(seed)
         self.rotation = V.choice(rotation, "rotation", ROTATIONS)
         self.rounds = V.positive_int(rounds, "rounds", 1, 16)
         self.jl = V.choice(jl, "jl", JL_KINDS)
+        self.jl_version = V.positive_int(jl_version, "jl_version", 1, max(JL_VERSIONS))
         self.norm_dtype = V.choice(norm_dtype, "norm_dtype", tuple(NORM_DTYPES))
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
         self.scale = V.choice(scale, "scale", ("norm", "unbiased", "fit"))
@@ -94,8 +106,8 @@ class TurboQuant(Codec):
         if sketch_dim is not None and not prod:
             raise ValueError("sketch_dim must be None for variant='mse' (it sizes the QJL "
                              f"residual sketch of variant='prod'), got {sketch_dim}")
-        self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim") if sketch_dim else (
-            self.dim if prod else 0)
+        self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim", 1, V.MAX_DIM) if sketch_dim \
+            else (self.dim if prod else 0)
         self.mse_bits = self.bits - 1 if prod else self.bits
         self._rot = make_rotation(self.rotation, self.dim, self.seed,
                                   self.rounds if self.rotation == "hadamard" else 3)
@@ -110,7 +122,8 @@ class TurboQuant(Codec):
             self.codebook = None
         if prod:
             arrays["S"] = jl_matrix(self.sketch_dim, self.dim, self.seed, self.jl,
-                                    purpose="turboquant.qjl").astype(np.float32)
+                                    purpose="turboquant.qjl",
+                                    version=self.jl_version).astype(np.float32)
         self._arr = DeviceCache(**arrays)
         self._mse_bytes = ops.row_bytes(self.dim, self.mse_bits)
         self._sign_bytes = ops.row_bytes(self.sketch_dim, 1) if prod else 0
@@ -130,7 +143,14 @@ class TurboQuant(Codec):
         if self.variant == "prod":
             p["sketch_dim"] = self.sketch_dim
             p["jl"] = self.jl
+            if self.jl == "orthogonal" and self.sketch_dim < self.dim and self.jl_version > 1:
+                # the draws differ only for m < d; absent: version 1 (files written before)
+                p["jl_version"] = self.jl_version
         return p
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> TurboQuant:
+        return cls(**{"jl_version": 1, **params})  # absent: written before version 2
 
     @property
     def payload_bytes(self) -> int:

@@ -53,7 +53,7 @@ def _data() -> tuple[np.ndarray, np.ndarray]:
 def test_golden_codes_still_decode(stem):
     """The bytes, the rotation and the codebooks stay readable and decode to the same values."""
     codes = tqvec.load_codes(GOLDEN / f"{stem}.tqc")
-    meta, arrays = read_container(GOLDEN / f"{stem}.expected", "expected")
+    meta, arrays, _ = read_container(GOLDEN / f"{stem}.expected", "expected")
     c = tqvec.codec_from_params(codes.params)
     np.testing.assert_allclose(c.decode(codes, like=np.empty(0)), arrays["decoded"], rtol=1e-5,
                                atol=1e-6)
@@ -65,7 +65,7 @@ def test_golden_codes_still_decode(stem):
 def test_golden_indexes_still_search(stem, mmap):
     """An index file of every kind loads and returns the (D, I) it returned when written."""
     index = tqvec.read_index(GOLDEN / f"{stem}.tqv", mmap=mmap)
-    meta, arrays = read_container(GOLDEN / f"{stem}.expected", "expected")
+    meta, arrays, _ = read_container(GOLDEN / f"{stem}.expected", "expected")
     assert meta["spec"] == list(INDEXES[stem])
     assert index.ntotal == _N
     _, q = _data()

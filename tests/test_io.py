@@ -91,7 +91,7 @@ def test_newer_format_version_is_refused(saved):
 
 def test_fingerprint_mismatch_is_refused(saved):
     path, codes, c = saved
-    meta, arrays = read_container(path, "codes")
+    meta, arrays, _ = read_container(path, "codes")
     meta["fingerprint"] = "0" * 64
     write_container(path, "codes", meta, arrays)
     with pytest.raises(FormatError, match="fingerprint mismatch"):

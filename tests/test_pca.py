@@ -301,7 +301,7 @@ def test_pca_index_files_fail_cleanly(rng, tmp_path):
     index.train(x)
     index.add(x)
     tqvec.write_index(index, tmp_path / "p.tqv")
-    meta, arrays = read_container(tmp_path / "p.tqv", "index")
+    meta, arrays, _ = read_container(tmp_path / "p.tqv", "index")
     arrays = dict(arrays)
     arrays["pca.basis"] = np.asarray(arrays["pca.basis"]) * 1.5  # not orthogonal any more
     write_container(tmp_path / "bad.tqv", "index", meta, arrays)

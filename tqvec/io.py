@@ -1,4 +1,4 @@
-"""The tqvec container file format (shared by codes and, later, indexes).
+"""The tqvec container file format (shared by codes and indexes), and atomic writes.
 
 Layout (little-endian)::
 
@@ -8,45 +8,165 @@ Layout (little-endian)::
     16  h B   header: UTF-8 JSON {"kind", "meta", "arrays": [{name, dtype, shape, offset,
               nbytes, sha256}]}
     16+h 32 B sha256 of the header bytes
-    ...       arrays, each at a 64-byte-aligned offset, raw C-order bytes
+    ...       arrays in header order, each at the next 64-byte-aligned offset, raw C-order
+              bytes, zero padding between them; the file ends with the last array
 
-Files are written to a temporary file in the same folder, fsynced and renamed over the target,
-so a crash never leaves a half-written file under the real name. Nothing is pickled. Every
-section is checksummed; a truncated, foreign or corrupted file raises ``FormatError``.
+Every byte is accounted for: the header and each array carry a sha256, the layout is the one
+the writer produces (offsets, zero padding, no trailing bytes), so a truncated, foreign or
+corrupted file raises ``FormatError`` before anything is allocated from it (sizes are checked
+against the file's size first). Only regular files are opened: a FIFO or a device is refused,
+never read (a FIFO would block forever).
+
+Files are written to a temporary file in the same folder (``.tqvec-*.tmp``, locked while it is
+written), fsynced and renamed over the target, so a crash never leaves a half-written file
+under the real name; temporaries left by killed writers are removed by the next write to that
+folder. A target that exists but is no regular file (a symlink, a FIFO, a device) is refused,
+never written through. Nothing is pickled.
+
+Memory-mapped reads (``mmap=True``) map the file copy-on-write; as with numpy's memmap and
+faiss's mmap IO, the file must not be modified while mapped (truncating it makes reads fault).
+tqvec's own writers never modify a file in place (they rename a new one over it, which leaves a
+mapping intact), and ``MappedFile.check`` - run by the indexes at each search - detects a change
+of the mapped file's size or modification time.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import mmap as _mmap
 import os
+import re
+import stat
 import struct
 import tempfile
-from collections.abc import Mapping
-from typing import Any
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 
 from .errors import FormatError
 
-__all__ = ["MAGIC", "FORMAT_VERSION", "write_container", "read_container"]
+__all__ = ["MAGIC", "FORMAT_VERSION", "Container", "MappedFile", "write_container",
+           "read_container", "atomic_write", "check_writable", "open_regular"]
 
 MAGIC = b"\x89TQV\r\n\x1a\n"
 FORMAT_VERSION = 1
 _ALIGN = 64
 _DTYPES = {"uint8", "int64", "int32", "float16", "float32", "float64"}
 _MAX_HEADER = 64 << 20
+_MAX_ARRAYS = 4096
+_TEMP_PREFIX, _TEMP_SUFFIX = ".tqvec-", ".tmp"
+_TEMP_NAME = re.compile(r"\.tqvec-[A-Za-z0-9_]+\.tmp")
+#: A temporary file is stale when no writer holds its lock and its last change is older than
+#: the write that finds it by this much (a margin for a writer between creating and locking).
+_STALE_MARGIN_S = 2.0
+# Python's json accepts these non-JSON literals; a header never holds them.
+_NON_JSON = {"NaN", "Infinity", "-Infinity"}
 
 
 def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
+def _kind_of(mode: int) -> str:
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+# -- writing ---------------------------------------------------------------------------------
+
+def check_writable(path: str | os.PathLike, name: str = "path") -> str:
+    """``path`` as a str if it names a regular file or nothing yet; a symlink, directory, FIFO
+    or device is refused (ValueError): writes replace the name, never write through it."""
+    p = os.fspath(path)
+    try:
+        st = os.lstat(p)
+    except FileNotFoundError:
+        return p
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{name} must name a regular file or a new file, got {p!r}, which is "
+                         f"{_kind_of(st.st_mode)}")
+    return p
+
+
+def _remove_stale_temps(folder: str, started: float) -> None:
+    """Delete ``.tqvec-*.tmp`` files in ``folder`` that no live writer holds (their lock is
+    free: the writer died) and that are older than ``started``; never follows links."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for e in entries:
+        if not _TEMP_NAME.fullmatch(e.name):
+            continue
+        try:
+            fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_mtime > started - _STALE_MARGIN_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # a live writer holds it
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.lstat(e.path), st):
+                    os.unlink(e.path)
+        finally:
+            os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) -> None:
+    """Write a file atomically: ``write(f)`` fills a locked temporary file in the target's
+    folder, which is fsynced and renamed over ``path`` (the old file, if any, stays whole until
+    the rename). Refuses targets that are not regular files (``check_writable``); removes the
+    temporary on any failure, and stale temporaries of killed writers first."""
+    path = check_writable(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    _remove_stale_temps(folder, time.time())
+    fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=folder)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: a live temporary is not stale
+        # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask).
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)
+        with os.fdopen(fd, "wb", closefd=False) as f:
+            write(f)
+            f.flush()
+            os.fsync(fd)
+        check_writable(path)  # nothing replaced the target by a link meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    finally:
+        os.close(fd)
+    try:  # make the rename durable
+        dfd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
 def write_container(path: str | os.PathLike, kind: str, meta: Mapping[str, Any],
                     arrays: Mapping[str, np.ndarray]) -> None:
     """Atomically write ``arrays`` with a JSON ``meta`` under ``kind``."""
-    path = os.fspath(path)
     arrs = {k: np.ascontiguousarray(v) for k, v in arrays.items()}
     for k, a in arrs.items():
         if a.dtype.name not in _DTYPES:
@@ -64,100 +184,191 @@ def write_container(path: str | os.PathLike, kind: str, meta: Mapping[str, Any],
             e["offset"] = off
             off = _align(off + e["nbytes"])
         header = json.dumps({"kind": kind, "meta": meta, "arrays": entries},
-                            sort_keys=True).encode()
+                            sort_keys=True, allow_nan=False).encode()
         if len(header) == offset_guess:
             break
         offset_guess = len(header)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".tqvec-", suffix=".tmp", dir=folder)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header)
+        f.write(hashlib.sha256(header).digest())
+        at = 16 + len(header) + 32
+        for e, a in zip(entries, arrs.values(), strict=True):
+            f.write(b"\0" * (e["offset"] - at))
+            f.write(a.tobytes())
+            at = e["offset"] + e["nbytes"]
+
+    atomic_write(path, write)
+
+
+# -- reading ---------------------------------------------------------------------------------
+
+class MappedFile:
+    """The file behind memory-mapped arrays: ``check()`` raises ``FormatError`` if its size or
+    modification time changed since it was mapped (a truncation would make reads fault, an
+    in-place rewrite would change results). It watches the mapped file itself (a descriptor is
+    kept open), so a new file renamed over the path - how tqvec writes - is no change."""
+
+    def __init__(self, path: str, fd: int):
+        self.path = path
+        self._fd = os.dup(fd)
+        self._finalizer = weakref.finalize(self, os.close, self._fd)
+        st = os.fstat(self._fd)
+        self._sig = (st.st_size, st.st_mtime_ns)
+
+    def check(self) -> None:
+        st = os.fstat(self._fd)
+        if (st.st_size, st.st_mtime_ns) != self._sig:
+            raise FormatError(f"{self.path!r} was modified while memory-mapped (size "
+                              f"{self._sig[0]} -> {st.st_size}); a mapped file must not change: "
+                              f"read it again")
+
+
+class Container(NamedTuple):
+    """What ``read_container`` returns: the header's meta, the arrays by name, and the
+    ``MappedFile`` they live in (None unless read with ``mmap=True``)."""
+
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray]
+    mapped: MappedFile | None
+
+
+def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
+    """Open ``path`` for reading if it is a regular file: (fd, stat). A FIFO or a device is
+    refused with ``FormatError`` without blocking; a directory raises ``IsADirectoryError`` and
+    a missing file ``FileNotFoundError``, as ``open`` does."""
+    p = os.fspath(path)
+    fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "wb") as f:
-            f.write(MAGIC + struct.pack("<II", FORMAT_VERSION, len(header)) + header)
-            f.write(hashlib.sha256(header).digest())
-            for e, a in zip(entries, arrs.values(), strict=True):
-                f.write(b"\0" * (e["offset"] - f.tell()))
-                f.write(a.tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(21, "Is a directory", p)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{p!r} is not a tqvec file: it is {_kind_of(st.st_mode)}, not a "
+                              "regular file")
+        os.set_blocking(fd, True)
     except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        os.close(fd)
         raise
-    try:  # make the rename durable
-        dfd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    return fd, st
+
+
+def _int(v: Any, what: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise FormatError(f"{what} must be an int in {lo}..{hi}, got {v!r:.80}")
+    return v
+
+
+def _parse_header(p: str, header: bytes, kind: str, hlen: int) -> tuple[dict, list[tuple]]:
+    """(meta, [(name, dtype, shape, offset, nbytes, sha256)]) of a header, every field checked
+    for type and range and the layout for being the writer's (FormatError otherwise)."""
+    def no_constant(name: str) -> Any:
+        raise FormatError(f"{p!r} has a malformed header: {name} is not JSON")
+
+    try:
+        doc = json.loads(header.decode("utf-8"), parse_constant=no_constant)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise FormatError(f"{p!r} has a malformed header: {type(e).__name__}: {e!s:.200}") from e
+    if not isinstance(doc, dict) or set(doc) != {"kind", "meta", "arrays"}:
+        raise FormatError(f"{p!r} has a malformed header: expected the keys arrays, kind, meta")
+    if doc["kind"] != kind:
+        raise FormatError(f"{p!r} holds a {doc['kind']!r:.80}, expected {kind!r}")
+    meta, entries = doc["meta"], doc["arrays"]
+    if not isinstance(meta, dict) or not isinstance(entries, list) or len(entries) > _MAX_ARRAYS:
+        raise FormatError(f"{p!r} has a malformed header: meta must be an object and arrays a "
+                          f"list of at most {_MAX_ARRAYS}")
+    out, names = [], set()
+    at = 16 + hlen + 32
+    for e in entries:
+        if not isinstance(e, dict) or set(e) != {"name", "dtype", "shape", "offset", "nbytes",
+                                                  "sha256"}:
+            raise FormatError(f"{p!r} has a malformed array entry: {e!r:.200}")
+        name, dt, shape, sha = e["name"], e["dtype"], e["shape"], e["sha256"]
+        if not isinstance(name, str) or name in names:
+            raise FormatError(f"{p!r} has a malformed array entry: name {name!r:.80} (a str, "
+                              "each once)")
+        names.add(name)
+        if not isinstance(dt, str) or dt not in _DTYPES:
+            raise FormatError(f"{p!r}: array {name!r} has unsupported dtype {dt!r:.80}")
+        if not isinstance(shape, list) or len(shape) > 8:
+            raise FormatError(f"{p!r}: array {name!r} has a malformed shape {shape!r:.80}")
+        shape = tuple(_int(s, f"{p!r}: array {name!r}'s shape", 0, 1 << 62) for s in shape)
+        if not isinstance(sha, str) or not re.fullmatch(r"[0-9a-f]{64}", sha):
+            raise FormatError(f"{p!r}: array {name!r} has a malformed sha256 {sha!r:.80}")
+        nbytes = _int(e["nbytes"], f"{p!r}: array {name!r}'s nbytes", 0, 1 << 62)
+        want = np.dtype(dt).itemsize
+        for s in shape:  # Python ints: no overflow
+            want *= s
+        if nbytes != want:
+            raise FormatError(f"{p!r}: array {name!r} size {nbytes} does not match shape "
+                              f"{shape} of {dt}")
+        off = _int(e["offset"], f"{p!r}: array {name!r}'s offset", 0, 1 << 62)
+        if off != _align(at):
+            raise FormatError(f"{p!r}: array {name!r} must start at offset {_align(at)}, the "
+                              f"header says {off}")
+        out.append((name, dt, shape, off, nbytes, sha))
+        at = off + nbytes
+    return meta, out
 
 
 def read_container(path: str | os.PathLike, kind: str, *, mmap: bool = False,
-                   verify: bool = True) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """Read a container of ``kind``; returns ``(meta, arrays)``.
+                   verify: bool = True) -> Container:
+    """Read a container of ``kind``: ``Container(meta, arrays, mapped)``.
 
-    mmap=True maps the arrays copy-on-write (the file is never modified). verify=True checks
-    every array's sha256 (reads the whole file once).
+    mmap=True maps the arrays copy-on-write (the file is never modified; ``mapped.check()``
+    tells whether it changed since). verify=True checks every array's sha256 (reads the whole
+    file once, mapped or not).
     """
-    path = os.fspath(path)
-    size = os.path.getsize(path)  # a missing file is FileNotFoundError, not a format error
-    with open(path, "rb") as f:
+    p = os.fspath(path)
+    fd, st = open_regular(p)
+    with os.fdopen(fd, "rb") as f:
+        size = st.st_size
         head = f.read(16)
         if len(head) < 16 or head[:8] != MAGIC:
-            raise FormatError(f"{path!r} is not a tqvec file (bad magic {head[:8]!r})")
+            raise FormatError(f"{p!r} is not a tqvec file (bad magic {head[:8]!r})")
         version, hlen = struct.unpack("<II", head[8:16])
         if version > FORMAT_VERSION or version < 1:
-            raise FormatError(f"{path!r} has format version {version}; this tqvec reads "
+            raise FormatError(f"{p!r} has format version {version}; this tqvec reads "
                               f"versions 1..{FORMAT_VERSION} (upgrade tqvec)")
         if hlen > min(_MAX_HEADER, size - 48):
-            raise FormatError(f"{path!r} is truncated or corrupted (header length {hlen}, "
+            raise FormatError(f"{p!r} is truncated or corrupted (header length {hlen}, "
                               f"file size {size})")
         header = f.read(hlen)
         digest = f.read(32)
         if len(header) != hlen or len(digest) != 32:
-            raise FormatError(f"{path!r} is truncated (header incomplete)")
+            raise FormatError(f"{p!r} is truncated (header incomplete)")
         if hashlib.sha256(header).digest() != digest:
-            raise FormatError(f"{path!r} is corrupted (header checksum mismatch)")
-        try:
-            doc = json.loads(header)
-            if doc["kind"] != kind:
-                raise FormatError(f"{path!r} holds a {doc['kind']!r}, expected {kind!r}")
-            entries = doc["arrays"]
-            meta = doc["meta"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise FormatError(f"{path!r} has a malformed header: {e}") from e
-        arrays: dict[str, np.ndarray] = {}
+            raise FormatError(f"{p!r} is corrupted (header checksum mismatch)")
+        meta, entries = _parse_header(p, header, kind, hlen)
+        end = entries[-1][3] + entries[-1][4] if entries else 16 + hlen + 32
+        if size != end:
+            raise FormatError(f"{p!r} is {'truncated' if size < end else 'corrupted'}: its "
+                              f"arrays end at byte {end}, the file has {size}")
         mm = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_COPY) if mmap and size else None
-        for e in entries:
-            try:
-                name, dt, shape = e["name"], e["dtype"], tuple(int(s) for s in e["shape"])
-                off, nbytes, sha = int(e["offset"]), int(e["nbytes"]), e["sha256"]
-            except (KeyError, TypeError, ValueError) as ex:
-                raise FormatError(f"{path!r} has a malformed array entry: {ex}") from ex
-            if dt not in _DTYPES:
-                raise FormatError(f"{path!r}: array {name!r} has unsupported dtype {dt!r}")
-            want = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
-            if nbytes != want or any(s < 0 for s in shape):
-                raise FormatError(f"{path!r}: array {name!r} size {nbytes} does not match "
-                                  f"shape {shape} of {dt}")
-            if off < 16 + hlen + 32 or off + nbytes > size:
-                raise FormatError(f"{path!r} is truncated: array {name!r} needs bytes "
-                                  f"[{off}, {off + nbytes}), file has {size}")
+        mapped = MappedFile(p, f.fileno()) if mm is not None else None
+        arrays: dict[str, np.ndarray] = {}
+        at = 16 + hlen + 32
+        for name, dt, shape, off, nbytes, sha in entries:
+            if off > at:  # the padding before the array is zero, as written
+                if mm is not None:
+                    pad = mm[at:off]
+                else:
+                    f.seek(at)
+                    pad = f.read(off - at)
+                if pad.count(0) != off - at:
+                    raise FormatError(f"{p!r} is corrupted: non-zero padding before array "
+                                      f"{name!r}")
             if mm is not None:
                 a = np.frombuffer(mm, dtype=dt, count=nbytes // np.dtype(dt).itemsize,
                                   offset=off).reshape(shape)
             else:
                 f.seek(off)
-                a = np.frombuffer(bytearray(f.read(nbytes)), dtype=dt).reshape(shape)
+                raw = bytearray(nbytes)
+                if f.readinto(raw) != nbytes:
+                    raise FormatError(f"{p!r} is truncated: array {name!r} is incomplete")
+                a = np.frombuffer(raw, dtype=dt).reshape(shape)
             if verify and hashlib.sha256(a.reshape(-1).view(np.uint8)).hexdigest() != sha:
-                raise FormatError(f"{path!r} is corrupted: array {name!r} checksum mismatch")
+                raise FormatError(f"{p!r} is corrupted: array {name!r} checksum mismatch")
             arrays[name] = a
-    return meta, arrays
+            at = off + nbytes
+    return Container(meta, arrays, mapped)

@@ -29,13 +29,26 @@ def register(cls: type[Codec]) -> type[Codec]:
     return cls
 
 
-def codec_from_params(params: Mapping[str, Any]) -> Codec:
-    """Rebuild a codec from ``Codec.params`` (e.g. read from a file header)."""
+def codec_from_params(params: Mapping[str, Any], *, strict: bool = False) -> Codec:
+    """Rebuild a codec from ``Codec.params`` (e.g. read from a file header).
+
+    ``strict=True`` (file readers) also refuses keys that are not params (``backend``) and
+    params that are not exactly what the rebuilt codec reports (a default spelled out, a
+    float for an int): a header is trusted only in the one form tqvec writes.
+    """
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a mapping, got {type(params).__name__}")
     params = dict(params)
     name = params.pop("codec", None)
-    if name not in _REGISTRY:
+    if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"codec must be one of {sorted(_REGISTRY)}, got {name!r}")
-    return _REGISTRY[name](**params)
+    if strict and "backend" in params:
+        raise ValueError("params must not hold 'backend' (a choice of the reader, not of the "
+                         "codes)")
+    codec = _REGISTRY[name].from_params(params)
+    if strict and codec.params != {"codec": name, **params}:
+        raise ValueError(f"params must be canonical, got {dict(params)} for {codec!r}")
+    return codec
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,11 +58,15 @@ class Codes:
     payload: (n, payload_bytes) uint8, row-major, LSB-first bit packing (segments per codec).
     scalars: name -> (n,) or (n, k) float32/float16 tensor (norms, residual norms, radii).
     params:  the codec's ``params`` dict (JSON-serializable), enough to rebuild the codec.
+    source:  the ``tqvec.io.MappedFile`` the tensors are memory-mapped from (``load_codes(...,
+             mmap=True)``), checked for changes at each use (``Codec.check_codes``); None for
+             codes in memory.
     """
 
     payload: torch.Tensor
     scalars: Mapping[str, torch.Tensor]
     params: Mapping[str, Any] = field(default_factory=dict)
+    source: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.payload.dtype != torch.uint8 or self.payload.ndim != 2:
@@ -88,17 +105,17 @@ class Codes:
             if not -n <= int(key) < n:
                 raise IndexError(f"index {int(key)} is out of range for {n} codes")
             key = slice(int(key) % n, int(key) % n + 1)
-        elif not isinstance(key, slice):
-            key = torch.as_tensor(np.asarray(key) if not isinstance(key, torch.Tensor) else key)
-            if key.dtype == torch.bool:
-                if key.shape != (len(self),):
-                    raise ValueError(f"boolean mask must have shape ({len(self)},), "
-                                     f"got {tuple(key.shape)}")
-            elif key.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8,
-                                   torch.uint8):
-                raise TypeError(f"index must be int, slice, int array or bool mask, got "
-                                f"{key.dtype}")
-            key = key.to(self.payload.device)
+        if isinstance(key, slice):  # a view: still reads the mapped file
+            return Codes(self.payload[key], {k: v[key] for k, v in self.scalars.items()},
+                         self.params, self.source)
+        key = torch.as_tensor(np.asarray(key) if not isinstance(key, torch.Tensor) else key)
+        if key.dtype == torch.bool:
+            if key.shape != (len(self),):
+                raise ValueError(f"boolean mask must have shape ({len(self)},), "
+                                 f"got {tuple(key.shape)}")
+        elif key.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            raise TypeError(f"index must be int, slice, int array or bool mask, got {key.dtype}")
+        key = key.to(self.payload.device)
         return Codes(self.payload[key], {k: v[key] for k, v in self.scalars.items()},
                      self.params)
 
@@ -107,8 +124,9 @@ class Codes:
             yield self[i]
 
     def to(self, device: str | torch.device) -> Codes:
-        return Codes(self.payload.to(device), {k: v.to(device) for k, v in self.scalars.items()},
-                     self.params)
+        payload = self.payload.to(device)
+        return Codes(payload, {k: v.to(device) for k, v in self.scalars.items()}, self.params,
+                     self.source if payload is self.payload else None)
 
     def __repr__(self) -> str:
         return (f"Codes(n={len(self)}, codec={self.params.get('codec')!r}, dim={self.dim}, "
@@ -144,6 +162,12 @@ class Codec:
     dim: int
     seed: int
     backend: str
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any]) -> Codec:
+        """The codec of ``params`` without its ``"codec"`` key; codecs whose defaults changed
+        override it to read params written before (a missing key meant the old default)."""
+        return cls(**params)
 
     # -- to implement -----------------------------------------------------------------------
     @property
@@ -239,6 +263,10 @@ class Codec:
         raise NotImplementedError
 
     # -- shared -----------------------------------------------------------------------------
+    def scalar_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """name -> (per-vector shape, dtype) of the scalars stored beside the payload."""
+        return dict(self._scalar_layout())
+
     @property
     def code_size(self) -> int:
         """Bytes stored per vector: packed payload plus per-vector scalars."""
@@ -293,9 +321,18 @@ class Codec:
             raise ValueError(f"{name} were encoded with {dict(codes.params)}, but this codec is "
                              f"{self.params}")
         V.uint8_codes(codes.payload, f"{name}.payload", self.payload_bytes)
-        for k, (shape, _) in self._scalar_layout().items():
+        layout = self._scalar_layout()
+        for k, (shape, dt) in layout.items():
             if k not in codes.scalars or tuple(codes.scalars[k].shape[1:]) != shape:
                 raise ValueError(f"{name}.scalars[{k!r}] must have per-vector shape {shape}")
+            if codes.scalars[k].dtype != dt:
+                raise TypeError(f"{name}.scalars[{k!r}] must have dtype {dt}, got "
+                                f"{codes.scalars[k].dtype}")
+        if set(codes.scalars) != set(layout):
+            raise ValueError(f"{name}.scalars must hold {sorted(layout)}, got "
+                             f"{sorted(codes.scalars)}")
+        if codes.source is not None:
+            codes.source.check()
         return codes
 
     def decode(self, codes: Codes, *, like: Any = None) -> Any:

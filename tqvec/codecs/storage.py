@@ -5,16 +5,21 @@ from __future__ import annotations
 import os
 from typing import Any
 
-import numpy as np
 import torch
 
-from ..errors import FormatError
+from .. import _validate as V
+from ..errors import BackendUnavailable, FormatError
 from ..io import read_container, write_container
-from .base import Codes, codec_from_params
+from .base import Codec, Codes, codec_from_params
 
-__all__ = ["save_codes", "load_codes"]
+__all__ = ["save_codes", "load_codes", "codec_from_header", "codes_from_arrays"]
 
 _KIND = "codes"
+_META = {"params", "fingerprint", "n", "code_size"}
+#: What a malformed header's values raise while they are turned into objects: all of them mean
+#: "this file is bad" and become FormatError.
+HEADER_ERRORS = (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError,
+                 BackendUnavailable)
 
 
 def save_codes(path: str | os.PathLike, codes: Codes) -> None:
@@ -30,26 +35,61 @@ def save_codes(path: str | os.PathLike, codes: Codes) -> None:
     write_container(path, _KIND, meta, arrays)
 
 
+def codec_from_header(path: str, params: Any, fingerprint: Any, what: str = "codec") -> Codec:
+    """The codec of a file's ``params`` (in the canonical form tqvec writes, every size within
+    ``tqvec._validate``'s limits, so that a header cannot make it allocate more than they
+    allow), checked against the stored fingerprint of its rotation and codebooks."""
+    try:
+        codec = codec_from_params(params, strict=True)
+    except HEADER_ERRORS as e:
+        raise FormatError(f"{path!r} has invalid {what} params: {e}") from e
+    if codec.fingerprint() != fingerprint:
+        raise FormatError(f"{path!r} was written with a different rotation/codebook for the same "
+                          f"{what} params (fingerprint mismatch); decoding would be wrong")
+    return codec
+
+
+def codes_from_arrays(path: str, codec: Codec, arrays: dict[str, Any], prefix: str, n: int,
+                      source: Any = None) -> Codes:
+    """The ``Codes`` stored under ``prefix`` (``payload``, ``scalar.<name>``), which must be
+    ``n`` rows of ``codec``'s layout with finite scalars (FormatError otherwise)."""
+    payload = arrays.get(f"{prefix}payload")
+    if payload is None:
+        raise FormatError(f"{path!r} has no {prefix}payload array")
+    sc = {k[len(prefix) + 7:]: torch.from_numpy(v) for k, v in arrays.items()
+          if k.startswith(f"{prefix}scalar.")}
+    try:
+        codes = codec.check_codes(Codes(torch.from_numpy(payload), sc, codec.params, source))
+    except (TypeError, ValueError) as e:
+        raise FormatError(f"{path!r} does not match its codec: {e}") from e
+    if len(codes) != n:
+        raise FormatError(f"{path!r} says it holds {n} vectors, its arrays hold {len(codes)}")
+    for k, v in codes.scalars.items():
+        if v.numel() and not bool(torch.isfinite(v).all()):
+            raise FormatError(f"{path!r} is corrupted: non-finite {prefix}scalar.{k}")
+    return codes
+
+
 def load_codes(path: str | os.PathLike, *, mmap: bool = False, verify: bool = True) -> Codes:
     """Read codes written by ``save_codes``; raises ``FormatError`` on any damage, and when this
-    tqvec would materialize a different rotation/codebook for the stored params."""
-    meta, arrays = read_container(path, _KIND, mmap=mmap, verify=verify)
+    tqvec would materialize a different rotation/codebook for the stored params. With
+    ``mmap=True`` the codes read the file in place: it must not change while they are used
+    (each use checks its size and modification time)."""
+    p = os.fspath(path)
+    meta, arrays, mapped = read_container(p, _KIND, mmap=mmap, verify=verify)
+    if set(meta) != _META:
+        raise FormatError(f"{p!r} has a malformed codes header: keys {sorted(meta)}, expected "
+                          f"{sorted(_META)}")
+    codec = codec_from_header(p, meta["params"], meta["fingerprint"])
     try:
-        params: dict[str, Any] = meta["params"]
-        codec = codec_from_params(params)
-    except (KeyError, TypeError, ValueError) as e:
-        raise FormatError(f"{os.fspath(path)!r} has invalid codec params: {e}") from e
-    if codec.fingerprint() != meta.get("fingerprint"):
-        raise FormatError(f"{os.fspath(path)!r} was written with a different rotation/codebook "
-                          "for the same params (fingerprint mismatch); decoding would be wrong")
-    if "payload" not in arrays:
-        raise FormatError(f"{os.fspath(path)!r} has no payload array")
-    payload = torch.from_numpy(arrays["payload"])
-    scalars = {k[len("scalar."):]: torch.from_numpy(np.asarray(v))
-               for k, v in arrays.items() if k.startswith("scalar.")}
-    try:
-        codes = Codes(payload, scalars, params)
-        codec.check_codes(codes)
-    except (TypeError, ValueError) as e:
-        raise FormatError(f"{os.fspath(path)!r} does not match its codec: {e}") from e
+        n = V.positive_int(meta["n"], "n", 0, V.INT64_MAX)
+    except HEADER_ERRORS as e:
+        raise FormatError(f"{p!r} has a malformed codes header: {e}") from e
+    expected = {"payload", *(f"scalar.{k}" for k in codec.scalar_layout())}
+    if set(arrays) != expected:
+        raise FormatError(f"{p!r} must hold the arrays {sorted(expected)}, got {sorted(arrays)}")
+    codes = codes_from_arrays(p, codec, arrays, "", n, mapped)
+    if meta["code_size"] != codes.code_size:
+        raise FormatError(f"{p!r} says {meta['code_size']!r:.40} bytes per vector, its codes "
+                          f"have {codes.code_size}")
     return codes

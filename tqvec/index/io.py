@@ -1,13 +1,22 @@
-"""write_index / read_index: the container format of tqvec.io with kind "index"."""
+"""write_index / read_index: the container format of tqvec.io with kind "index".
+
+The reader trusts nothing in a file but its checksums: every header value is type- and
+range-checked (the constructors' own checks, whose limits bound what a value can make tqvec
+allocate), every count must agree with the arrays, and the file must hold exactly the arrays
+its header implies. Anything else is a ``FormatError``.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import torch
 
-from ..codecs.base import Codec, Codes, codec_from_params
+from .. import _validate as V
+from ..codecs.base import Codec, Codes
+from ..codecs.storage import HEADER_ERRORS, codec_from_header, codes_from_arrays
 from ..errors import FormatError
 from ..io import read_container, write_container
 from .flat import FlatIndex, metric_name
@@ -17,6 +26,11 @@ from .pca import PCAIndex
 __all__ = ["write_index", "read_index"]
 
 _KIND = "index"
+_FLAT_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "refine",
+              "k_factor"}
+_OPTIONAL_META = {"prefilter", "centered", "pca"}  # absent in files written before them
+_IVF_META = {"nlist", "nprobe", "seed", "niter", "trained"}
+_NOT_PER_ROW = {"center", "ivf.centroids", "pca.basis", "pca.variances"}
 
 
 def _codes_arrays(prefix: str, codes: Codes | None, out: dict) -> None:
@@ -25,26 +39,6 @@ def _codes_arrays(prefix: str, codes: Codes | None, out: dict) -> None:
     out[f"{prefix}.payload"] = codes.payload.cpu().numpy()
     for k, v in codes.scalars.items():
         out[f"{prefix}.scalar.{k}"] = v.cpu().numpy()
-
-
-def _codes_from(prefix: str, arrays: dict, codec: Codec) -> Codes:
-    payload = torch.from_numpy(np.asarray(arrays[f"{prefix}.payload"]))
-    sc = {k[len(prefix) + 8:]: torch.from_numpy(np.asarray(v)) for k, v in arrays.items()
-          if k.startswith(f"{prefix}.scalar.")}
-    return codec.check_codes(Codes(payload, sc, codec.params))
-
-
-def _ipcorr_from(arrays: dict, ntotal: int, name: str = "ipcorr") -> torch.Tensor:
-    """An inner-product index's per-row correction (a centred flat index's ``ipcorr``, an IVF
-    index's ``ivf.rowterm``); zeros (the estimator without it) for files written before it
-    existed."""
-    if name not in arrays:
-        return torch.zeros(ntotal, dtype=torch.float32)
-    corr = torch.from_numpy(np.array(arrays[name], dtype=np.float32))
-    if corr.shape != (ntotal,) or not torch.isfinite(corr).all():
-        raise ValueError(f"{name} must be {ntotal} finite float32 values, got "
-                         f"{tuple(corr.shape)}")
-    return corr
 
 
 def write_index(index: FlatIndex | IVFIndex | PCAIndex, path: str | os.PathLike) -> None:
@@ -94,95 +88,185 @@ def write_index(index: FlatIndex | IVFIndex | PCAIndex, path: str | os.PathLike)
     write_container(path, _KIND, meta, arrays)
 
 
+def _float_rows(arrays: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A stored float32 array of ``shape`` with finite values (ValueError otherwise)."""
+    a = arrays[name]
+    if a.dtype != np.float32 or a.shape != shape:
+        raise ValueError(f"{name} must be float32 of shape {shape}, got {a.dtype} {a.shape}")
+    t = torch.from_numpy(a)
+    if t.numel() and not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{name} must be finite")
+    return t
+
+
+def _expected_arrays(meta: dict, codec: Codec, ref_codec: Any, ntotal: int
+                     ) -> tuple[set[str], set[str]]:
+    """(required, optional) array names of a header: a file holds the required ones, any of
+    the optional ones (written by some versions only) and nothing else."""
+    codes = {"codes.payload", *(f"codes.scalar.{k}" for k in codec.scalar_layout())}
+    ref = set()
+    if isinstance(ref_codec, Codec):
+        ref = {"refine.payload", *(f"refine.scalar.{k}" for k in ref_codec.scalar_layout())}
+    elif ref_codec == "flat":
+        ref = {"refine.vectors"}
+    required, optional = {"ids"}, set()
+    (required if ntotal else optional).update(codes | ref)
+    if meta.get("centered"):
+        required.add("center")
+        optional.add("ipcorr")
+    if meta["type"] == "ivf" and meta["trained"]:
+        required.add("ivf.centroids")
+        (required if ntotal else optional).add("ivf.lists")
+        optional.add("ivf.rowterm")
+    if "pca" in meta:
+        required.update({"pca.basis", "pca.variances"})
+    return required, optional
+
+
 def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
                ) -> FlatIndex | IVFIndex | PCAIndex:
-    """Read an index written by ``write_index``; ``mmap=True`` maps the codes copy-on-write."""
-    meta, arrays = read_container(path, _KIND, mmap=mmap, verify=verify)
+    """Read an index written by ``write_index``; ``mmap=True`` maps the codes copy-on-write (the
+    file must then not change while the index is used: each search checks its size and
+    modification time)."""
     p = os.fspath(path)
+    meta, arrays, mapped = read_container(p, _KIND, mmap=mmap, verify=verify)
+    keys = set(meta)
+    kind = meta.get("type")
+    want = _FLAT_META | (_IVF_META if kind == "ivf" else set())
+    if kind not in ("flat", "ivf") or not want <= keys <= want | _OPTIONAL_META:
+        raise FormatError(f"{p!r} has a malformed index header: type {kind!r:.40}, keys "
+                          f"{sorted(keys)}")
+    codec = codec_from_header(p, meta["params"], meta["fingerprint"])
+    refine = meta["refine"]
+    if isinstance(refine, dict):
+        if set(refine) != {"params", "fingerprint"}:
+            raise FormatError(f"{p!r} has a malformed refinement: keys {sorted(refine)}")
+        ref_codec: Any = codec_from_header(p, refine["params"], refine["fingerprint"],
+                                           "refinement codec")
+    elif refine is None or refine == "flat":
+        ref_codec = refine
+    else:
+        raise FormatError(f"{p!r} has a malformed refinement {refine!r:.80}")
     try:
-        codec = codec_from_params(meta["params"])
-        refine = meta["refine"]
-        ref_codec = codec_from_params(refine["params"]) if isinstance(refine, dict) else refine
-        if meta["type"] == "ivf":
-            index = IVFIndex(codec, meta["nlist"], meta["metric"], refine=ref_codec,
-                             k_factor=meta["k_factor"], nprobe=meta["nprobe"],
-                             seed=meta["seed"], niter=meta["niter"])
-        elif meta["type"] == "flat":
-            center = None
-            if meta.get("centered"):
-                if "center" not in arrays:
-                    raise ValueError("arrays must hold 'center' for a centred index")
-                center = np.array(arrays["center"], dtype=np.float32)
-            index = FlatIndex(codec, meta["metric"], refine=ref_codec,
-                              k_factor=meta["k_factor"], prefilter=meta.get("prefilter", 0),
-                              center=center)
-        else:
-            raise ValueError(f"type must be 'flat' or 'ivf', got {meta['type']!r}")
-        ntotal = int(meta["ntotal"])
-    except (KeyError, TypeError, ValueError) as e:
+        index = _index_from(meta, codec, ref_codec, arrays)
+    except HEADER_ERRORS as e:
         raise FormatError(f"{p!r} has an invalid index header: {e}") from e
-    if codec.fingerprint() != meta.get("fingerprint") or (
-            isinstance(refine, dict) and ref_codec.fingerprint() != refine.get("fingerprint")):
-        raise FormatError(f"{p!r} was written with a different rotation/codebook (fingerprint "
-                          "mismatch); its codes would decode wrongly")
+    ntotal = index._n
+    required, optional = _expected_arrays(meta, codec, ref_codec, ntotal)
+    if not required <= set(arrays) <= required | optional:
+        raise FormatError(f"{p!r} must hold the arrays {sorted(required)} (and optionally "
+                          f"{sorted(optional)}), got {sorted(arrays)}")
+    for name, a in arrays.items():  # one row per vector, however many the header says
+        if name not in _NOT_PER_ROW and (a.ndim == 0 or a.shape[0] != ntotal):
+            raise FormatError(f"{p!r} says it holds {ntotal} vectors, array {name!r} has shape "
+                              f"{a.shape}")
     try:
-        if isinstance(index, IVFIndex) and meta["trained"]:
-            cent = torch.from_numpy(np.array(arrays["ivf.centroids"], dtype=np.float32))
-            if cent.shape != (index.nlist, index.d) or not torch.isfinite(cent).all():
-                raise ValueError(f"centroids must be finite ({index.nlist}, {index.d}), got "
-                                 f"{tuple(cent.shape)}")
-            index.centroids, index.is_trained = cent, True
-        if ntotal and isinstance(index, IVFIndex):
-            lists = torch.from_numpy(np.array(arrays["ivf.lists"], dtype=np.int64))
-            if not index.is_trained or lists.shape != (ntotal,) or (
-                    ntotal and (int(lists.min()) < 0 or int(lists.max()) >= index.nlist)):
-                raise ValueError(f"lists must be {ntotal} list numbers < {index.nlist}")
-        if ntotal:
-            ids = torch.from_numpy(np.asarray(arrays["ids"]))
-            codes = _codes_from("codes", arrays, codec)
-            if len(codes) != ntotal or ids.shape != (ntotal,):
-                raise ValueError(f"ntotal {ntotal} does not match the stored arrays")
-            index._codes, index._ids, index._n = codes, ids, ntotal
-            if isinstance(ref_codec, Codec):
-                index._ref = _codes_from("refine", arrays, ref_codec)
-            elif ref_codec == "flat":
-                index._ref = torch.from_numpy(np.asarray(arrays["refine.vectors"]))
-            if isinstance(index, IVFIndex):
-                index._lists = lists
-                index._rowterm = (_ipcorr_from(arrays, ntotal, "ivf.rowterm")
-                                  if index._corrects_ip else index._row_terms(lists, codes))
-            else:
-                index._sqnorms = index._sqnorms_of(codec, codes)
-                if index._corrects_ip:
-                    index._ipcorr = _ipcorr_from(arrays, ntotal)
-        index._next_id = int(meta["next_id"])
-    except (KeyError, TypeError, ValueError) as e:
+        _fill(index, meta, arrays, ref_codec, p, mapped)
+    except HEADER_ERRORS as e:
         raise FormatError(f"{p!r} does not match its header: {e}") from e
     if "pca" in meta:
         try:
             return _pca_from(meta, arrays, index)
-        except (KeyError, TypeError, ValueError) as e:
+        except HEADER_ERRORS as e:
             raise FormatError(f"{p!r} has an invalid PCA basis: {e}") from e
     return index
+
+
+def _index_from(meta: dict, codec: Codec, ref_codec: Any, arrays: dict
+                ) -> FlatIndex | IVFIndex:
+    """The empty index a header describes, its values checked by the constructors; ``_n``
+    holds the header's ntotal."""
+    ntotal = V.positive_int(meta["ntotal"], "ntotal", 0, V.INT64_MAX)
+    centered = meta.get("centered", False)
+    if not isinstance(centered, bool):
+        raise TypeError(f"centered must be a bool, got {centered!r:.40}")
+    if meta["type"] == "ivf":
+        if centered or "prefilter" in meta and meta["prefilter"] != 0 or "pca" in meta:
+            raise ValueError("an IVF index has no center, prefilter or PCA basis")
+        if not isinstance(meta["trained"], bool):
+            raise TypeError(f"trained must be a bool, got {meta['trained']!r:.40}")
+        index: FlatIndex = IVFIndex(codec, meta["nlist"], meta["metric"], refine=ref_codec,
+                                    k_factor=meta["k_factor"], nprobe=meta["nprobe"],
+                                    seed=meta["seed"], niter=meta["niter"])
+    else:
+        center = None
+        if centered:
+            if "center" not in arrays:
+                raise ValueError("arrays must hold 'center' for a centred index")
+            center = _float_rows(arrays, "center", (codec.dim,)).numpy().copy()
+        index = FlatIndex(codec, meta["metric"], refine=ref_codec, k_factor=meta["k_factor"],
+                          prefilter=meta.get("prefilter", 0), center=center)
+    index._n = ntotal
+    return index
+
+
+def _fill(index: FlatIndex, meta: dict, arrays: dict, ref_codec: Any, p: str,
+          mapped: Any) -> None:
+    """Install the stored rows into the empty ``index`` (its ``_n`` is the header's ntotal),
+    every array checked against it; derived per-row state is recomputed."""
+    ntotal, d = index._n, index.d
+    index._n = 0
+    if isinstance(index, IVFIndex) and meta["trained"]:
+        index.centroids = _float_rows(arrays, "ivf.centroids", (index.nlist, d)).clone()
+        index.is_trained = True
+    if isinstance(index, IVFIndex) and ntotal and not index.is_trained:
+        raise ValueError(f"an untrained IVF index must be empty, got ntotal={ntotal}")
+    ids = arrays["ids"]
+    if ids.dtype != np.int64 or ids.shape != (ntotal,):
+        raise ValueError(f"ids must be int64 of shape ({ntotal},), got {ids.dtype} {ids.shape}")
+    next_id = V.positive_int(meta["next_id"], "next_id", 0, V.INT64_MAX + 1)
+    if ntotal and next_id <= int(ids.max()):
+        raise ValueError(f"next_id must exceed every stored id, got {next_id} <= {int(ids.max())}")
+    if ntotal:
+        codes = codes_from_arrays(p, index.codec, arrays, "codes.", ntotal, mapped)
+        if isinstance(index, IVFIndex):
+            lists = arrays["ivf.lists"]
+            if lists.dtype != np.int64 or lists.shape != (ntotal,) or (
+                    int(lists.min()) < 0 or int(lists.max()) >= index.nlist):
+                raise ValueError(f"ivf.lists must be {ntotal} int64 list numbers < "
+                                 f"{index.nlist}")
+            lists = torch.from_numpy(lists)
+        index._codes, index._ids, index._n = codes, torch.from_numpy(ids), ntotal
+        if isinstance(ref_codec, Codec):
+            index._ref = codes_from_arrays(p, ref_codec, arrays, "refine.", ntotal, mapped)
+        elif ref_codec == "flat":
+            index._ref = _float_rows(arrays, "refine.vectors", (ntotal, d))
+        if isinstance(index, IVFIndex):
+            index._lists = lists
+            index._rowterm = (_row_correction(arrays, ntotal, "ivf.rowterm")
+                              if index._corrects_ip else index._row_terms(lists, codes))
+        else:
+            index._sqnorms = index._sqnorms_of(index.codec, codes)
+            if index._corrects_ip:
+                index._ipcorr = _row_correction(arrays, ntotal, "ipcorr")
+    index._next_id = next_id
+    index._mapped = mapped
+
+
+def _row_correction(arrays: dict, ntotal: int, name: str) -> torch.Tensor:
+    """An inner-product index's per-row correction (a centred flat index's ``ipcorr``, an IVF
+    index's ``ivf.rowterm``); zeros (the estimator without it) for files written before it
+    existed."""
+    if name not in arrays:
+        return torch.zeros(ntotal, dtype=torch.float32)
+    return _float_rows(arrays, name, (ntotal,)).clone()
 
 
 def _pca_from(meta: dict, arrays: dict, index: FlatIndex | IVFIndex) -> PCAIndex:
     """Wrap the inner index of a ``PCAIndex`` file again, checking its fit."""
     if type(index) is not FlatIndex or not index.centered:
         raise ValueError("a PCA index must hold a centred flat index")
+    fit = meta["pca"]
+    if not isinstance(fit, dict) or set(fit) != {"bits", "seed"}:
+        raise ValueError(f"pca must be an object with bits and seed, got {fit!r:.80}")
     d = index.d
-    basis = torch.from_numpy(np.array(arrays["pca.basis"], dtype=np.float32))
-    var = np.array(arrays["pca.variances"], dtype=np.float32)
-    if basis.shape != (d, d) or var.shape != (d,) or not torch.isfinite(basis).all() or (
-            not np.isfinite(var).all()):
-        raise ValueError(f"basis must be finite ({d}, {d}) and variances ({d},), got "
-                         f"{tuple(basis.shape)} and {var.shape}")
+    basis = _float_rows(arrays, "pca.basis", (d, d)).clone()
+    var = _float_rows(arrays, "pca.variances", (d,)).numpy().copy()
     # orthonormal columns, or distances in the basis are not the original ones
     err = float((basis.T.double() @ basis.double() - torch.eye(d, dtype=torch.float64)).abs().max())
     if err > 1e-3:
         raise ValueError(f"basis must be orthogonal, got max |V^T V - I| = {err:.3g}")
-    pca = PCAIndex(d, int(meta["pca"]["bits"]), index.metric_type, refine=index.refine,
-                   k_factor=index.k_factor, prefilter=index.prefilter,
-                   seed=int(meta["pca"]["seed"]))
+    pca = PCAIndex(d, fit["bits"], index.metric_type, refine=index.refine,
+                   k_factor=index.k_factor, prefilter=index.prefilter, seed=fit["seed"])
     pca._install(basis, var, index)
     return pca

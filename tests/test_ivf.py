@@ -222,7 +222,7 @@ def test_hostile_ivf_file(tmp_path, rng, monkeypatch):
 def test_training_and_configuration_errors(rng):
     xb, _ = _clustered(rng, n=100)
     index = tqvec.index_factory(32, "IVF16,TQ4")
-    with pytest.raises(RuntimeError, match="must be trained before add"):
+    with pytest.raises(ValueError, match="must be trained before add"):
         index.add(xb)
     with pytest.raises(ValueError, match="at least nlist=16 rows"):
         index.train(xb[:10])
@@ -232,7 +232,7 @@ def test_training_and_configuration_errors(rng):
     index.add(xb)
     with pytest.raises(ValueError, match="must be empty to be trained again"):
         index.train(xb)
-    with pytest.raises(ValueError, match="nprobe must be >= 1"):
+    with pytest.raises(ValueError, match="nprobe must be in 1..16777216, got 0"):
         index.nprobe = 0
     with pytest.raises(ValueError, match="spec must look like 'IVF1024,TQ4'"):
         tqvec.index_factory(32, "IVFx,TQ4")

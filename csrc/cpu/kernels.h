@@ -42,6 +42,12 @@ void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, 
 
 // Fast-scan (fastscan.cpp): bytes per row of the blocked layout — the packed row for b in
 // {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.cpp).
+// min(a * b, cap) for a, b >= 1 without overflow: a candidate count (k * k_factor, prefilter *
+// k) is at most the n rows there are, whatever a caller asked for.
+inline int64_t capped_product(int64_t a, int64_t b, int64_t cap) {
+  return a > cap / b ? cap : std::min(a * b, cap);
+}
+
 inline int64_t fs_row_bytes(int64_t d, int b) {
   return b == 3 ? 3 * ((d + 7) / 8) : (d * b + 7) / 8;
 }

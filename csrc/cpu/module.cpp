@@ -338,6 +338,7 @@ NB_MODULE(_C, m) {
             "fast_scan_two_stage: mult/add/add1 length");
     require(k1 >= 1, "fast_scan_two_stage: k1 must be >= 1");
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan_two_stage");
+    k1 = std::min(k1, n);  // more candidates than rows: every row
     nb::gil_scoped_release rel;
     tqvec::fast_scan_two_stage(qr.data(), nq, d, signs.data(), d1, n, c1.data(), packed.data(), b,
                                centroids.data(), mult.data(), add.data(), add1.data(), k1, k,
@@ -389,6 +390,7 @@ NB_MODULE(_C, m) {
                        mults[t].data(), rows});
     }
     check_topk_out(out_vals, out_idx, nq, k, "fast_scan_terms");
+    k1 = std::min(k1, n);  // more candidates than rows: every row
     nb::gil_scoped_release rel;
     tqvec::fast_scan_terms(terms.data(), static_cast<int>(T), nq, n, add.data(), k,
                            out_vals.data(), out_idx.data(), nthreads, nfirst, k1);
@@ -573,7 +575,7 @@ NB_MODULE(_C, m) {
                     I.shape(1) == D.shape(1), "IVFSearcher.search: outputs");
         tqvec::IvfSearchArgs a = s.args;
         a.nprobe = nprobe;
-        a.kk = kk;
+        a.kk = std::min(kk, std::max<int64_t>(a.ref_n, 1));  // at most one candidate per row
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * a.d)) return false;  // the caller reports it
         if (nq) tqvec::ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);

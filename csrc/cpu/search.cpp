@@ -90,7 +90,7 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   const float* off = qoff.empty() ? nullptr : qoff.data();
   if (a.ref_x != nullptr || a.ref_codes.packed != nullptr) {
     // kk = k_factor k candidates by the tables alone, then the refinement's best min(k, kk)
-    const int64_t kc = std::min(a.n, k * a.k_factor), m = std::min(k, kc);
+    const int64_t kc = capped_product(k, a.k_factor, a.n), m = std::min(k, kc);
     std::vector<float> cv(nqs * kc), rv(nqs * m);
     std::vector<int64_t> ci(nqs * kc), ri(nqs * m);
     fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kc, true,
@@ -111,7 +111,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   std::vector<int64_t> idx(nqs * kk);
   if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
     fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.d1, a.n, a.codebook, a.packed, a.bfull,
-                        a.cfull, a.mult, a.add, a.add1, a.prefilter * kk, kk, vals.data(),
+                        a.cfull, a.mult, a.add, a.add1, capped_product(a.prefilter, kk, a.n), kk,
+                        vals.data(),
                         idx.data(), nthreads);
   else
     fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kk, false,

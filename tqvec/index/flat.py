@@ -212,7 +212,7 @@ class FlatIndex:
         self.d = codec.dim
         self.metric_type = metric_code(metric)
         self.refine = check_refine(refine, self.d)
-        self.k_factor = V.positive_int(k_factor, "k_factor")
+        self.k_factor = k_factor
         self.device = _device(device)
         self.is_trained = True  # data-oblivious: nothing to train (unless center="fit")
         self._center: torch.Tensor | None = None
@@ -238,13 +238,22 @@ class FlatIndex:
         self.prefilter = prefilter
 
     @property
+    def k_factor(self) -> int:
+        """Candidates per result taken from the codes for the refinement to re-rank."""
+        return self._k_factor
+
+    @k_factor.setter
+    def k_factor(self, value: int) -> None:
+        self._k_factor = V.positive_int(value, "k_factor", 1, V.MAX_CANDIDATE_FACTOR)
+
+    @property
     def prefilter(self) -> int:
         """Candidates per result from the sign-bit first pass (0: exact full scan)."""
         return self._prefilter
 
     @prefilter.setter
     def prefilter(self, value: int) -> None:
-        v = V.positive_int(value, "prefilter", minimum=0)
+        v = V.positive_int(value, "prefilter", 0, V.MAX_CANDIDATE_FACTOR)
         if v and not (self.codec.has_sign_term() or self.codec.first_pass_terms()):
             raise ValueError(f"prefilter must be 0 for {self.codec!r}: a first pass needs "
                              "TurboQuant-mse codes (their sign bits; 1-bit codes: d > 8) or "
@@ -310,7 +319,16 @@ class FlatIndex:
             t = _normalized(t)
         return t - self._center
 
+    def check_mapped(self) -> None:
+        """Raise ``FormatError`` if the file this index memory-maps (``read_index(...,
+        mmap=True)``) changed since it was read; every search, range search and reconstruction
+        checks it first."""
+        if self._mapped is not None:
+            self._mapped.check()
+
     def reset(self) -> None:
+        # the file that memory-mapped rows read, checked at each use (read_index sets it)
+        self._mapped: Any = None
         self._n = 0
         self._next_id = 0
         self._codes: Codes | None = None
@@ -451,16 +469,21 @@ class FlatIndex:
         """Add vectors with ids ntotal, ntotal+1, ... (faiss's flat-index convention)."""
         t, _ = V.float_matrix(x, "x", self.d)
         start = self._next_id
+        if start + t.shape[0] - 1 > V.INT64_MAX:
+            raise ValueError(f"add() numbers the rows from next id {start}: {t.shape[0]} more do "
+                             "not fit in int64; use add_with_ids")
         self._append(t, torch.arange(start, start + t.shape[0], dtype=torch.int64))
 
     def add_with_ids(self, x: Any, ids: Any) -> None:
+        """Add vectors with the given ids (integers in 0..2**63-1; -1 stands for "no result")."""
         t, _ = V.float_matrix(x, "x", self.d)
-        idt, _ = V.as_tensor(np.asarray(ids) if not isinstance(ids, torch.Tensor) else ids,
-                             "ids")
-        if idt.dtype not in (torch.int64, torch.int32) or idt.shape != (t.shape[0],):
-            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got "
-                             f"{V.describe(idt)}")
-        self._append(t, idt.to(torch.int64).cpu())
+        a = V.id_array(ids)
+        if a.shape != (t.shape[0],):
+            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got shape "
+                             f"{np.shape(ids)}")
+        if a.size and int(a.min()) < 0:
+            raise ValueError(f"ids must be in 0..2**63-1, got {int(a.min())}")
+        self._append(t, torch.from_numpy(a.copy()))
 
     def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
         """(codes, refinement rows or None, {attribute: per-row values}) of new rows t."""
@@ -520,7 +543,7 @@ class FlatIndex:
 
     def remove_ids(self, ids: Any) -> int:
         """Remove the given ids; returns how many were removed (faiss semantics)."""
-        sel = torch.as_tensor(np.asarray(ids, dtype=np.int64).reshape(-1))
+        sel = torch.from_numpy(V.id_array(ids))
         with self._lock:
             if self._n == 0 or sel.numel() == 0:
                 return 0
@@ -547,21 +570,31 @@ class FlatIndex:
         """Filter per-row state a subclass keeps beyond the codes (lock held)."""
 
     def _position(self, key: int) -> int:
+        key = V.id_scalar(key)
+        self.check_mapped()
         if self._pos is None:
             self._pos = {int(i): p for p, i in enumerate(self._ids.tolist())}
-        if int(key) not in self._pos:
-            raise KeyError(f"id {int(key)} is not in the index")
-        return self._pos[int(key)]
+        if key not in self._pos:
+            raise KeyError(f"id {key} is not in the index")
+        return self._pos[key]
 
     def reconstruct(self, key: int) -> np.ndarray:
         """Decode the vector with id ``key`` -> (d,) float32."""
         p = self._position(key)
         return self._from_stored(self.codec.decode(self._codes[p], like=np.empty(0)))[0]
 
+    def _positions(self, i0: Any, n: Any) -> tuple[int, int]:
+        """Checked (i0, n) of ``reconstruct_n``."""
+        i0 = V.positive_int(i0, "i0", 0)
+        n = V.positive_int(n, "n", 0)
+        if i0 + n > self._n:
+            raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
+        self.check_mapped()
+        return i0, n
+
     def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
         """Decode the vectors at positions i0 .. i0+n-1 -> (n, d) float32."""
-        if not 0 <= i0 <= i0 + n <= self._n:
-            raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
+        i0, n = self._positions(i0, n)
         return self._from_stored(self.codec.decode(self._codes[i0:i0 + n], like=np.empty(0)))
 
     def _from_stored(self, rows: np.ndarray) -> np.ndarray:
@@ -648,7 +681,7 @@ class FlatIndex:
     def _allowed_mask(self, allowed_ids: Any, ids: torch.Tensor) -> torch.Tensor | None:
         if allowed_ids is None:
             return None
-        sel = torch.as_tensor(np.asarray(allowed_ids, dtype=np.int64).reshape(-1))
+        sel = torch.from_numpy(V.id_array(allowed_ids, "allowed_ids"))
         return torch.isin(ids, sel).to(self.device)
 
     def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
@@ -660,10 +693,11 @@ class FlatIndex:
         ``SearchParameters`` whose ``sel`` is an ``IDSelectorBatch``/``IDSelectorArray``-like
         object with ``is_member``; prefer ``allowed_ids``.
         """
-        k = V.positive_int(k, "k")
+        k = V.search_k(k, self._n)
         if not self.is_trained:
             raise ValueError("index must be trained before search: center='fit' needs "
                              "train(x) to fit its center")
+        self.check_mapped()
         if allowed_ids is None and params is None:
             out = self._search_fast_numpy(x, k)
             if out is not None:
@@ -745,7 +779,7 @@ class FlatIndex:
     def _fast_rows_ok(self, n: int, kk: int) -> bool:
         """Enough rows per result for the fast scan's shortlist to pay (digits, n = 1,597,
         k = 100: most rows reach it, and the float paths are faster)."""
-        return n >= _FAST_SCAN_ROWS_PER_RESULT * kk
+        return n > 0 and n >= _FAST_SCAN_ROWS_PER_RESULT * kk
 
     def _fast_scan(self, qts: list[torch.Tensor], scan: dict[str, Any], kk: int,
                    add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -896,6 +930,8 @@ class FlatIndex:
         if not self.is_trained:
             raise ValueError("index must be trained before range_search: center='fit' needs "
                              "train(x) to fit its center")
+        radius = V.finite_float(radius, "radius")
+        self.check_mapped()
         q, _ = self._prepare(x)
         q, off = self._centre(q)
         off_t = None if off is None else torch.from_numpy(off).to(q.device)[:, None]

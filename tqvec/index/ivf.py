@@ -53,6 +53,8 @@ from .flat import (
 __all__ = ["IVFIndex"]
 
 _ROWS = 32  # rows per fast-scan block: every list starts on a block boundary
+_MAX_NLIST = 1 << 24
+_MAX_NITER = 1 << 20
 _ASSIGN_BLOCK = 16384
 
 
@@ -71,9 +73,9 @@ class IVFIndex(FlatIndex):
     def __init__(self, codec: Codec, nlist: int, metric: Any = "ip", *,
                  refine: Codec | str | None = None, k_factor: int = 4, nprobe: int = 1,
                  seed: int = 0, niter: int = 20, device: Any = None):
-        self.nlist = V.positive_int(nlist, "nlist")
-        self.seed = int(seed)
-        self.niter = V.positive_int(niter, "niter")
+        self.nlist = V.positive_int(nlist, "nlist", 1, _MAX_NLIST)
+        self.seed = V.seed(seed)
+        self.niter = V.positive_int(niter, "niter", 1, _MAX_NITER)
         super().__init__(codec, metric, refine=refine, k_factor=k_factor, device=device)
         if self.device.type != "cpu":
             raise ValueError(f"device must be 'cpu' for an IVF index (the GPU IVF scan is not "
@@ -88,7 +90,7 @@ class IVFIndex(FlatIndex):
 
     @nprobe.setter
     def nprobe(self, value: int) -> None:
-        self._nprobe = V.positive_int(value, "nprobe")
+        self._nprobe = V.positive_int(value, "nprobe", 1, _MAX_NLIST)
 
     def reset(self) -> None:
         """Remove every vector; the trained centroids stay (as in faiss)."""
@@ -129,7 +131,8 @@ class IVFIndex(FlatIndex):
         xt = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:
             xt = _normalized(xt)
-        km = faiss.Kmeans(self.d, self.nlist, niter=self.niter, seed=self.seed, verbose=False)
+        km = faiss.Kmeans(self.d, self.nlist, niter=self.niter, seed=self.seed % (1 << 31),
+                          verbose=False)
         km.train(np.ascontiguousarray(xt.numpy()))
         self.centroids = torch.from_numpy(np.array(km.centroids, dtype=np.float32))
         self.is_trained = True
@@ -169,8 +172,8 @@ class IVFIndex(FlatIndex):
 
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if not self.is_trained:
-            raise RuntimeError("the IVF index must be trained before add: call "
-                               "index.train(x) first (is_trained is False)")
+            raise ValueError("the IVF index must be trained before add: call "
+                             "index.train(x) first (is_trained is False)")
         super()._append(t, ids)
 
     def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
@@ -202,8 +205,7 @@ class IVFIndex(FlatIndex):
         return self.reconstruct_n(p, 1)[0]
 
     def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
-        if not 0 <= i0 <= i0 + n <= self._n:
-            raise ValueError(f"i0, n must select positions within 0..{self._n}, got {i0}, {n}")
+        i0, n = self._positions(i0, n)
         r = self.codec.decode(self._codes[i0:i0 + n])
         return (self.centroids[self._lists[i0:i0 + n]] + r.cpu()).numpy()
 
@@ -387,6 +389,11 @@ class IVFIndex(FlatIndex):
     def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Results within ``radius`` among the ``nprobe`` probed lists (faiss's IVF semantics):
         L2 distance < radius, or similarity > radius."""
+        if not self.is_trained:
+            raise ValueError("index must be trained before range_search: call index.train(x) "
+                             "first (is_trained is False)")
+        radius = V.finite_float(radius, "radius")
+        self.check_mapped()
         q, _ = self._prepare(x)
         with self._lock:
             snap = self._snapshot()

@@ -176,12 +176,12 @@ class PCAIndex:
     def __init__(self, d: int, bits: int, metric: Any = "ip", *,
                  refine: Codec | str | None = None, k_factor: int = 4, prefilter: int = 0,
                  seed: int = 0):
-        self.d = V.positive_int(d, "d", minimum=2)
+        self.d = V.positive_int(d, "d", 2, V.MAX_DIM)
         self.bits = V.positive_int(bits, "bits", 1, 8)
         self.metric_type = metric_code(metric)
         self.refine = check_refine(refine, self.d)  # checked now; used by train's FlatIndex
-        self._k_factor = V.positive_int(k_factor, "k_factor")
-        self._prefilter = V.positive_int(prefilter, "prefilter", minimum=0)
+        self._k_factor = V.positive_int(k_factor, "k_factor", 1, V.MAX_CANDIDATE_FACTOR)
+        self._prefilter = V.positive_int(prefilter, "prefilter", 0, V.MAX_CANDIDATE_FACTOR)
         self.seed = V.seed(seed)
         # the bytes of TQ{bits}; an inner-product (or cosine) index spends 4 of them on the
         # centred index's exact <mu, x - mu> term (FlatIndex's center)
@@ -313,7 +313,7 @@ class PCAIndex:
 
     @k_factor.setter
     def k_factor(self, value: int) -> None:
-        self._k_factor = V.positive_int(value, "k_factor")
+        self._k_factor = V.positive_int(value, "k_factor", 1, V.MAX_CANDIDATE_FACTOR)
         if self.index is not None:
             self.index.k_factor = self._k_factor
 
@@ -324,7 +324,7 @@ class PCAIndex:
 
     @prefilter.setter
     def prefilter(self, value: int) -> None:
-        self._prefilter = V.positive_int(value, "prefilter", minimum=0)
+        self._prefilter = V.positive_int(value, "prefilter", 0, V.MAX_CANDIDATE_FACTOR)
         if self.index is not None:
             self.index.prefilter = self._prefilter
 
@@ -338,6 +338,8 @@ class PCAIndex:
                params: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """As ``FlatIndex.search`` (distances and inner products of the original space)."""
         index = self._trained("search")
+        k = V.search_k(k, index.ntotal)
+        index.check_mapped()
         if allowed_ids is None and params is None:
             out = self._search_fused(x, k)
             if out is not None:

@@ -280,9 +280,11 @@ class FastScan:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         if len(qrs) != len(self.bits):
             raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
+        if (self.full is not None or self.first) and (k1 is None or k1 < 1):
+            raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
+        if k1 is not None:
+            k1 = min(int(k1), max(self.n, 1))  # more candidates than rows: every row
         if self.full is not None:
-            if k1 is None or k1 < 1:
-                raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
             add1 = None  # an override excludes its -inf rows from the first stage too
             if add is not None:
                 add = add.contiguous()
@@ -299,8 +301,6 @@ class FastScan:
                                        *self.full, self.mults[0],
                                        self.add if add is None else add,
                                        self.add1 if add1 is None else add1, k1, k, self.backend)
-        if self.first and (k1 is None or k1 < 1):
-            raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
         if self._np is not None and qrs[0].device.type == "cpu":
             blocked, cents, mults, add_np = self._np
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,

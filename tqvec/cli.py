@@ -26,11 +26,39 @@ def _codec_from_args(a: argparse.Namespace, d: int):
     return PolarQuant(d, levels, a.seed, rotation=a.rotation)
 
 
+def _check_output(a: argparse.Namespace) -> None:
+    """The output must be a new name or a regular file other than the input (a write replaces
+    it; it never writes through a symlink or onto a device, and never eats its own input)."""
+    from .io import check_writable
+
+    check_writable(a.output, "output")
+    if os.path.exists(a.output) and os.path.samefile(a.input, a.output):
+        raise ValueError(f"output must not be the input file, got {a.output!r} for both")
+
+
+def _load_array(path: str) -> np.ndarray:
+    """A .npy file's array, read without following it into pickles; a FIFO or device is
+    refused (np.load would block on a FIFO)."""
+    from .io import open_regular
+
+    fd, _ = open_regular(path)
+    os.close(fd)
+    try:
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (ValueError, OSError, EOFError) as e:
+        raise ValueError(f"input must be a .npy file holding one array, got {path!r}: {e}") from e
+    if not isinstance(x, np.ndarray):  # an .npz archive
+        raise ValueError(f"input must be a .npy file holding one array, got an archive "
+                         f"{path!r} (np.savez); save one array with np.save")
+    return x
+
+
 def _encode(a: argparse.Namespace) -> int:
     from .codecs import concat_codes
     from .codecs.storage import save_codes
 
-    x = np.load(a.input, mmap_mode="r", allow_pickle=False)
+    x = _load_array(a.input)
+    _check_output(a)
     if x.ndim != 2:
         raise ValueError(f"input must hold a 2-D (n, d) array, got shape {x.shape}")
     codec = _codec_from_args(a, x.shape[1])
@@ -48,12 +76,12 @@ def _encode(a: argparse.Namespace) -> int:
 def _decode(a: argparse.Namespace) -> int:
     from .codecs import codec_from_params
     from .codecs.storage import load_codes
+    from .io import atomic_write
 
     codes = load_codes(a.input, mmap=True)
+    _check_output(a)
     x = codec_from_params(codes.params).decode(codes, like=np.empty(0))
-    tmp = a.output + ".tmp.npy"
-    np.save(tmp, x)
-    os.replace(tmp, a.output)
+    atomic_write(a.output, lambda f: np.save(f, x, allow_pickle=False))
     print(f"{len(codes)} vectors -> {a.output} ({x.dtype}, shape {x.shape})")
     return 0
 
@@ -61,7 +89,7 @@ def _decode(a: argparse.Namespace) -> int:
 def _info(a: argparse.Namespace) -> int:
     from .io import read_container
 
-    meta, arrays = read_container(a.input, "codes", mmap=True)
+    meta, arrays, _ = read_container(a.input, "codes", mmap=True)
     info = {"path": a.input, **meta,
             "arrays": {k: {"dtype": str(v.dtype), "shape": list(v.shape)}
                        for k, v in arrays.items()}}

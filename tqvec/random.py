@@ -33,6 +33,7 @@ __all__ = [
     "JL_VERSIONS",
     "haar_frame",
     "check_dense",
+    "jl_check",
     "generator",
 ]
 
@@ -90,6 +91,16 @@ JL_VERSIONS = (1, 2)
 JL_VERSION = 2
 
 
+def jl_check(m: int, d: int, kind: str = "orthogonal", version: int = JL_VERSION) -> None:
+    """What ``jl_matrix`` would refuse, checked without drawing: the kind, and the dense
+    matrices it builds (m x d; a version-1 orthogonal draw with m < d builds d x d)."""
+    if kind not in JL_KINDS:
+        raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
+    check_dense(m, d, "a JL matrix (sketch_dim x dim)")
+    if kind == "orthogonal" and m < d and version < 2:
+        check_dense(d, d, "a version-1 JL draw (dim x dim)")
+
+
 def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl",
               version: int = JL_VERSION) -> np.ndarray:
     """A JL matrix S (m, d) float64 for which sqrt(pi/2)/m * ||k|| * <Sq, sign(Sk)> is unbiased.
@@ -99,9 +110,7 @@ def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str 
     ``jl_row_scale(d)``; orthogonal rows lower the variance (QJL paper, Section 4). ``version``:
     see ``JL_VERSIONS``.
     """
-    if kind not in JL_KINDS:
-        raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
-    check_dense(m, d, "a JL matrix (sketch_dim x dim)")
+    jl_check(m, d, kind, version)
     rng = generator(seed, purpose, m, d)
     if kind == "gaussian":
         return rng.standard_normal((m, d))

@@ -12,6 +12,7 @@ plus 16 / 16 = 1 bit/coord of radii = 3.875 bits/coordinate.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -20,8 +21,8 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..codebooks import angle_codebook, polar_expected_mse
-from ..random import ROTATIONS, make_rotation
+from ..codebooks import Codebook, angle_codebook, polar_expected_mse
+from ..random import ROTATIONS, Rotation, check_dense, make_rotation
 from ._common import DeviceCache
 from .base import Codec, Codes, register, store_norm
 
@@ -61,18 +62,30 @@ class PolarQuant(Codec):
         self.rounds = V.positive_int(rounds, "rounds", 1, 16)
         self.radius_dtype = V.choice(radius_dtype, "radius_dtype", tuple(_RADIUS_DTYPES))
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
-        self._rot = make_rotation(self.rotation, self.dim, self.seed,
-                                  self.rounds if self.rotation == "hadamard" else 3)
-        self.codebooks = [angle_codebook(lv, b) for lv, b in enumerate(self.level_bits, 1)]
-        arrays = {}
-        for lv, cb in enumerate(self.codebooks, 1):
-            arrays[f"c{lv}"] = cb.centroids.astype(np.float32)
-            arrays[f"t{lv}"] = cb.thresholds.astype(np.float32)
-        self._arr = DeviceCache(**arrays)
+        if self.rotation == "haar":  # refused now, drawn at first use
+            check_dense(self.dim, self.dim, "a Haar rotation (rotation='haar': dim x dim)")
         self._counts = [self.dim >> lv for lv in range(1, L + 1)]  # angles per level
         self._bytes = [ops.row_bytes(c, b) for c, b in zip(self._counts, self.level_bits,
                                                             strict=True)]
         self.n_radii = self.dim >> L
+
+    @functools.cached_property
+    def _rot(self) -> Rotation:
+        return make_rotation(self.rotation, self.dim, self.seed,
+                             self.rounds if self.rotation == "hadamard" else 3)
+
+    @functools.cached_property
+    def codebooks(self) -> list[Codebook]:
+        """The angle codebook of each level."""
+        return [angle_codebook(lv, b) for lv, b in enumerate(self.level_bits, 1)]
+
+    @functools.cached_property
+    def _arr(self) -> DeviceCache:
+        arrays = {}
+        for lv, cb in enumerate(self.codebooks, 1):
+            arrays[f"c{lv}"] = cb.centroids.astype(np.float32)
+            arrays[f"t{lv}"] = cb.thresholds.astype(np.float32)
+        return DeviceCache(**arrays)
 
     @property
     def params(self) -> dict[str, Any]:

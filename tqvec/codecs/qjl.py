@@ -12,6 +12,7 @@ from a prefill, as the paper does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_matrix
+from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_check, jl_matrix
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, register, store_norm
 
@@ -83,18 +84,26 @@ class QJL(Codec):
                              f"{outlier_sketch_dim}")
         else:
             self.outlier_sketch_dim = 0
-        inl = np.setdiff1d(np.arange(self.dim), np.asarray(out, dtype=np.int64))
+        # the matrices' sizes are refused now; they are drawn at first use
+        jl_check(self.sketch_dim, self.dim - len(out), self.jl, self.jl_version)
+        if out:
+            jl_check(self.outlier_sketch_dim, len(out), self.jl, self.jl_version)
+        self._in_bytes = ops.row_bytes(self.sketch_dim, 1)
+        self._out_bytes = ops.row_bytes(self.outlier_sketch_dim, 1) if out else 0
+
+    @functools.cached_property
+    def _arr(self) -> DeviceCache:
+        out = np.asarray(self.outliers, dtype=np.int64)
+        inl = np.setdiff1d(np.arange(self.dim), out)
         arrays = {"S": jl_matrix(self.sketch_dim, len(inl), self.seed, self.jl,
                                  purpose="qjl", version=self.jl_version).astype(np.float32),
                   "inliers": inl.astype(np.int64)}
-        if out:
+        if self.outliers:
             arrays["S_out"] = jl_matrix(self.outlier_sketch_dim, len(out), self.seed, self.jl,
                                         purpose="qjl.outliers",
                                         version=self.jl_version).astype(np.float32)
-            arrays["outliers"] = np.asarray(out, dtype=np.int64)
-        self._arr = DeviceCache(**arrays)
-        self._in_bytes = ops.row_bytes(self.sketch_dim, 1)
-        self._out_bytes = ops.row_bytes(self.outlier_sketch_dim, 1) if out else 0
+            arrays["outliers"] = out
+        return DeviceCache(**arrays)
 
     @property
     def params(self) -> dict[str, Any]:

@@ -12,7 +12,8 @@ from ..errors import BackendUnavailable, FormatError
 from ..io import read_container, write_container
 from .base import Codec, Codes, codec_from_params
 
-__all__ = ["save_codes", "load_codes", "codec_from_header", "codes_from_arrays"]
+__all__ = ["save_codes", "load_codes", "codec_from_header", "check_fingerprint",
+           "codes_from_arrays"]
 
 _KIND = "codes"
 _META = {"params", "fingerprint", "n", "code_size"}
@@ -35,18 +36,23 @@ def save_codes(path: str | os.PathLike, codes: Codes) -> None:
     write_container(path, _KIND, meta, arrays)
 
 
-def codec_from_header(path: str, params: Any, fingerprint: Any, what: str = "codec") -> Codec:
-    """The codec of a file's ``params`` (in the canonical form tqvec writes, every size within
-    ``tqvec._validate``'s limits, so that a header cannot make it allocate more than they
-    allow), checked against the stored fingerprint of its rotation and codebooks."""
+def codec_from_header(path: str, params: Any, what: str = "codec") -> Codec:
+    """The codec of a file's ``params``, in the canonical form tqvec writes, every size within
+    ``tqvec._validate``'s limits. Building it draws nothing (codecs materialize their rotation
+    and codebooks at first use), so a header is checked against the file's arrays before
+    anything large is allocated."""
     try:
-        codec = codec_from_params(params, strict=True)
+        return codec_from_params(params, strict=True)
     except HEADER_ERRORS as e:
         raise FormatError(f"{path!r} has invalid {what} params: {e}") from e
+
+
+def check_fingerprint(path: str, codec: Codec, fingerprint: Any, what: str = "codec") -> None:
+    """The stored fingerprint must be that of the rotation and codebooks this tqvec draws for
+    the codec (drawn here); a file whose codes would decode wrongly is refused."""
     if codec.fingerprint() != fingerprint:
         raise FormatError(f"{path!r} was written with a different rotation/codebook for the same "
                           f"{what} params (fingerprint mismatch); decoding would be wrong")
-    return codec
 
 
 def codes_from_arrays(path: str, codec: Codec, arrays: dict[str, Any], prefix: str, n: int,
@@ -80,7 +86,7 @@ def load_codes(path: str | os.PathLike, *, mmap: bool = False, verify: bool = Tr
     if set(meta) != _META:
         raise FormatError(f"{p!r} has a malformed codes header: keys {sorted(meta)}, expected "
                           f"{sorted(_META)}")
-    codec = codec_from_header(p, meta["params"], meta["fingerprint"])
+    codec = codec_from_header(p, meta["params"])
     try:
         n = V.positive_int(meta["n"], "n", 0, V.INT64_MAX)
     except HEADER_ERRORS as e:
@@ -92,4 +98,6 @@ def load_codes(path: str | os.PathLike, *, mmap: bool = False, verify: bool = Tr
     if meta["code_size"] != codes.code_size:
         raise FormatError(f"{p!r} says {meta['code_size']!r:.40} bytes per vector, its codes "
                           f"have {codes.code_size}")
+    if n:  # no codes, nothing to decode wrongly: the rotation is drawn only when used
+        check_fingerprint(p, codec, meta["fingerprint"])
     return codes

@@ -15,6 +15,7 @@ PolarQuant paper (that is ``tqvec.PolarQuant``) but the rotation + Lloyd-Max of 
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -22,13 +23,16 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..codebooks import sphere_codebook, sphere_grid_codebook
+from ..codebooks import Codebook, sphere_codebook, sphere_grid_codebook
 from ..random import (
     JL_KINDS,
     JL_VERSION,
     JL_VERSIONS,
     ROTATIONS,
     HadamardRotation,
+    Rotation,
+    check_dense,
+    jl_check,
     jl_matrix,
     make_rotation,
 )
@@ -109,24 +113,40 @@ class TurboQuant(Codec):
         self.sketch_dim = V.positive_int(sketch_dim, "sketch_dim", 1, V.MAX_DIM) if sketch_dim \
             else (self.dim if prod else 0)
         self.mse_bits = self.bits - 1 if prod else self.bits
-        self._rot = make_rotation(self.rotation, self.dim, self.seed,
-                                  self.rounds if self.rotation == "hadamard" else 3)
+        # the dense matrices' sizes are refused now; the arrays are drawn at first use
+        if self.rotation == "haar":
+            check_dense(self.dim, self.dim, "a Haar rotation (rotation='haar': dim x dim)")
+        if prod:
+            jl_check(self.sketch_dim, self.dim, self.jl, self.jl_version)
+        self._mse_bytes = ops.row_bytes(self.dim, self.mse_bits)
+        self._sign_bytes = ops.row_bytes(self.sketch_dim, 1) if prod else 0
+
+    # -- materialized lazily: a codec is cheap to build from params (a file's header is checked
+    # against its arrays before anything large is drawn) ---------------------------------------
+    @functools.cached_property
+    def _rot(self) -> Rotation:
+        return make_rotation(self.rotation, self.dim, self.seed,
+                             self.rounds if self.rotation == "hadamard" else 3)
+
+    @functools.cached_property
+    def codebook(self) -> Codebook | None:
+        """The mse stage's scalar codebook (None for prod at 1 bit: no mse stage)."""
+        if not self.mse_bits:
+            return None
+        return (sphere_grid_codebook if self.codebook_kind == "grid" else sphere_codebook)(
+            self.dim, self.mse_bits)
+
+    @functools.cached_property
+    def _arr(self) -> DeviceCache:
         arrays: dict[str, np.ndarray] = {}
         if self.mse_bits:
-            cb = (sphere_grid_codebook if self.codebook_kind == "grid" else sphere_codebook)(
-                self.dim, self.mse_bits)
-            self.codebook = cb
-            arrays["centroids"] = cb.centroids.astype(np.float32)
-            arrays["thresholds"] = cb.thresholds.astype(np.float32)
-        else:
-            self.codebook = None
-        if prod:
+            arrays["centroids"] = self.codebook.centroids.astype(np.float32)
+            arrays["thresholds"] = self.codebook.thresholds.astype(np.float32)
+        if self.variant == "prod":
             arrays["S"] = jl_matrix(self.sketch_dim, self.dim, self.seed, self.jl,
                                     purpose="turboquant.qjl",
                                     version=self.jl_version).astype(np.float32)
-        self._arr = DeviceCache(**arrays)
-        self._mse_bytes = ops.row_bytes(self.dim, self.mse_bits)
-        self._sign_bytes = ops.row_bytes(self.sketch_dim, 1) if prod else 0
+        return DeviceCache(**arrays)
 
     # -- description ------------------------------------------------------------------------
     @property

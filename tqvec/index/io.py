@@ -16,7 +16,12 @@ import torch
 
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
-from ..codecs.storage import HEADER_ERRORS, codec_from_header, codes_from_arrays
+from ..codecs.storage import (
+    HEADER_ERRORS,
+    check_fingerprint,
+    codec_from_header,
+    codes_from_arrays,
+)
 from ..errors import FormatError
 from ..io import read_container, write_container
 from .flat import FlatIndex, metric_name
@@ -136,13 +141,12 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
     if kind not in ("flat", "ivf") or not want <= keys <= want | _OPTIONAL_META:
         raise FormatError(f"{p!r} has a malformed index header: type {kind!r:.40}, keys "
                           f"{sorted(keys)}")
-    codec = codec_from_header(p, meta["params"], meta["fingerprint"])
+    codec = codec_from_header(p, meta["params"])
     refine = meta["refine"]
     if isinstance(refine, dict):
         if set(refine) != {"params", "fingerprint"}:
             raise FormatError(f"{p!r} has a malformed refinement: keys {sorted(refine)}")
-        ref_codec: Any = codec_from_header(p, refine["params"], refine["fingerprint"],
-                                           "refinement codec")
+        ref_codec: Any = codec_from_header(p, refine["params"], "refinement codec")
     elif refine is None or refine == "flat":
         ref_codec = refine
     else:
@@ -160,6 +164,10 @@ def read_index(path: str | os.PathLike, mmap: bool = False, verify: bool = True
         if name not in _NOT_PER_ROW and (a.ndim == 0 or a.shape[0] != ntotal):
             raise FormatError(f"{p!r} says it holds {ntotal} vectors, array {name!r} has shape "
                               f"{a.shape}")
+    if ntotal:  # the arrays agree with the header: now the rotations may be drawn
+        check_fingerprint(p, codec, meta["fingerprint"])
+        if isinstance(ref_codec, Codec):
+            check_fingerprint(p, ref_codec, refine["fingerprint"], "refinement codec")
     try:
         _fill(index, meta, arrays, ref_codec, p, mapped)
     except HEADER_ERRORS as e:

@@ -438,6 +438,32 @@ def test_stale_temporaries_are_removed_by_the_next_write(tmp_path, rng):
     assert names == {"i.tqv", fresh.name, live.name, other.name}
 
 
+def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temporary_the_next_write_removes(
+        tmp_path, rng):
+    index = tqvec.index_factory(16, "TQ4", "l2")
+    index.add(rng.standard_normal((50, 16)).astype(np.float32))
+    tqvec.write_index(index, tmp_path / "i.tqv")
+    old = (tmp_path / "i.tqv").read_bytes()
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import time, tqvec.io
+        def write(f):
+            f.write(b"half a file" * 1000)
+            f.flush()
+            print("writing", flush=True)
+            time.sleep(60)
+        tqvec.io.atomic_write({str(tmp_path / "i.tqv")!r}, write)
+    """)], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout.readline().strip() == "writing"
+    writer.kill()
+    writer.wait()
+    temps = [p for p in tmp_path.iterdir() if p.name.startswith(".tqvec-")]
+    assert len(temps) == 1 and (tmp_path / "i.tqv").read_bytes() == old
+    hour_ago = time.time() - 3600  # the next write comes later
+    os.utime(temps[0], (hour_ago, hour_ago))
+    tqvec.write_index(index, tmp_path / "j.tqv")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["i.tqv", "j.tqv"]
+
+
 def test_a_failed_write_leaves_no_temporary(tmp_path):
     class Boom(Exception):
         pass

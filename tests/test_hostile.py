@@ -211,7 +211,8 @@ def codes_file(tmp_path, rng):
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"dim": 20000, "rotation": "haar"}, "at most 67108864 elements"),
+    ({"dim": 20000, "rotation": "haar"}, "dim must be at most 4096 for rotation='haar'"),
+    ({"dim": 4097, "rotation": "haar"}, "dim must be at most 4096 for rotation='haar'"),
     ({"dim": 2**40}, "dim must be in 2..1048576"),
     ({"variant": "prod", "sketch_dim": 2**31, "jl": "orthogonal"}, "sketch_dim must be in"),
     ({"dim": 4096, "variant": "prod", "sketch_dim": 2**20, "jl": "gaussian"},
@@ -515,9 +516,14 @@ def test_dense_matrices_beyond_the_limit_are_refused_before_drawing():
     t = time.perf_counter()
     with pytest.raises(ValueError, match="at most 67108864 elements"):
         tqvec.TurboQuant(65536, 3, "prod")  # sketch_dim = d: a 65,536^2 JL matrix
-    with pytest.raises(ValueError, match="at most 67108864 elements"):
+    with pytest.raises(ValueError, match="dim must be at most 4096 for rotation='haar'"):
         tqvec.TurboQuant(8193, 2, rotation="haar")
+    with pytest.raises(ValueError, match="use jl='gaussian'"):  # 4 QRs of 4,096 x 4,096
+        tqvec.QJL(4096, 4 * 4096)
+    with pytest.raises(ValueError, match="use jl='gaussian'"):  # version 1: a 8,191^2 Haar draw
+        tqvec.QJL(8193, 24, outliers=[2, 5], jl_version=1)
     assert time.perf_counter() - t < 1.0
+    tqvec.QJL(4096, 4 * 4096, jl="gaussian")  # no orthogonalization: only the memory bound
 
 
 def test_short_sketches_stay_unbiased(rng):

@@ -17,9 +17,13 @@ _FLOAT_TORCH = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 # can ask for terabytes or hours.
 #: Largest vector dimension (and JL sketch size) of any codec.
 MAX_DIM = 1 << 20
-#: Largest dense random matrix in elements: a Haar rotation (d^2, so d <= 8,192) or a JL
-#: matrix (m d). 2^26 float64 elements are 512 MiB; a Haar draw at d = 8,192 takes ~1 min.
+#: Largest dense random matrix in elements: a JL matrix (m d; 2^26 float64 elements are
+#: 512 MiB).
 MAX_DENSE = 1 << 26
+#: Most multiply-adds of the QR factorizations behind orthogonal draws (d m^2 per (d, m)
+#: draw): a Haar rotation up to d = 4,096 (~6 s on a 2-core Zen 1; d = 8,192 would take ~45 s,
+#: the time a crafted file header could make a reader spend).
+MAX_QR_WORK = 1 << 36
 #: Largest candidates-per-result factor (``prefilter``, ``k_factor``): beyond ntotal / k every
 #: row is a candidate anyway.
 MAX_CANDIDATE_FACTOR = 1 << 20

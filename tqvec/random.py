@@ -34,6 +34,7 @@ __all__ = [
     "haar_frame",
     "check_dense",
     "jl_check",
+    "haar_check",
     "generator",
 ]
 
@@ -54,6 +55,13 @@ def check_dense(rows: int, cols: int, what: str) -> None:
                          f"matrix), got {rows} x {cols}")
 
 
+def qr_work_check(d: int, m: int, draws: int, message: str) -> None:
+    """Refuse orthogonal draws whose QR work (draws d m^2) exceeds ``MAX_QR_WORK``."""
+    if draws * d * m * m > V.MAX_QR_WORK:
+        raise ValueError(f"{message} (orthogonalization work {draws * d * m * m:.3g} > "
+                         f"{V.MAX_QR_WORK:.3g} = 2**36 multiply-adds)")
+
+
 def haar_matrix(d: int, rng: np.random.Generator) -> np.ndarray:
     """A Haar-distributed orthogonal (d, d) float64 matrix: QR of a Gaussian with the sign fix
     (multiplying column j of Q by sign(R_jj) makes the distribution exactly Haar)."""
@@ -64,6 +72,7 @@ def haar_frame(d: int, m: int, rng: np.random.Generator) -> np.ndarray:
     """(d, m) float64 with orthonormal columns, distributed as the first m columns of a Haar
     matrix: reduced QR of a (d, m) Gaussian with the sign fix; O(d m) memory, O(d m^2) time."""
     check_dense(d, m, "a Haar draw")
+    qr_work_check(d, m, 1, f"a Haar draw of {d} x {m} is too large")
     g = rng.standard_normal((d, m))
     q, r = np.linalg.qr(g)
     s = np.sign(np.diag(r))
@@ -91,14 +100,29 @@ JL_VERSIONS = (1, 2)
 JL_VERSION = 2
 
 
+def haar_check(d: int) -> None:
+    """What a Haar rotation of R^d would refuse, checked without drawing."""
+    qr_work_check(d, d, 1, f"dim must be at most 4096 for rotation='haar', got {d}: use "
+                           "rotation='hadamard' (O(d log d), no matrix)")
+
+
 def jl_check(m: int, d: int, kind: str = "orthogonal", version: int = JL_VERSION) -> None:
     """What ``jl_matrix`` would refuse, checked without drawing: the kind, and the dense
     matrices it builds (m x d; a version-1 orthogonal draw with m < d builds d x d)."""
     if kind not in JL_KINDS:
         raise ValueError(f"jl must be one of {list(JL_KINDS)}, got {kind!r}")
     check_dense(m, d, "a JL matrix (sketch_dim x dim)")
-    if kind == "orthogonal" and m < d and version < 2:
-        check_dense(d, d, "a version-1 JL draw (dim x dim)")
+    if kind == "orthogonal":
+        if m < d and version < 2:  # the first m rows of a d x d Haar matrix
+            check_dense(d, d, "a version-1 JL draw (dim x dim)")
+            draws, cols = 1, d
+        elif m < d:
+            draws, cols = 1, m
+        else:  # ceil(m / d) stacked d x d Haar blocks
+            draws, cols = -(-m // d), d
+        qr_work_check(d, cols, draws, f"sketch_dim={m} with dim={d} and jl='orthogonal' is too "
+                                      "large: use jl='gaussian' (no orthogonalization) or a "
+                                      "smaller sketch_dim")
 
 
 def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl",
@@ -158,7 +182,7 @@ class HaarRotation(Rotation):
     kind = "haar"
 
     def __init__(self, d: int, seed: int):
-        check_dense(d, d, "a Haar rotation (rotation='haar': dim x dim)")
+        haar_check(d)
         self.d = d
         self.seed = seed
         self._m64 = haar_matrix(d, generator(seed, "rotation.haar", d))

@@ -22,7 +22,7 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codebooks import Codebook, angle_codebook, polar_expected_mse
-from ..random import ROTATIONS, Rotation, check_dense, make_rotation
+from ..random import ROTATIONS, Rotation, haar_check, make_rotation
 from ._common import DeviceCache
 from .base import Codec, Codes, register, store_norm
 
@@ -63,7 +63,7 @@ class PolarQuant(Codec):
         self.radius_dtype = V.choice(radius_dtype, "radius_dtype", tuple(_RADIUS_DTYPES))
         self.backend = V.choice(backend, "backend", ops.BACKENDS)
         if self.rotation == "haar":  # refused now, drawn at first use
-            check_dense(self.dim, self.dim, "a Haar rotation (rotation='haar': dim x dim)")
+            haar_check(self.dim)
         self._counts = [self.dim >> lv for lv in range(1, L + 1)]  # angles per level
         self._bytes = [ops.row_bytes(c, b) for c, b in zip(self._counts, self.level_bits,
                                                             strict=True)]

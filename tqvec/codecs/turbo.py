@@ -31,7 +31,7 @@ from ..random import (
     ROTATIONS,
     HadamardRotation,
     Rotation,
-    check_dense,
+    haar_check,
     jl_check,
     jl_matrix,
     make_rotation,
@@ -115,7 +115,7 @@ class TurboQuant(Codec):
         self.mse_bits = self.bits - 1 if prod else self.bits
         # the dense matrices' sizes are refused now; the arrays are drawn at first use
         if self.rotation == "haar":
-            check_dense(self.dim, self.dim, "a Haar rotation (rotation='haar': dim x dim)")
+            haar_check(self.dim)
         if prod:
             jl_check(self.sketch_dim, self.dim, self.jl, self.jl_version)
         self._mse_bytes = ops.row_bytes(self.dim, self.mse_bits)

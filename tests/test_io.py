@@ -68,7 +68,9 @@ def test_wrong_magic_and_foreign_files(tmp_path, saved):
         tqvec.load_codes(tmp_path / "missing.tqc")
 
 
-def test_flipped_bytes_are_detected_everywhere(saved):
+@pytest.mark.parametrize("mmap", [False, True])
+def test_flipped_bytes_are_detected_everywhere(saved, mmap):
+    """Mapped or read, every section is checksummed (a mapped load reads the file once)."""
     path, _, _ = saved
     data = path.read_bytes()
     hlen = struct.unpack("<I", data[12:16])[0]
@@ -77,7 +79,7 @@ def test_flipped_bytes_are_detected_everywhere(saved):
         bad[pos] ^= 0x01
         path.write_bytes(bytes(bad))
         with pytest.raises(FormatError, match="corrupted|checksum"):
-            tqvec.load_codes(path)
+            tqvec.load_codes(path, mmap=mmap)
 
 
 def test_newer_format_version_is_refused(saved):

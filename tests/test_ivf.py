@@ -70,6 +70,29 @@ def test_search_equals_brute_force_over_the_reconstruction(spec, metric, rng):
     np.testing.assert_allclose(D, want, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("spec", ["IVF16,TQ2", "IVF16,Polar"])
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+def test_search_after_remove_ids_equals_the_oracle_and_a_fresh_index(spec, metric, rng):
+    """After removals the per-row terms must follow the rows: the oracle (computed from the
+    kept vectors) and an index built afresh from them (same centroids) agree with the index."""
+    xb, xq = _clustered(rng)
+    index = _trained(spec, metric, xb, nprobe=4)
+    gone = np.arange(0, len(xb), 3)
+    assert index.remove_ids(gone) == len(gone)
+    keep = np.setdiff1d(np.arange(len(xb)), gone)
+    D, I = index.search(xq, 10)
+    s, top = _oracle(index, xq, 10, xb[keep])
+    np.testing.assert_allclose(D, -s if metric == "l2" else s, rtol=1e-4, atol=1e-3)
+    fresh = tqvec.index_factory(xb.shape[1], spec, metric)
+    fresh.train(xb)  # faiss k-means with the same seed: the same centroids
+    np.testing.assert_array_equal(fresh.centroids.numpy(), index.centroids.numpy())
+    fresh.nprobe = 4
+    fresh.add_with_ids(xb[keep], keep)
+    D2, I2 = fresh.search(xq, 10)
+    np.testing.assert_array_equal(I, I2)
+    np.testing.assert_array_equal(D, D2)
+
+
 @pytest.mark.parametrize("b", [1, 2, 3, 4])
 @pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
 def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):

@@ -146,6 +146,22 @@ def test_accounting_is_exact():
     assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
 
 
+@pytest.mark.parametrize("make", [llama, gemma3])
+def test_represented_elements_are_what_a_dynamic_cache_holds(make):
+    """bits/element divides by the elements a DynamicCache holds after the same run (a sliding
+    layer keeps window - 1 tokens): the oracle is transformers' own cache, with sinks on."""
+    model = make()
+    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    dyn = transformers.DynamicCache(config=model.config)
+    run(model, ids, dyn, 20)
+    held = sum(layer.keys.numel() + layer.values.numel() for layer in dyn.layers)
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=2, residual_length=4,
+                               sink_length=2, calibrate=False)
+    run(model, ids, cache, 20)
+    assert cache.represented_elements() == held
+    assert cache.bits_per_element() == 8 * cache.memory_bytes() / held
+
+
 def test_accounting_counts_calibration_tables():
     model = llama()
     ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
@@ -615,6 +631,27 @@ def test_layer_error_is_small_for_wide_codes_and_grows_as_bits_drop():
     # a window holding every query's context exactly: no error at all
     e, _, _ = kv.layer_error(dict(residual_length=48), samples[2], queries=16)
     assert e < 1e-3  # float16 storage only
+
+
+def test_causal_mask_of_a_sliding_window_by_hand():
+    """L = 6 keys, the last 3 queries (positions 3, 4, 5), a window of 2: each query sees
+    itself and the one token before it, as a sliding layer of window 2 holds them."""
+    m = kv.plan.causal_mask(6, 3, 2)[0, 0].int().tolist()
+    assert m == [[0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]]
+    full = kv.plan.causal_mask(4, 2, None)[0, 0].int().tolist()
+    assert full == [[1, 1, 1, 0], [1, 1, 1, 1]]
+
+
+def test_layer_error_of_an_exact_sliding_layer_is_zero():
+    """A window that holds every token a sliding layer keeps: the measured attention equals the
+    reference up to float16 storage - only if the reference's mask is the cache's window."""
+    model = gemma3()
+    ids = torch.randint(0, 97, (1, 48), generator=torch.Generator().manual_seed(2))
+    samples = kv.capture_attention_inputs(model, ids)
+    assert samples[0].sliding_window == 8
+    e, _, n = kv.layer_error(dict(residual_length=48, sink_length=0), samples[0], queries=16)
+    assert e < 1e-3  # float16 storage only (a mask one token wider: 0.31)
+    assert n == 2 * 1 * 7 * 32  # keys + values of the window - 1 tokens the layer keeps
 
 
 def test_layer_error_with_a_short_prefill_stores_the_same_tokens():

@@ -38,8 +38,9 @@ def test_polar_score_decode_idempotence_and_backends(backend, rng):
     q = rng.standard_normal((4, 64)).astype(np.float32)
     c = tqvec.PolarQuant(64, seed=2, backend=backend)
     codes = c.encode(x)
-    ref = tqvec.PolarQuant(64, seed=2, backend="ref").encode(x)
-    assert torch.equal(codes.payload, ref.payload)
+    if backend != "ref":  # the codes themselves: test_codec_oracles.py
+        ref = tqvec.PolarQuant(64, seed=2, backend="ref").encode(x)
+        assert torch.equal(codes.payload, ref.payload)
     np.testing.assert_allclose(c.score(q, codes), q @ c.decode(codes, like=x).T, rtol=1e-4,
                                atol=1e-3)
     assert torch.equal(c.encode(c.decode(codes, like=x)).payload, codes.payload)

@@ -122,9 +122,10 @@ def test_same_seed_same_codes_on_every_backend(backend, variant, rng):
     x = rng.standard_normal((300, 96)).astype(np.float32)
     ref = tqvec.TurboQuant(96, 3, variant, seed=9, backend="ref").encode(x)
     got = tqvec.TurboQuant(96, 3, variant, seed=9, backend=backend).encode(x)
-    assert torch.equal(got.payload, ref.payload)
-    for k in ref.scalars:
-        assert torch.equal(got.scalars[k], ref.scalars[k])
+    if backend != "ref":  # what the reference's codes are: test_codec_oracles.py
+        assert torch.equal(got.payload, ref.payload)
+        for k in ref.scalars:
+            assert torch.equal(got.scalars[k], ref.scalars[k])
     other = tqvec.TurboQuant(96, 3, variant, seed=10, backend=backend).encode(x)
     assert not torch.equal(other.payload, ref.payload)
 

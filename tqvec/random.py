@@ -234,7 +234,8 @@ class HadamardRotation(Rotation):
             (rng.integers(0, 2, size=(rounds, d)) * 2 - 1).astype(np.float32))
         self._on: dict[torch.device, ops.HadamardRotate] = {}
 
-    def _op(self, device: torch.device) -> ops.HadamardRotate:
+    def op(self, device: torch.device) -> ops.HadamardRotate:
+        """The prepared rotation op on ``device`` (made once per device)."""
         op = self._on.get(device)
         if op is None:
             op = self._on[device] = ops.HadamardRotate(self.perms.to(device),
@@ -242,10 +243,10 @@ class HadamardRotation(Rotation):
         return op
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        return self._op(x.device)(x)
+        return self.op(x.device)(x)
 
     def inverse(self, y: torch.Tensor) -> torch.Tensor:
-        return self._op(y.device)(y, inverse=True)
+        return self.op(y.device)(y, inverse=True)
 
     def fingerprint(self) -> str:
         return _sha(self.perms.numpy(), self.signs.numpy(), np.array([self.p], np.int64))

@@ -299,10 +299,10 @@ class TurboQuant(Codec):
 
     def query_rotation(self) -> ops.HadamardRotate | None:
         """The prepared CPU op that ``query_terms`` rotates queries with (a Hadamard rotation;
-        None for Haar), for callers that fuse it into one kernel call (``ops.IVFSearch``)."""
+        None for Haar), for callers that fuse it into one kernel call (``index.fused``)."""
         if not isinstance(self._rot, HadamardRotation):
             return None
-        return self._rot._op(torch.device("cpu"))
+        return self._rot.op(torch.device("cpu"))
 
     def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
         qr = self._rot.apply(q)

@@ -58,7 +58,7 @@ from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec, Codes, concat_codes
 from ..codecs.turbo import TurboQuant
-from ..ops.cpu import available as ops_cpu_available
+from .fused import FlatSearch
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code"]
 
@@ -358,7 +358,7 @@ class FlatIndex:
         QJL), or with a prefilter any TurboQuant-mse codes (their sign plane is 1-bit), on CPU:
         the SIMD fast-scan kernel (``ops.fast_scan_terms``)."""
         if not (self.device.type == "cpu" and self.codec.backend in ("auto", "cpu")
-                and ops_cpu_available()):
+                and ops.has_cpu_kernels()):
             return False
         if self._prefilter:
             return True  # the setter checked has_sign_term()
@@ -457,7 +457,7 @@ class FlatIndex:
                              lut["cents"], lut["mult"], lut["add"])
             if self.refine is None or (not self._prefilter
                                        and (ref_x is not None or ref_codes is not None)):
-                state["one_call"] = ops.FlatSearch.prepare(
+                state["one_call"] = FlatSearch.prepare(
                     rotate, state["signs"] or state["scanner"], self._ids.numpy(),
                     metric_name(self._scoring), self._prefilter, center=mu if l2 else None,
                     normalize=self.metric_type == METRIC_COSINE,

@@ -49,6 +49,7 @@ from .flat import (
     ip_row_correction,
     metric_name,
 )
+from .fused import IVFSearch
 
 __all__ = ["IVFIndex"]
 
@@ -264,7 +265,7 @@ class IVFIndex(FlatIndex):
                 self.refine.query_rotation(), lut["packed"], lut["bits"], lut["cents"],
                 lut["mult"], lut["add"])
             if rotate is not None and (self.refine in (None, "flat") or ref_codes is not None):
-                st["one_call"] = ops.IVFSearch.prepare(
+                st["one_call"] = IVFSearch.prepare(
                     self._prober, rotate, st["scanner"], st["pos_np"], self._ids.numpy(),
                     self._ref if self.refine == "flat" else None, metric_name(self.metric_type),
                     ref_codes=ref_codes)

@@ -37,7 +37,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
 from ..codecs.turbo import TurboQuant
-from ..ops.cpu import available as cpu_kernels_available
 from .quant import ChannelScale, CodecQuantizer
 
 __all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "attend"]
@@ -161,7 +160,7 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
     if CODES_KERNEL == "never":
         return None
     if CODES_KERNEL == "auto" and not q.is_cuda:
-        if not cpu_kernels_available():  # the CPU kernel (csrc/cpu/attention.cpp) is not built
+        if not ops.has_cpu_kernels():  # the CPU kernel (csrc/cpu/attention.cpp) is not built
             return None
     if softcap is not None or layer.mr is not None:
         return None

@@ -1,117 +1,46 @@
-"""Ops: one meaning (``ref.py``), several implementations, dispatched per call.
-
-CPU tensors go to the compiled kernels when ``tqvec._C`` imported, CUDA tensors to the NVRTC-
-compiled kernels of ``csrc/cuda`` (``cuda.py``); either falls back to the reference when its
-kernels are missing (``backend="auto"``, with one logged warning). Asking explicitly for a
-backend that is missing raises ``BackendUnavailable``. Inputs are made contiguous here; kernels
-validate nothing.
+"""Ops: one meaning (``ref.py``), several implementations (``cpu.py``, ``cuda.py``), chosen
+per call by ``dispatch.pick`` from the table ``dispatch.OPS``. Inputs are made contiguous
+here; kernels validate nothing. Prepared ops (``HadamardRotate``, ``FastScan``,
+``IVFFastScan``, ``IVFProbe``) settle their checks, kernel and arrays once for many calls;
+``host`` holds the numpy views the compiled CPU kernel reads (None on other backends).
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..errors import BackendUnavailable
 from . import cpu as _cpu
-from . import cuda as _cuda
-from . import ref as _ref
+from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
-__all__ = ["BACKENDS", "available_backends", "pack_bits", "unpack_bits", "quantize_pack",
-           "centroid_stats",
-           "hadamard_rotate", "HadamardRotate", "lut_scan", "lut_rescore", "block_codes",
-           "fast_scan", "fast_scan_terms", "fast_scan_terms_two_stage", "fast_scan_two_stage",
-           "FastScan", "ivf_fast_scan",
-           "IVFFastScan", "ivf_probe", "IVFProbe", "IVFSearch", "FlatSearch", "rescore_topk",
-           "rescore_topk_np", "row_sqnorms", "row_dots", "decode_attention", "row_bytes",
-           "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS"]
-
-BACKENDS = ("auto", "ref", "cpu", "cuda")
-_log = logging.getLogger("tqvec")
-_warned: set[str] = set()
-_lock = threading.Lock()
-
-
-def available_backends() -> tuple[str, ...]:
-    out = ["ref"]
-    if _cpu.available():
-        out.append("cpu")
-    if _cuda.available():
-        out.append("cuda")
-    return tuple(out)
-
-
-def _warn_once(key: str, msg: str) -> None:
-    with _lock:
-        if key in _warned:
-            return
-        _warned.add(key)
-    _log.warning(msg)
-
-
-def _pick(name: str, device: torch.device, backend: str) -> Callable:
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
-    ref = getattr(_ref, f"{name}_ref")
-    if backend == "ref":
-        return ref
-    if device.type == "cuda":
-        if backend == "cpu":
-            raise BackendUnavailable("backend 'cpu' cannot run on a cuda tensor")
-        why = _cuda.unavailable_reason()
-        if why is None and not hasattr(_cuda, f"{name}_cuda"):
-            return ref  # no kernel for this op: the reference (torch on the GPU) is its CUDA one
-        if why is None:
-            return getattr(_cuda, f"{name}_cuda")
-        if backend == "cuda":
-            raise BackendUnavailable(f"backend 'cuda' is not available for {name}: {why}")
-        _warn_once("cuda", f"tqvec CUDA kernels are not available ({why}); using the torch "
-                           "reference ops on the GPU (slower)")
-        return ref
-    if backend == "cuda":
-        raise BackendUnavailable(f"backend 'cuda' cannot run on a {device.type} tensor"
-                                 + ("" if _cuda.available() else
-                                    f" (and it is not available: {_cuda.unavailable_reason()})"))
-    if device.type == "cpu":
-        impl = getattr(_cpu, f"{name}_cpu", None)
-        if impl is None:  # no CPU kernel for this op: the reference is its CPU implementation
-            if backend == "cpu":
-                raise BackendUnavailable(f"backend 'cpu' has no compiled kernel for {name}")
-            return ref
-        if _cpu.available():
-            return impl
-        if backend == "cpu":
-            raise BackendUnavailable(
-                f"backend 'cpu' needs the compiled module tqvec._C, which failed to import: "
-                f"{_cpu.IMPORT_ERROR}")
-        _warn_once("cpu", f"tqvec._C is not available ({_cpu.IMPORT_ERROR}); using the torch "
-                          "reference ops (slower)")
-        return ref
-    if backend == "cpu":
-        raise BackendUnavailable(f"backend 'cpu' cannot run on a {device.type} tensor")
-    return ref
+__all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
+           "quantize_pack", "centroid_stats", "hadamard_rotate", "HadamardRotate", "lut_scan",
+           "lut_rescore", "block_codes", "fast_scan", "fast_scan_terms",
+           "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
+           "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
+           "row_sqnorms", "row_dots", "decode_attention", "row_bytes", "fast_scan_row_bytes",
+           "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS", "compiled_flat_searcher",
+           "compiled_ivf_searcher", "threads", "has_cpu_kernels"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
     """(n, d) uint8 indices < 2^b -> (n, ceil(d*b/8)) uint8 packed codes."""
-    return _pick("pack_bits", idx.device, backend)(idx.contiguous(), b)
+    return pick("pack_bits", idx.device, backend)(idx.contiguous(), b)
 
 
 def unpack_bits(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> torch.Tensor:
     """(n, ceil(d*b/8)) uint8 -> (n, d) uint8 indices."""
-    return _pick("unpack_bits", packed.device, backend)(packed.contiguous(), d, b)
+    return pick("unpack_bits", packed.device, backend)(packed.contiguous(), d, b)
 
 
 def quantize_pack(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor, b: int,
                   backend: str = "auto") -> torch.Tensor:
     """Quantize ``y * scale[:, None]`` (float32) against ``thresholds`` and pack to b bits."""
-    return _pick("quantize_pack", y.device, backend)(
+    return pick("quantize_pack", y.device, backend)(
         y.contiguous(), scale.contiguous(), thresholds.contiguous(), b)
 
 
@@ -125,7 +54,7 @@ def centroid_stats(packed: torch.Tensor, d: int, b: int, centroids: torch.Tensor
         raise ValueError("centroid_stats: give y and scale together, or neither")
     if y is not None:
         y, scale = y.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
-    return _pick("centroid_stats", packed.device, backend)(
+    return pick("centroid_stats", packed.device, backend)(
         packed.contiguous(), d, b, centroids.to(torch.float32).contiguous(), y, scale)
 
 
@@ -135,8 +64,8 @@ def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p
 
     x is float32; the CUDA kernel also reads float16/bfloat16 rows directly (the meaning is
     the rotation of ``x.float()``, which the other backends compute after a cast)."""
-    f = _pick("hadamard_rotate", x.device, backend)
-    if x.dtype != torch.float32 and f is not _cuda.hadamard_rotate_cuda:
+    f = pick("hadamard_rotate", x.device, backend)
+    if x.dtype != torch.float32 and f is not OPS["hadamard_rotate"].cuda:
         x = x.float()
     return f(x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
 
@@ -149,13 +78,13 @@ class HadamardRotate:
     def __init__(self, perms: torch.Tensor, signs: torch.Tensor, p: int, backend: str = "auto"):
         self.perms, self.signs = perms.contiguous(), signs.contiguous()
         self.p, self.backend = int(p), backend
-        self._np = None
-        if _pick("hadamard_rotate", self.perms.device, backend) is _cpu.hadamard_rotate_cpu:
-            self._np = (self.perms.numpy(), self.signs.numpy())
+        self.host: tuple[np.ndarray, np.ndarray] | None = None  # (perms, signs)
+        if compiled_cpu("hadamard_rotate", self.perms.device, backend):
+            self.host = (self.perms.numpy(), self.signs.numpy())
 
     def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        if self._np is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return _cpu.hadamard_rotate_np(x.contiguous(), *self._np, self.p, inverse)
+        if self.host is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return _cpu.hadamard_rotate_np(x.contiguous(), *self.host, self.p, inverse)
         return hadamard_rotate(x, self.perms, self.signs, self.p, inverse, self.backend)
 
 
@@ -163,7 +92,7 @@ def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mu
              add: torch.Tensor, b: int, k: int, backend: str = "auto"
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k rows by mult_i * <qr, centroids[idx_i]> + add_i; see ``ref.lut_scan_ref``."""
-    return _pick("lut_scan", qr.device, backend)(
+    return pick("lut_scan", qr.device, backend)(
         qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), b, k)
 
@@ -175,7 +104,7 @@ def lut_rescore(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
     stage after a coarse scan; see ``ref.lut_rescore_ref``."""
     if rows.dim() != 2 or rows.shape[0] != qr.shape[0]:
         raise ValueError(f"rows must be ({qr.shape[0]}, r), got {tuple(rows.shape)}")
-    return _pick("lut_rescore", qr.device, backend)(
+    return pick("lut_rescore", qr.device, backend)(
         qr.contiguous(), packed.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), rows.to(torch.int64).contiguous(), b, k)
 
@@ -186,7 +115,7 @@ def block_codes(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> 
     if packed.dim() != 2 or packed.shape[1] != row_bytes(d, b):
         raise ValueError(f"packed must be (n, {row_bytes(d, b)}) for d={d}, b={b}, "
                          f"got {tuple(packed.shape)}")
-    return _pick("block_codes", packed.device, backend)(packed.contiguous(), int(d), int(b))
+    return pick("block_codes", packed.device, backend)(packed.contiguous(), int(d), int(b))
 
 
 def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,
@@ -197,7 +126,7 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
     with ``lut_scan`` within float rounding."""
     if b not in FAST_SCAN_BITS:
         raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for fast_scan, got {b}")
-    return _pick("fast_scan", qr.device, backend)(
+    return pick("fast_scan", qr.device, backend)(
         qr.contiguous(), blocked.contiguous(), int(n), centroids.contiguous(),
         mult.contiguous(), add.contiguous(), b, k)
 
@@ -215,6 +144,20 @@ def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: lis
     for b in bits:
         if b not in FAST_SCAN_BITS:
             raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")
+
+
+@dataclass(frozen=True)
+class FastScanHost:
+    """``FastScan``'s arrays as the compiled CPU kernel reads them: per term the blocked codes,
+    centroids and multipliers; the row offsets; a two-stage scan's full codes (packed, b,
+    centroids, first-pass offsets) or several-term scan's packed rows."""
+
+    blocked: list[np.ndarray]
+    centroids: list[np.ndarray]
+    mults: list[np.ndarray]
+    add: np.ndarray
+    full: tuple[np.ndarray, int, np.ndarray, np.ndarray] | None
+    packed: list[np.ndarray] | None
 
 
 class FastScan:
@@ -262,18 +205,15 @@ class FastScan:
         name = ("fast_scan_two_stage" if full is not None
                 else "fast_scan_terms_two_stage" if self.first
                 else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
-        impl = _pick(name, self.add.device, backend)
         # the compiled CPU kernel, called on numpy views made once (~1 us each per call)
-        self._np = None
-        if impl in (_cpu.fast_scan_cpu, _cpu.fast_scan_terms_cpu, _cpu.fast_scan_two_stage_cpu,
-                    _cpu.fast_scan_terms_two_stage_cpu):
-            self._np = ([t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
-                        [t.numpy() for t in self.mults], self.add.numpy())
-            if self.full is not None:
-                self._full_np = (self.full[0].numpy(), self.full[1], self.full[2].numpy(),
-                                 self.add1.numpy())
-            if self.first:
-                self._packed_np = [t.numpy() for t in self.packed]
+        self.host: FastScanHost | None = None
+        if compiled_cpu(name, self.add.device, backend):
+            self.host = FastScanHost(
+                [t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
+                [t.numpy() for t in self.mults], self.add.numpy(),
+                None if self.full is None else (self.full[0].numpy(), self.full[1],
+                                                self.full[2].numpy(), self.add1.numpy()),
+                [t.numpy() for t in self.packed] if self.first else None)
 
     def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
                k1: int | None = None, approx: bool = False
@@ -289,25 +229,24 @@ class FastScan:
             if add is not None:
                 add = add.contiguous()
                 add1 = torch.where(torch.isinf(add) & (add < 0), add, self.add1)
-            if self._np is not None and qrs[0].device.type == "cpu":
-                blocked, cents, mults, add_np = self._np
-                packed, b, full_c, add1_np = self._full_np
+            if self.host is not None and qrs[0].device.type == "cpu":
+                h = self.host
+                packed, b, full_c, add1_np = h.full
                 vals, pos = _cpu.fast_scan_two_stage_np(
-                    qrs[0].contiguous().numpy(), blocked[0], self.n, cents[0], packed, b,
-                    full_c, mults[0], add_np if add is None else add.numpy(),
+                    qrs[0].contiguous().numpy(), h.blocked[0], self.n, h.centroids[0], packed, b,
+                    full_c, h.mults[0], h.add if add is None else add.numpy(),
                     add1_np if add1 is None else add1.numpy(), int(k1), int(k))
                 return torch.from_numpy(vals), torch.from_numpy(pos)
             return fast_scan_two_stage(qrs[0], self.blocked[0], self.n, self.centroids[0],
                                        *self.full, self.mults[0],
                                        self.add if add is None else add,
                                        self.add1 if add1 is None else add1, k1, k, self.backend)
-        if self._np is not None and qrs[0].device.type == "cpu":
-            blocked, cents, mults, add_np = self._np
-            vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], blocked,
-                                          self.n, cents, mults,
-                                          add_np if add is None else add.contiguous().numpy(),
-                                          self.bits, int(k), approx,
-                                          packed=self._packed_np if self.first else None,
+        if self.host is not None and qrs[0].device.type == "cpu":
+            h = self.host
+            vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], h.blocked,
+                                          self.n, h.centroids, h.mults,
+                                          h.add if add is None else add.contiguous().numpy(),
+                                          self.bits, int(k), approx, packed=h.packed,
                                           first=self.first, k1=int(k1 or 0))
             return torch.from_numpy(vals), torch.from_numpy(pos)
         add = self.add if add is None else add
@@ -318,7 +257,7 @@ class FastScan:
         if len(qrs) == 1:
             return fast_scan(qrs[0], self.blocked[0], self.n, self.centroids[0], self.mults[0],
                              add, self.bits[0], k, self.backend)
-        return _pick("fast_scan_terms", qrs[0].device, self.backend)(
+        return pick("fast_scan_terms", qrs[0].device, self.backend)(
             [t.contiguous() for t in qrs], self.blocked, self.n, self.centroids, self.mults,
             add.contiguous(), self.bits, k)
 
@@ -332,7 +271,7 @@ def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch
     add is the full codes'): a two-stage scan
     that reads b times fewer bytes per row in its first pass. Heuristic: a row outside the
     sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``."""
-    return _pick("fast_scan_two_stage", qr.device, backend)(
+    return pick("fast_scan_two_stage", qr.device, backend)(
         qr.contiguous(), signs.contiguous(), int(n), c1.contiguous(), packed.contiguous(),
         int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), add1.contiguous(),
         int(k1), int(k))
@@ -366,7 +305,7 @@ def fast_scan_terms_two_stage(qrs: list[torch.Tensor], blocked: list[torch.Tenso
     if not 1 <= first <= len(qrs) or len(packed) != len(qrs) or k1 < 1:
         raise ValueError(f"first must be 1 to {len(qrs)} with packed codes for every term and "
                          f"k1 >= 1, got first={first}, {len(packed)} packed, k1={k1}")
-    return _pick("fast_scan_terms_two_stage", qrs[0].device, backend)(
+    return pick("fast_scan_terms_two_stage", qrs[0].device, backend)(
         [t.contiguous() for t in qrs], [t.contiguous() for t in blocked],
         [t.contiguous() for t in packed], int(n), [t.contiguous() for t in centroids],
         [t.contiguous() for t in mults], add.contiguous(), [int(b) for b in bits], int(first),
@@ -384,7 +323,7 @@ def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tens
     stage that a refinement re-ranks; the scores are within the tables' error of the exact)."""
     if b not in FAST_SCAN_BITS:
         raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for ivf_fast_scan, got {b}")
-    return _pick("ivf_fast_scan", qr.device, backend)(
+    return pick("ivf_fast_scan", qr.device, backend)(
         qr.contiguous(), blocked.contiguous(), centroids.contiguous(), mult.contiguous(),
         add.contiguous(), list_blocks.to(torch.int64).contiguous(),
         probes.to(torch.int64).contiguous(), offsets.to(torch.float32).contiguous(), b, k,
@@ -408,16 +347,17 @@ class IVFFastScan:
         self.mult, self.add = mult.float().contiguous(), add.float().contiguous()
         self.list_blocks = list_blocks.to(torch.int64).contiguous()
         self.b, self.backend = int(b), backend
-        self._np = None
-        if _pick("ivf_fast_scan", self.add.device, backend) is _cpu.ivf_fast_scan_cpu:
-            self._np = _cpu._np(self.blocked, self.centroids, self.mult, self.add,
-                                self.list_blocks)
+        # (blocked, centroids, mult, add, list_blocks) for the compiled kernel
+        self.host: tuple[np.ndarray, ...] | None = None
+        if compiled_cpu("ivf_fast_scan", self.add.device, backend):
+            self.host = _cpu.host_views(self.blocked, self.centroids, self.mult, self.add,
+                                        self.list_blocks)
 
     def search(self, qr: np.ndarray, probes: np.ndarray, offsets: np.ndarray, k: int,
                add: torch.Tensor | None = None, approx: bool = False
                ) -> tuple[np.ndarray, np.ndarray]:
-        if self._np is not None:
-            blocked, cents, mult, add_np, lb = self._np
+        if self.host is not None:
+            blocked, cents, mult, add_np, lb = self.host
             return _cpu.ivf_fast_scan_np(
                 np.ascontiguousarray(qr, np.float32), blocked, cents, mult,
                 add_np if add is None else add.float().contiguous().numpy(), lb,
@@ -439,7 +379,7 @@ def ivf_probe(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: b
     nlist = centroids.shape[0]
     if not 1 <= nprobe <= nlist:
         raise ValueError(f"nprobe must be in 1..{nlist}, got {nprobe}")
-    return _pick("ivf_probe", q.device, backend)(
+    return pick("ivf_probe", q.device, backend)(
         q.to(torch.float32).contiguous(), centroids.to(torch.float32).contiguous(),
         csq.to(torch.float32).contiguous(), bool(l2), int(nprobe))
 
@@ -455,152 +395,41 @@ class IVFProbe:
         self.centroids = centroids.to(torch.float32).contiguous()
         self.csq = csq.to(torch.float32).contiguous()
         self.l2, self.backend = bool(l2), backend
-        self._np = None
-        if _pick("ivf_probe", self.centroids.device, backend) is _cpu.ivf_probe_cpu:
-            self._np = (self.centroids.numpy(), self.csq.numpy())
+        self.host: tuple[np.ndarray, np.ndarray] | None = None  # (centroids, csq)
+        if compiled_cpu("ivf_probe", self.centroids.device, backend):
+            self.host = (self.centroids.numpy(), self.csq.numpy())
 
     def probe(self, q: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        if self._np is not None and 1 <= nprobe <= self.centroids.shape[0]:
-            return _cpu.ivf_probe_np(np.ascontiguousarray(q, np.float32), *self._np, self.l2,
+        if self.host is not None and 1 <= nprobe <= self.centroids.shape[0]:
+            return _cpu.ivf_probe_np(np.ascontiguousarray(q, np.float32), *self.host, self.l2,
                                      int(nprobe))
         probes, scores = ivf_probe(torch.from_numpy(np.asarray(q, np.float32)), self.centroids,
                                    self.csq, self.l2, nprobe, self.backend)
         return probes.cpu().numpy(), scores.cpu().numpy()
 
 
-_NONE = np.zeros(0, dtype=np.float32)
-
-
-def _ref_code_args(ref_codes: tuple | None) -> tuple | None:
-    """The compiled searchers' refinement-by-codes arguments (packed, b, perms, signs, p,
-    centroids, mult, add) from ``ref_codes`` = (rotate, packed, b, centroids, mult, add), or
-    empty ones (no such refinement); None where the rotation is not a compiled Hadamard one."""
-    if ref_codes is None:
-        return (np.zeros((0, 1), np.uint8), 1, np.zeros((0, 1), np.int64),
-                np.zeros((0, 1), np.float32), 1, _NONE, _NONE, _NONE)
-    rot, packed, b, cents, mult, add = ref_codes
-    if rot._np is None:
-        return None
-    perms, signs = rot._np
-
-    def as_np(t: Any, dt: Any) -> np.ndarray:
-        return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t, dt)
-
-    return (as_np(packed, np.uint8), int(b), perms, signs, int(rot.p), as_np(cents, np.float32),
-            as_np(mult, np.float32), as_np(add, np.float32))
-
-
-class FlatSearch:
-    """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
-    rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` ->
-    ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
-    ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus ``row_dots(q, ip_center)``
-    where given: a centred inner-product index's <q, mu>), with the same float operations as
-    the composed ops (the flat index's general path), so the same bits.
-    ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
-
-    def __init__(self, searcher: Any):
-        self._searcher = searcher
-
-    @classmethod
-    def prepare(cls, rotate: HadamardRotate, scan: FastScan, ids: np.ndarray, metric: str,
-                prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False,
-                ip_center: np.ndarray | None = None, ref_x: np.ndarray | None = None,
-                ref_codes: tuple | None = None) -> FlatSearch | None:
-        """``ref_x`` (n, d) float32 exact vectors or ``ref_codes`` = (rotate, packed, b,
-        centroids, mult, add) TurboQuant-mse codes: a refinement of k_factor k candidates that
-        the scan ranks by its tables alone (``rescore_topk`` / ``lut_rescore``; no prefilter)."""
-        if metric not in RESCORE_METRICS:
-            raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
-        if rotate._np is None or scan._np is None or len(scan.bits) != 1 or scan.n == 0:
-            return None
-        perms, signs = rotate._np
-        blocked, cents, mults, add = scan._np
-        if scan.full is not None:
-            packed, bfull, cfull, add1 = scan._full_np
-        else:
-            packed, bfull = np.zeros((0, 1), np.uint8), 1
-            cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
-        rx = (np.zeros((0, 1), np.float32) if ref_x is None
-              else np.ascontiguousarray(ref_x, np.float32))
-        codes = _ref_code_args(ref_codes)
-        if codes is None:
-            return None
-        return cls(_cpu._C.FlatSearcher(
-            perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
-            np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
-            int(prefilter), _cpu._RESCORE_METRICS[metric],
-            _NONE if center is None else np.ascontiguousarray(center, np.float32),
-            bool(normalize),
-            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32),
-            rx, *codes))
-
-    def search(self, q: np.ndarray, k: int, k_factor: int = 1
-               ) -> tuple[np.ndarray, np.ndarray] | None:
-        """q (nq, d) C-contiguous float32 (``center``, ``normalize`` and ``ip_center``, where
-        given, apply here; l2 then subtracts ``row_sqnorms`` of the result); with a refinement,
-        k_factor k candidates re-scored -> (D (nq, k) float32, I (nq, k) int64); None if q holds
-        a NaN or an infinity."""
-        D = np.empty((q.shape[0], k), dtype=np.float32)
-        I = np.empty((q.shape[0], k), dtype=np.int64)
-        if not self._searcher.search(q, D, I, _cpu._threads(), int(k_factor)):
-            return None
-        return D, I
-
-
-class IVFSearch:
-    """A whole IVF search of a few float32 numpy queries in one compiled call: the composition
-    ``IVFProbe.probe`` -> ``HadamardRotate`` -> ``IVFFastScan.search`` (approximate with a
-    refinement) -> padded rows to positions (``pos``) -> ``rescore_topk`` with exact vectors
-    ``ref`` or ``lut_rescore`` with codes ``ref_codes`` -> ``(D, I)`` as faiss returns them (L2
-    distances, ``ids[position]``, padding), with the same float operations as the composed ops
-    (the IVF index's general path), so the same bits. At
-    one query the Python steps between those kernels cost more than the kernels. Build it with
-    ``prepare``, which returns None where the parts do not all run on the compiled CPU kernels."""
-
-    def __init__(self, searcher: Any):
-        self._searcher = searcher  # holds (and keeps alive) the arrays it reads
-
-    @classmethod
-    def prepare(cls, probe: IVFProbe, rotate: HadamardRotate, scan: IVFFastScan, pos: np.ndarray,
-                ids: np.ndarray, ref: torch.Tensor | None, metric: str,
-                ref_codes: tuple | None = None) -> IVFSearch | None:
-        """``ref`` (n, d) exact vectors or ``ref_codes`` = (rotate, packed, b, centroids, mult,
-        add) TurboQuant-mse codes (``FlatSearch.prepare``'s): the refinement, or neither."""
-        if metric not in RESCORE_METRICS:
-            raise ValueError(f"metric must be one of {list(RESCORE_METRICS)}, got {metric!r}")
-        if probe._np is None or rotate._np is None or scan._np is None:
-            return None
-        if probe.l2 != (metric != "ip"):
-            raise ValueError("probe.l2 must be True exactly for the l2 and cosine metrics")
-        cen, csq = probe._np
-        perms, signs = rotate._np
-        blocked, codebook, mult, add, list_blocks = scan._np
-        d = cen.shape[1]
-        ref_np = (np.zeros((0, d), np.float32) if ref is None
-                  else ref.to(torch.float32).contiguous().numpy())
-        codes = _ref_code_args(ref_codes)
-        if codes is None:
-            return None
-        searcher = _cpu._C.IVFSearcher(
-            cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
-            np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
-            _cpu._RESCORE_METRICS[metric], *codes)
-        return cls(searcher)
-
-    def search(self, q: np.ndarray, nprobe: int, kk: int, k: int
-               ) -> tuple[np.ndarray, np.ndarray] | None:
-        """q (nq, d) C-contiguous float32; kk candidates per query (k * k_factor with a
-        refinement, else k, at most ntotal) -> (D (nq, k) float32, I (nq, k) int64); None if q
-        holds a NaN or an infinity."""
-        D = np.empty((q.shape[0], k), dtype=np.float32)
-        I = np.empty((q.shape[0], k), dtype=np.int64)
-        if not self._searcher.search(q, nprobe, kk, D, I, _cpu._threads()):
-            return None
-        return D, I
-
-
 RESCORE_METRICS = ("ip", "l2", "cosine")
+
+
+def has_cpu_kernels() -> bool:
+    """Whether the compiled CPU kernels (``tqvec._C``) are loaded."""
+    return _cpu.available()
+
+
+def threads() -> int:
+    """Threads the compiled kernels run on (torch's setting)."""
+    return _cpu.threads()
+
+
+def compiled_flat_searcher(*args: Any) -> Any | None:
+    """The compiled one-call flat search over prepared arrays (``tqvec.index.fused``), or None
+    without ``tqvec._C``."""
+    return _cpu.flat_searcher(*args) if _cpu.available() else None
+
+
+def compiled_ivf_searcher(*args: Any) -> Any | None:
+    """The compiled one-call IVF search, as ``compiled_flat_searcher``."""
+    return _cpu.ivf_searcher(*args) if _cpu.available() else None
 
 
 def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -609,7 +438,7 @@ def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:
     bit for bit (a torch sum reduces in another order)."""
     if x.dim() != 2:
         raise ValueError(f"x must be (n, d), got shape {tuple(x.shape)}")
-    return _pick("row_sqnorms", x.device, backend)(x.to(torch.float32).contiguous())
+    return pick("row_sqnorms", x.device, backend)(x.to(torch.float32).contiguous())
 
 
 def row_dots(x: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.Tensor:
@@ -619,7 +448,7 @@ def row_dots(x: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.T
     if x.dim() != 2 or v.shape != (x.shape[1],):
         raise ValueError(f"x must be (n, d) and v (d,), got shapes {tuple(x.shape)} and "
                          f"{tuple(v.shape)}")
-    return _pick("row_dots", x.device, backend)(x.to(torch.float32).contiguous(),
+    return pick("row_dots", x.device, backend)(x.to(torch.float32).contiguous(),
                                                  v.to(x.device, torch.float32).contiguous())
 
 
@@ -634,7 +463,7 @@ def rescore_topk(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: s
         raise ValueError(f"rows must be ({q.shape[0]}, kk), got {tuple(rows.shape)}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise ValueError(f"k must be a positive integer, got {k!r}")
-    return _pick("rescore_topk", q.device, backend)(
+    return pick("rescore_topk", q.device, backend)(
         q.to(torch.float32).contiguous(), x.to(torch.float32).contiguous(),
         rows.to(torch.int64).contiguous(), metric, k)
 
@@ -644,7 +473,7 @@ def rescore_topk_np(q: np.ndarray, x: np.ndarray, rows: np.ndarray, metric: str,
     """``rescore_topk`` on host numpy arrays (float32 q, x, int64 rows), for the indexes'
     refinement: one kernel call, no conversions (at one query the torch wrapper cost as much as
     the kernel)."""
-    if _pick("rescore_topk", torch.device("cpu"), "auto") is _cpu.rescore_topk_cpu:
+    if compiled_cpu("rescore_topk", torch.device("cpu"), "auto"):
         return _cpu.rescore_topk_np(q, x, rows, metric, k)
     vals, idx = rescore_topk(torch.from_numpy(q), torch.from_numpy(x), torch.from_numpy(rows),
                              metric, k)
@@ -658,7 +487,7 @@ def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tenso
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(m, l, acc) softmax state of decode attention over key/value codes; see
     ``ref.decode_attention_ref``: the CUDA kernel on GPUs, the compiled kernel on the CPU."""
-    f = _pick("decode_attention", qr.device, backend)
+    f = pick("decode_attention", qr.device, backend)
     return f(qr.contiguous(), qbias.contiguous(), kpacked.contiguous(), knorm.contiguous(),
              kcent.contiguous(), kb, vpacked.contiguous(), vnorm.contiguous(),
              vcent.contiguous(), vb, lo.to(torch.int32).contiguous(),

@@ -15,7 +15,8 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
 else:
     IMPORT_ERROR = None
 
-__all__ = ["available", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
+__all__ = ["available", "threads", "host_views", "flat_searcher", "ivf_searcher",
+           "RESCORE_METRIC_CODES", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "centroid_stats_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
            "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
@@ -29,13 +30,17 @@ def available() -> bool:
     return _C is not None
 
 
-def _np(*ts: torch.Tensor):
+def host_views(*ts: torch.Tensor) -> tuple[np.ndarray, ...]:
     """numpy views of CPU tensors: nanobind takes them ~2x faster than torch tensors (whose
     __dlpack__ runs Python code), which matters for one-query searches."""
     return tuple(t.numpy() for t in ts)
 
 
-def _threads() -> int:
+_np = host_views  # the short local name
+
+
+def threads() -> int:
+    """The threads the kernels use: torch's setting."""
     return max(1, torch.get_num_threads())
 
 
@@ -43,14 +48,14 @@ def pack_bits_cpu(idx: torch.Tensor, b: int) -> torch.Tensor:
     n, d = idx.shape
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
     if n:
-        _C.pack_bits(idx, b, out, _threads())
+        _C.pack_bits(idx, b, out, threads())
     return out
 
 
 def unpack_bits_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     out = torch.empty((packed.shape[0], d), dtype=torch.uint8)
     if packed.shape[0]:
-        _C.unpack_bits(packed, d, b, out, _threads())
+        _C.unpack_bits(packed, d, b, out, threads())
     return out
 
 
@@ -59,7 +64,7 @@ def quantize_pack_cpu(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Te
     n, d = y.shape
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
     if n:
-        _C.quantize_pack(y, scale, thresholds, b, out, _threads())
+        _C.quantize_pack(y, scale, thresholds, b, out, threads())
     return out
 
 
@@ -72,7 +77,7 @@ def centroid_stats_cpu(packed: torch.Tensor, d: int, b: int, centroids: torch.Te
     if n:
         _C.centroid_stats(packed.numpy(), d, b, centroids.numpy(),
                           None if y is None else y.numpy(),
-                          None if scale is None else scale.numpy(), csq, dot, _threads())
+                          None if scale is None else scale.numpy(), csq, dot, threads())
     return torch.from_numpy(csq), None if dot is None else torch.from_numpy(dot)
 
 
@@ -81,7 +86,7 @@ def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p:
     """The kernel with the rotation's parameters already in numpy (``ops.HadamardRotate``)."""
     out = np.empty(tuple(x.shape), dtype=np.float32)
     if x.shape[0]:
-        _C.hadamard_rotate(x.numpy(), perms, signs, p, inverse, out, _threads())
+        _C.hadamard_rotate(x.numpy(), perms, signs, p, inverse, out, threads())
     return torch.from_numpy(out)
 
 
@@ -99,7 +104,7 @@ def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor
     if nq:
         qr_, packed_, c_, mult_, add_, vals_, pos_ = _np(qr, packed, centroids, mult, add, vals,
                                                          pos)
-        _C.lut_scan(qr_, packed_, c_, mult_, add_, b, k, vals_, pos_, _threads())
+        _C.lut_scan(qr_, packed_, c_, mult_, add_, b, k, vals_, pos_, threads())
     return vals, pos
 
 
@@ -108,7 +113,7 @@ def lut_rescore_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Ten
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     vals, pos = _topk_out(qr.shape[0], k)
     if qr.shape[0] and rows.shape[1]:
-        _C.lut_rescore(*_np(qr, packed, centroids, mult, add, rows), b, k, vals, pos, _threads())
+        _C.lut_rescore(*_np(qr, packed, centroids, mult, add, rows), b, k, vals, pos, threads())
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 
@@ -116,7 +121,7 @@ def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     n = packed.shape[0]
     out = torch.empty((-(-n // 32), fast_scan_row_bytes(d, b), 32), dtype=torch.uint8)
     if n:
-        _C.block_codes(packed, d, b, out, _threads())
+        _C.block_codes(packed, d, b, out, threads())
     return out
 
 
@@ -142,10 +147,10 @@ def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
     if nq and n:
         if len(qrs) == 1 and not first:
             _C.fast_scan(qrs[0], blocked[0], n, centroids[0], mults[0], add, bits[0], k,
-                         bool(approx), vals, pos, _threads())
+                         bool(approx), vals, pos, threads())
         else:
             _C.fast_scan_terms(qrs, blocked, centroids, mults, bits, n, add, k, vals, pos,
-                               _threads(), packed if first else [], int(first), int(k1))
+                               threads(), packed if first else [], int(first), int(k1))
     return vals, pos
 
 
@@ -156,7 +161,7 @@ def fast_scan_two_stage_np(qr: np.ndarray, signs: np.ndarray, n: int, c1: np.nda
     vals, pos = _topk_out(qr.shape[0], k, written=bool(n))
     if qr.shape[0] and n:
         _C.fast_scan_two_stage(qr, signs, n, c1, packed, b, centroids, mult, add, add1, k1, k,
-                               vals, pos, _threads())
+                               vals, pos, threads())
     return vals, pos
 
 
@@ -206,7 +211,7 @@ def ivf_fast_scan_np(qr: np.ndarray, blocked: np.ndarray, centroids: np.ndarray,
     vals, pos = _topk_out(nq, k, written=bool(blocked.shape[0]))
     if nq and blocked.shape[0]:
         _C.ivf_fast_scan(qr, blocked, centroids, mult, add, list_blocks, probes, offsets, b, k,
-                         bool(approx), vals, pos, _threads())
+                         bool(approx), vals, pos, threads())
     return vals, pos
 
 
@@ -231,7 +236,7 @@ def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.T
     if bh and g:
         _C.decode_attention(*_np(qr, qbias, kpacked, knorm, kcent), kb,
                             *_np(vpacked, vnorm, vcent), vb, *_np(lo, hi), float(scale), m, l,
-                            acc, _threads())
+                            acc, threads())
     return torch.from_numpy(m), torch.from_numpy(l), torch.from_numpy(acc)
 
 
@@ -240,7 +245,7 @@ def ivf_probe_np(q: np.ndarray, centroids: np.ndarray, csq: np.ndarray, l2: bool
     probes = np.empty((q.shape[0], nprobe), dtype=np.int64)
     offsets = np.empty((q.shape[0], nprobe), dtype=np.float32)
     if q.shape[0]:
-        _C.ivf_probe(q, centroids, csq, bool(l2), probes, offsets, _threads())
+        _C.ivf_probe(q, centroids, csq, bool(l2), probes, offsets, threads())
     return probes, offsets
 
 
@@ -262,7 +267,7 @@ def row_dots_cpu(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
-_RESCORE_METRICS = {"ip": 0, "l2": 1, "cosine": 2}  # kernels.h RescoreMetric
+RESCORE_METRIC_CODES = {"ip": 0, "l2": 1, "cosine": 2}  # kernels.h RescoreMetric
 
 
 def rescore_topk_np(q: np.ndarray, x: np.ndarray, rows: np.ndarray, metric: str, k: int
@@ -270,7 +275,7 @@ def rescore_topk_np(q: np.ndarray, x: np.ndarray, rows: np.ndarray, metric: str,
     """The kernel on numpy arrays (the refinement of every index search path calls this)."""
     vals, idx = _topk_out(q.shape[0], k, written=True)
     if q.shape[0]:
-        _C.rescore_topk(q, x, rows, _RESCORE_METRICS[metric], k, vals, idx, _threads())
+        _C.rescore_topk(q, x, rows, RESCORE_METRIC_CODES[metric], k, vals, idx, threads())
     return vals, idx
 
 
@@ -278,3 +283,14 @@ def rescore_topk_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metri
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     vals, idx = rescore_topk_np(*_np(q, x, rows), metric, k)
     return torch.from_numpy(vals), torch.from_numpy(idx)
+
+
+def flat_searcher(*args: object) -> object:
+    """The one-call flat search (csrc/cpu/search.cpp ``FlatSearcher``) over prepared arrays; the
+    arguments as ``tqvec.index.fused.FlatSearch.prepare`` assembles them."""
+    return _C.FlatSearcher(*args)
+
+
+def ivf_searcher(*args: object) -> object:
+    """The one-call IVF search (``IVFSearcher``), as ``flat_searcher``."""
+    return _C.IVFSearcher(*args)

@@ -1,0 +1,150 @@
+"""Whole searches in one compiled call: each an implementation of its index's composed search
+(prepare the query -> rotate -> scan -> re-rank -> ids and distances), with the same float
+operations as the composition, so that the two agree bit for bit; the index chooses it, where
+its parts all run on the compiled CPU kernels, for float32 numpy queries (at one query the
+Python steps between the kernels cost more than the kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import ops
+
+__all__ = ["FlatSearch", "IVFSearch"]
+
+_NONE = np.zeros(0, dtype=np.float32)
+
+
+def _ref_code_args(ref_codes: tuple | None) -> tuple | None:
+    """The compiled searchers' refinement-by-codes arguments (packed, b, perms, signs, p,
+    centroids, mult, add) from ``ref_codes`` = (rotate, packed, b, centroids, mult, add), or
+    empty ones (no such refinement); None where the rotation is not a compiled Hadamard one."""
+    if ref_codes is None:
+        return (np.zeros((0, 1), np.uint8), 1, np.zeros((0, 1), np.int64),
+                np.zeros((0, 1), np.float32), 1, _NONE, _NONE, _NONE)
+    rot, packed, b, cents, mult, add = ref_codes
+    if rot.host is None:
+        return None
+    perms, signs = rot.host
+
+    def as_np(t: Any, dt: Any) -> np.ndarray:
+        return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t, dt)
+
+    return (as_np(packed, np.uint8), int(b), perms, signs, int(rot.p), as_np(cents, np.float32),
+            as_np(mult, np.float32), as_np(add, np.float32))
+
+
+class FlatSearch:
+    """A whole flat search of float32 numpy queries in one compiled call: minus ``center`` or
+    rows to unit norm (``normalize``, by ``row_sqnorms``; optional) -> ``HadamardRotate`` ->
+    ``FastScan.search`` (one mse term; two-stage with a prefilter) -> for l2 the score minus
+    ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus ``row_dots(q, ip_center)``
+    where given: a centred inner-product index's <q, mu>), with the same float operations as
+    the composed ops (the flat index's general path), so the same bits.
+    ``prepare`` returns None where the parts do not all run on the compiled CPU kernels."""
+
+    def __init__(self, searcher: Any):
+        self._searcher = searcher
+
+    @classmethod
+    def prepare(cls, rotate: ops.HadamardRotate, scan: ops.FastScan, ids: np.ndarray, metric: str,
+                prefilter: int = 0, center: np.ndarray | None = None, normalize: bool = False,
+                ip_center: np.ndarray | None = None, ref_x: np.ndarray | None = None,
+                ref_codes: tuple | None = None) -> FlatSearch | None:
+        """``ref_x`` (n, d) float32 exact vectors or ``ref_codes`` = (rotate, packed, b,
+        centroids, mult, add) TurboQuant-mse codes: a refinement of k_factor k candidates that
+        the scan ranks by its tables alone (``rescore_topk`` / ``lut_rescore``; no prefilter)."""
+        if metric not in ops.RESCORE_METRICS:
+            raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
+        if rotate.host is None or scan.host is None or len(scan.bits) != 1 or scan.n == 0:
+            return None
+        perms, signs = rotate.host
+        h = scan.host
+        blocked, cents, mults, add = h.blocked, h.centroids, h.mults, h.add
+        if h.full is not None:
+            packed, bfull, cfull, add1 = h.full
+        else:
+            packed, bfull = np.zeros((0, 1), np.uint8), 1
+            cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
+        rx = (np.zeros((0, 1), np.float32) if ref_x is None
+              else np.ascontiguousarray(ref_x, np.float32))
+        codes = _ref_code_args(ref_codes)
+        if codes is None:
+            return None
+        searcher = ops.compiled_flat_searcher(
+            perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
+            np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
+            int(prefilter), ops.RESCORE_METRICS.index(metric),
+            _NONE if center is None else np.ascontiguousarray(center, np.float32),
+            bool(normalize),
+            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32),
+            rx, *codes)
+        return None if searcher is None else cls(searcher)
+
+    def search(self, q: np.ndarray, k: int, k_factor: int = 1
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+        """q (nq, d) C-contiguous float32 (``center``, ``normalize`` and ``ip_center``, where
+        given, apply here; l2 then subtracts ``row_sqnorms`` of the result); with a refinement,
+        k_factor k candidates re-scored -> (D (nq, k) float32, I (nq, k) int64); None if q holds
+        a NaN or an infinity."""
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        if not self._searcher.search(q, D, I, ops.threads(), int(k_factor)):
+            return None
+        return D, I
+
+
+class IVFSearch:
+    """A whole IVF search of a few float32 numpy queries in one compiled call: the composition
+    ``IVFProbe.probe`` -> ``HadamardRotate`` -> ``IVFFastScan.search`` (approximate with a
+    refinement) -> padded rows to positions (``pos``) -> ``rescore_topk`` with exact vectors
+    ``ref`` or ``lut_rescore`` with codes ``ref_codes`` -> ``(D, I)`` as faiss returns them (L2
+    distances, ``ids[position]``, padding), with the same float operations as the composed ops
+    (the IVF index's general path), so the same bits. At
+    one query the Python steps between those kernels cost more than the kernels. Build it with
+    ``prepare``, which returns None where the parts do not all run on the compiled CPU kernels."""
+
+    def __init__(self, searcher: Any):
+        self._searcher = searcher  # holds (and keeps alive) the arrays it reads
+
+    @classmethod
+    def prepare(cls, probe: ops.IVFProbe, rotate: ops.HadamardRotate, scan: ops.IVFFastScan,
+                pos: np.ndarray, ids: np.ndarray, ref: torch.Tensor | None, metric: str,
+                ref_codes: tuple | None = None) -> IVFSearch | None:
+        """``ref`` (n, d) exact vectors or ``ref_codes`` = (rotate, packed, b, centroids, mult,
+        add) TurboQuant-mse codes (``FlatSearch.prepare``'s): the refinement, or neither."""
+        if metric not in ops.RESCORE_METRICS:
+            raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
+        if probe.host is None or rotate.host is None or scan.host is None:
+            return None
+        if probe.l2 != (metric != "ip"):
+            raise ValueError("probe.l2 must be True exactly for the l2 and cosine metrics")
+        cen, csq = probe.host
+        perms, signs = rotate.host
+        blocked, codebook, mult, add, list_blocks = scan.host
+        d = cen.shape[1]
+        ref_np = (np.zeros((0, d), np.float32) if ref is None
+                  else ref.to(torch.float32).contiguous().numpy())
+        codes = _ref_code_args(ref_codes)
+        if codes is None:
+            return None
+        searcher = ops.compiled_ivf_searcher(
+            cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
+            np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
+            ops.RESCORE_METRICS.index(metric), *codes)
+        return None if searcher is None else cls(searcher)
+
+    def search(self, q: np.ndarray, nprobe: int, kk: int, k: int
+               ) -> tuple[np.ndarray, np.ndarray] | None:
+        """q (nq, d) C-contiguous float32; kk candidates per query (k * k_factor with a
+        refinement, else k, at most ntotal) -> (D (nq, k) float32, I (nq, k) int64); None if q
+        holds a NaN or an infinity."""
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        if not self._searcher.search(q, nprobe, kk, D, I, ops.threads()):
+            return None
+        return D, I

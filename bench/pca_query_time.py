@@ -77,7 +77,7 @@ def main() -> int:
     inner = index.index
     W, slices, mu = index._fused_query_map()
     with inner._lock:
-        scanner = inner._scan_state()["scanner"]
+        scanner = inner._scan_state().scanner
     first = scanner.first
     terms = []
     for i in range(nq):
@@ -107,7 +107,7 @@ def main() -> int:
         inner.codec.first_pass_terms = lambda: 1
         with inner._lock:
             inner._invalidate()
-            one_run = inner._scan_state()["scanner"]
+            one_run = inner._scan_state().scanner
         row["scan_first_run_only_k1_k_us"] = _per_query_us(
             lambda i: one_run.search(terms[i], k, None, k1=k), nq, args.reps)
         _, ids = index.search(xq, k)

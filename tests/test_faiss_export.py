@@ -45,7 +45,7 @@ def test_faiss_decodes_our_reconstructions(data, bits, grid):
     index.add(xb)
     f = index.to_faiss()
     ours = index.reconstruct_n(0, 300)
-    payload = index._codes.payload.numpy()
+    payload = index.state()[1]["codes.payload"]
     np.testing.assert_allclose(f.sa_decode(payload), ours, atol=2e-6)
     enc = f.sa_encode(xb)
     assert enc.shape == payload.shape

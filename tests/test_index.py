@@ -179,10 +179,10 @@ def test_codec_refinement_rescored_in_the_rotated_domain(spec, metric, rng):
         index.train(xb)
     index.add(xb)
     D1, I1 = index.search(xq, 10)
-    assert index._refine_lut is not None
+    assert index._ref_lut is not None
     with index._lock:
-        index._refine_lut = None
-    index._refine_lut_state = lambda: None  # the decode path
+        index._ref_lut = index._scan = None
+    index._refine_lut = lambda: None  # the decode path
     D2, I2 = index.search(xq, 10)
     np.testing.assert_allclose(D1, D2, rtol=1e-4, atol=1e-4)
     assert (I1 == I2).mean() > 0.97
@@ -266,8 +266,9 @@ def test_refinement_rotation_shared_or_its_own(metric, rng):
     ivf.train(xb)
     for index in (shared, own, ivf):
         index.add(xb)
-        state = index._snapshot()["ivf"] if index is ivf else index._scan_state()
-        assert state.get("one_call") is not None  # the compiled call, not a composed path
+        with index._lock:
+            state = index._snapshot().scan
+        assert state.fused is not None  # the compiled call, not the composition
         assert_numpy_path_matches(index, [xq[:1], xq])
 
 
@@ -307,7 +308,7 @@ def test_lut_and_gemm_search_paths_agree(spec, metric, rng, monkeypatch):
     index.add(xb)
     allowed = np.arange(0, 3000, 2)
     D1, I1 = index.search(xq, 10, allowed_ids=allowed)
-    assert index._scan["blocked"] is not None  # the fast-scan kernel ran
+    assert index._scan.scanner is not None  # the fast-scan kernel ran
     monkeypatch.setattr(index, "_fast_scan_ok", lambda: False)
     index._scan = None
     paths = [index.search(xq, 10, allowed_ids=allowed)]  # LUT scan (mse) or GEMM
@@ -335,7 +336,7 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     state = index._scan_state()
     one_call = "TQ" in spec and "prod" not in spec
     if state is not None and "cpu" in tqvec.available_backends():
-        assert (state.get("one_call") is not None) == one_call
+        assert (state.fused is not None) == one_call
     assert_numpy_path_matches(index, [xq[:1], xq])
     assert_numpy_path_matches(index, [np.zeros((2, 48), np.float32)])  # cosine: zero rows stay 0
     if "Refine" in spec:
@@ -382,7 +383,7 @@ def test_sign_prefilter(spec, metric, rng, tmp_path):
     D0, I0 = index.search(xq, 10)
     index.prefilter = 300  # 3,000 candidates: all rows
     D1, I1 = index.search(xq, 10)
-    assert index._scan["signs"] is not None and index._scan["blocked"] is None
+    assert index._scan.signs is not None and index._scan.scanner is None
     np.testing.assert_array_equal(I1, I0)
     np.testing.assert_allclose(D1, D0, rtol=1e-4, atol=1e-3)  # another summation order
     D2, I2 = index.search(torch.from_numpy(xq), 10)  # general path == numpy path
@@ -480,7 +481,8 @@ def test_centred_inner_product_correction(spec, rng, tmp_path):
     D2, I2 = back.search(xq, 10)
     np.testing.assert_array_equal(I2, I)
     np.testing.assert_array_equal(D2, D)
-    index._ipcorr = index._ipcorr[:-1]  # a file whose correction does not match its rows
+    rows = index._rows  # a file whose correction does not match its rows
+    rows.per_row["ipcorr"] = rows.per_row["ipcorr"][:-1]
     tqvec.write_index(index, str(tmp_path / "bad.tqv"))
     with pytest.raises(FormatError, match="ipcorr"):
         tqvec.read_index(str(tmp_path / "bad.tqv"))

@@ -38,7 +38,7 @@ def _oracle(index, xq, k, xb):
     if index.metric_type == tqvec.index.METRIC_COSINE:
         q = q / np.linalg.norm(q, axis=1, keepdims=True)
     cent = index.centroids.numpy().astype(np.float64)
-    lists = index._lists.numpy()
+    lists = index.assignments
     if index.metric_type == tqvec.index.METRIC_INNER_PRODUCT:
         c = cent[lists]
         r, r_hat = xb.astype(np.float64) - c, rec - c
@@ -101,12 +101,12 @@ def test_fast_scan_and_per_list_paths_agree(b, metric, rng, monkeypatch):
     fast = _trained(f"IVF16,TQ{b}", metric, xb, nprobe=5)
     slow = _trained(f"IVF16,TQ{b}", metric, xb, nprobe=5)
     monkeypatch.setattr(slow, "_fast_ok", lambda: False)
-    slow._ivf = None
+    slow._scan = None
     allowed = np.arange(0, 2000, 3)
     for kw in ({}, {"allowed_ids": allowed}):
         D1, I1 = fast.search(xq, 20, **kw)
         D2, I2 = slow.search(xq, 20, **kw)
-        assert "scanner" in fast._ivf and "scanner" not in slow._ivf
+        assert fast._scan.scanner is not None and slow._scan.scanner is None
         # the same ranking up to the order of ties (1-bit scores tie often; the two paths sum
         # the inner product's row correction in another order)
         mis = I1 != I2
@@ -128,7 +128,7 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     index.remove_ids(np.arange(0, 2000, 7))
     # one compiled call (ops.IVFSearch), with no refinement, exact vectors or TurboQuant codes
     if "cpu" in tqvec.available_backends():
-        assert index._snapshot()["ivf"].get("one_call") is not None
+        assert index._snapshot().scan.fused is not None
     for q in (xq[:1], xq[:8], xq):
         _, I1 = assert_numpy_path_matches(index, [q])
         assert (I1 >= 0).all() and not np.isin(I1, np.arange(0, 2000, 7)).any()
@@ -139,7 +139,8 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
         D2, I2 = index.search(torch.from_numpy(q), 3000)
         np.testing.assert_array_equal(I1, I2)
         np.testing.assert_array_equal(D1, D2)
-    assert index._search_fast_numpy(xq.astype(np.float64), 10) is None
+    with index._lock:
+        assert index._fused_search(xq.astype(np.float64), index._snapshot(), 10) is None
     bad = xq.copy()
     bad[2, 5] = np.inf
     with pytest.raises(ValueError, match="must be finite"):
@@ -175,7 +176,7 @@ def test_nprobe_restricts_results_to_the_nearest_lists(rng):
     index = _trained("IVF8,TQ4", "l2", xb, nprobe=1)
     _, I = index.search(xq, 5000)
     cent = index.centroids.numpy()
-    lists = index._lists.numpy()
+    lists = index.assignments
     for i in range(len(xq)):
         nearest = np.argmin(((xq[i] - cent) ** 2).sum(1))
         got = I[i][I[i] >= 0]
@@ -224,7 +225,8 @@ def test_write_read_round_trip(tmp_path, spec, metric, rng):
     # stored (ip: a <c, r> - est<c, r> needs the vectors; 4 bytes per row)
     np.testing.assert_allclose(D1, D2, rtol=1e-6, atol=1e-5)
     if metric == "ip":
-        np.testing.assert_array_equal(back._rowterm.numpy(), index._rowterm.numpy())
+        np.testing.assert_array_equal(back._rows.term("rowterm").numpy(),
+                                      index._rows.term("rowterm").numpy())
         assert index.code_size == tqvec.index_factory(32, spec, "l2").code_size + 4
     untrained = tqvec.index_factory(32, spec, metric)
     tqvec.write_index(untrained, tmp_path / "u.tqv")
@@ -235,8 +237,9 @@ def test_hostile_ivf_file(tmp_path, rng, monkeypatch):
     """A file whose list numbers point outside the lists fails cleanly (checksums pass)."""
     xb, _ = _clustered(rng, n=200)
     index = _trained("IVF4,TQ2", "l2", xb, nprobe=2)
-    index._lists = index._lists.clone()
-    index._lists[3] = 9
+    lists = index._rows.per_row["lists"].clone()
+    lists[3] = 9
+    index._rows.per_row["lists"] = lists
     tqvec.write_index(index, tmp_path / "i.tqv")
     with pytest.raises(FormatError, match="lists must be"):
         tqvec.read_index(tmp_path / "i.tqv")

@@ -92,7 +92,7 @@ def test_mixed_codec_flat_search_is_exact_for_its_estimator(metric, rng):
     c = MixedTurboQuant(128, GROUPS, seed=1)
     index = tqvec.FlatIndex(c, metric)
     index.add(x)
-    assert index._scan_state()["fast"]
+    assert index._scan_state().fast
     q = rng.standard_normal((20, 128)).astype(np.float32) * 3
     _, found = index.search(q, 10)
     xh = c.decode(c.encode(x), like=x)

@@ -10,15 +10,15 @@ import hashlib
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 import torch
 
 from .. import _validate as V
 
-__all__ = ["Codes", "Codec", "codec_from_params", "register", "concat_codes", "BLOCK_ROWS",
-           "score_from_terms"]
+__all__ = ["Codes", "Codec", "LutTerm", "codec_from_params", "register", "concat_codes",
+           "BLOCK_ROWS", "score_from_terms"]
 
 BLOCK_ROWS = 8192
 _REGISTRY: dict[str, type[Codec]] = {}
@@ -49,6 +49,18 @@ def codec_from_params(params: Mapping[str, Any], *, strict: bool = False) -> Cod
     if strict and codec.params != {"codec": name, **params}:
         raise ValueError(f"params must be canonical, got {dict(params)} for {codec!r}")
     return codec
+
+
+class LutTerm(NamedTuple):
+    """One term of a codec's estimator over its packed codes, for lookup-table scans: the term's
+    vector of row i is ``centroids[unpack_bits(packed[i], d, bits)]``, scaled by ``scale[i]``,
+    and pairs with the matching ``query_terms`` entry (QJL signs: bits 1, centroids (-1, +1))."""
+
+    packed: torch.Tensor  # (n, ceil(d bits / 8)) uint8
+    d: int
+    bits: int
+    centroids: torch.Tensor  # (2^bits,) float32
+    scale: torch.Tensor  # (n,) float32
 
 
 @dataclass(frozen=True, eq=False)
@@ -209,15 +221,13 @@ class Codec:
         raise NotImplementedError(f"{type(self).__name__} has no term form of its estimator")
 
     # The same estimator over the packed codes, for lookup-table scans: term i of
-    # ``query_terms`` pairs with ``lut_terms(codes)[i] = (packed (n, ceil(d_i b_i / 8)) uint8,
-    # d_i, b_i, centroids (2^b_i,) float32, scale (n,) float32)``, i.e. code_terms' vector is
-    # centroids[unpack_bits(packed, d_i, b_i)] (QJL signs: b = 1, centroids (-1, +1)).
+    # ``query_terms`` pairs with ``lut_terms(codes)[i]``, a ``LutTerm`` whose vector is
+    # code_terms' (QJL signs: b = 1, centroids (-1, +1)).
     def lut_term_bits(self) -> list[int] | None:
         """Widths of the ``lut_terms``, or None when the codes are not scalar-quantized terms."""
         return None
 
-    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
-                                                   torch.Tensor]]:
+    def lut_terms(self, codes: Codes) -> list[LutTerm]:
         raise NotImplementedError(f"{type(self).__name__} has no lookup-table form of its codes")
 
     def has_sign_term(self) -> bool:
@@ -230,8 +240,7 @@ class Codec:
         0: none (``has_sign_term`` is the other kind of first pass)."""
         return 0
 
-    def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
-                                                torch.Tensor] | None:
+    def sign_term(self, codes: Codes) -> LutTerm | None:
         """A 1-bit coarse version of the single ``lut_terms`` entry (paired with the same query
         term) for a two-stage scan, or None when the codec has none."""
         return None

@@ -31,7 +31,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from .base import Codec, Codes, register
+from .base import Codec, Codes, LutTerm, register
 from .turbo import TurboQuant
 
 __all__ = ["MixedTurboQuant", "MIXED_WIDTHS", "mixed_code_size"]
@@ -221,14 +221,13 @@ class MixedTurboQuant(Codec):
         """The terms of the first ``first_runs`` coded runs (one per run)."""
         return self.first_runs
 
-    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
-                                                   torch.Tensor]]:
+    def lut_terms(self, codes: Codes) -> list[LutTerm]:
         terms = []
         for _, c, sub in self._sub_codes(codes):
             if c.bits != 8:
                 terms += c.lut_terms(sub)
                 continue
             # the code bytes are the nibbles' packed 4-bit row (low nibble first)
-            terms.append((sub.payload, 2 * c.dim, 4, self._grid_nibbles(c, codes.device),
-                          c._multiplier(sub).to(torch.float32)))
+            terms.append(LutTerm(sub.payload, 2 * c.dim, 4, self._grid_nibbles(c, codes.device),
+                                 c._multiplier(sub).to(torch.float32)))
         return terms

@@ -22,7 +22,7 @@ from .. import _validate as V
 from .. import ops
 from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_check, jl_matrix
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
-from .base import NORM_DTYPES, Codec, Codes, register, store_norm
+from .base import NORM_DTYPES, Codec, Codes, LutTerm, register, store_norm
 
 __all__ = ["QJL", "top_channels"]
 
@@ -197,14 +197,14 @@ class QJL(Codec):
     def lut_term_bits(self) -> list[int] | None:
         return [1, 1] if self.outliers else [1]
 
-    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
-                                                   torch.Tensor]]:
+    def lut_terms(self, codes: Codes) -> list[LutTerm]:
         """The sign bits as 1-bit codes with centroids (-1, +1), scaled as in code_terms."""
         dev = codes.device
         pm1 = torch.tensor([-1.0, 1.0], device=dev)
-        terms = [(codes.payload[:, : self._in_bytes], self.sketch_dim, 1, pm1,
-                  (codes.scalars["norm"].float() * qjl_scale(self.sketch_dim)))]
+        terms = [LutTerm(codes.payload[:, : self._in_bytes], self.sketch_dim, 1, pm1,
+                         (codes.scalars["norm"].float() * qjl_scale(self.sketch_dim)))]
         if self.outliers:
-            terms.append((codes.payload[:, self._in_bytes:], self.outlier_sketch_dim, 1, pm1,
-                          codes.scalars["onorm"].float() * qjl_scale(self.outlier_sketch_dim)))
+            terms.append(LutTerm(codes.payload[:, self._in_bytes:], self.outlier_sketch_dim, 1,
+                                 pm1, codes.scalars["onorm"].float()
+                                 * qjl_scale(self.outlier_sketch_dim)))
         return terms

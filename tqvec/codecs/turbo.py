@@ -37,7 +37,7 @@ from ..random import (
     make_rotation,
 )
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
-from .base import NORM_DTYPES, Codec, Codes, inverse_norms, register, store_norm
+from .base import NORM_DTYPES, Codec, Codes, LutTerm, inverse_norms, register, store_norm
 
 __all__ = ["TurboQuant"]
 
@@ -340,8 +340,7 @@ class TurboQuant(Codec):
         return self.variant == "mse" and (self.mse_bits >= 2 or (
             self.mse_bits == 1 and self._sign_prefix_dims() > 0))
 
-    def sign_term(self, codes: Codes) -> tuple[torch.Tensor, int, int, torch.Tensor,
-                                                torch.Tensor] | None:
+    def sign_term(self, codes: Codes) -> LutTerm | None:
         """The mse codes cut to their top bit, as a ``lut_terms`` entry (packed 1-bit codes, d1,
         1, centroids, multiplier): the coarse first pass of a two-stage scan. The codebook is
         symmetric with a threshold at 0, so the top bit of an index is the sign of the rotated
@@ -357,8 +356,8 @@ class TurboQuant(Codec):
         if b == 1:
             d1 = self._sign_prefix_dims()
             packed = codes.payload[:, : d1 // 8].contiguous()
-            return (packed, d1, 1, self._arr.get("centroids", dev).to(torch.float32),
-                    self._multiplier(codes).to(torch.float32))
+            return LutTerm(packed, d1, 1, self._arr.get("centroids", dev).to(torch.float32),
+                           self._multiplier(codes).to(torch.float32))
         payload = codes.payload[:, : self._mse_bytes]
         parts = [ops.pack_bits(ops.unpack_bits(payload[s:s + 65536], self.dim, b, self.backend)
                                >> (b - 1), 1, self.backend)
@@ -366,21 +365,20 @@ class TurboQuant(Codec):
         packed = torch.cat(parts) if parts else torch.empty(
             (0, ops.row_bytes(self.dim, 1)), dtype=torch.uint8, device=dev)
         c1 = torch.from_numpy(sphere_codebook(self.dim, 1).centroids.astype(np.float32))
-        return packed, self.dim, 1, c1.to(dev), self._multiplier(codes).to(torch.float32)
+        return LutTerm(packed, self.dim, 1, c1.to(dev), self._multiplier(codes).to(torch.float32))
 
-    def lut_terms(self, codes: Codes) -> list[tuple[torch.Tensor, int, int, torch.Tensor,
-                                                   torch.Tensor]]:
+    def lut_terms(self, codes: Codes) -> list[LutTerm]:
         """code_terms over the packed codes (no unpacking): the mse indices with the codebook,
         and for prod the QJL sign bits with centroids (-1, +1)."""
         dev = codes.device
         nrm = self._multiplier(codes).to(torch.float32)
         terms = []
         if self.mse_bits:
-            terms.append((codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
-                          self._arr.get("centroids", dev), nrm))
+            terms.append(LutTerm(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
+                                 self._arr.get("centroids", dev), nrm))
         if self.variant == "prod":
-            terms.append((codes.payload[:, self._mse_bytes:], self.sketch_dim, 1,
-                          torch.tensor([-1.0, 1.0], device=dev),
-                          (nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)).float()))
+            terms.append(LutTerm(codes.payload[:, self._mse_bytes:], self.sketch_dim, 1,
+                                 torch.tensor([-1.0, 1.0], device=dev),
+                                 (nrm * self._gamma(codes) * qjl_scale(self.sketch_dim)).float()))
         return terms
 

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from ..codecs.turbo import TurboQuant
-from .flat import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name
+from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name
 
 if TYPE_CHECKING:
     from .flat import FlatIndex
@@ -54,12 +54,8 @@ FAISS_TQMSE_BITS = (1, 2, 3, 4, 8)
 _UNIT_TOL = 1e-3
 
 
-def _check_exportable(index: FlatIndex, faiss_estimator: bool) -> TurboQuant:
-    from .ivf import IVFIndex
-    if isinstance(index, IVFIndex):
-        raise ValueError("to_faiss() exports flat indexes only: an IVF index holds codes of "
-                         "residuals x - c, which are not unit vectors, and faiss's SQtqmse "
-                         "stores no norm")
+def _check_exportable(index: FlatIndex, faiss_estimator: bool,
+                      norms: np.ndarray | None) -> TurboQuant:
     codec = index.codec
     if not (isinstance(codec, TurboQuant) and codec.variant == "mse" and codec.scale == "norm"
             and codec.bits in FAISS_TQMSE_BITS):
@@ -75,8 +71,7 @@ def _check_exportable(index: FlatIndex, faiss_estimator: bool) -> TurboQuant:
                          f"division by ||x_hat||, which loses recall (see "
                          f"tqvec.index.faiss_export); pass faiss_estimator=True to accept "
                          f"faiss's estimator on the same codes")
-    if index.metric_type in (METRIC_INNER_PRODUCT, METRIC_L2) and index.ntotal:
-        norms = index._codes.scalars["norm"].float()
+    if index.metric_type in (METRIC_INNER_PRODUCT, METRIC_L2) and norms is not None:
         lo, hi = float(norms.min()), float(norms.max())
         if lo < 1 - _UNIT_TOL or hi > 1 + _UNIT_TOL:
             raise ValueError(
@@ -97,7 +92,11 @@ def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
     """
     import faiss
 
-    codec = _check_exportable(index, bool(faiss_estimator))
+    _, arrays = index.state()
+    n = len(arrays["ids"])
+    norm = arrays.get("codes.scalar.norm")
+    codec = _check_exportable(index, bool(faiss_estimator),
+                              norm.astype(np.float32) if n and norm is not None else None)
     d, b = index.d, codec.bits
     cosine = index.metric_type == METRIC_COSINE
     fmetric = faiss.METRIC_L2 if index.metric_type == METRIC_L2 else faiss.METRIC_INNER_PRODUCT
@@ -120,11 +119,9 @@ def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
         norm = faiss.NormalizationTransform(d, 2.0)
         pre.prepend_transform(norm)
 
-    n = index.ntotal
-    with index._lock:
-        codes = index._codes.payload.cpu().numpy() if n else None
-        ids = index._ids.numpy().copy()
-        exact = index._ref.numpy() if index.refine == "flat" and n else None
+    codes = arrays.get("codes.payload")
+    ids = arrays["ids"].copy()
+    exact = arrays.get("refine.vectors")
     # faiss's wrappers must be built around empty indexes; the contents go in afterwards. (faiss's
     # Python layer keeps the sub-objects handed to these constructors alive.)
     out = pre

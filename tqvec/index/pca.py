@@ -4,7 +4,7 @@ The one index here that learns more than a mean - say so wherever it is compared
 intrinsic dimension (Fashion-MNIST: 50 of 784 principal components hold 86 % of the variance)
 wastes a data-oblivious code's bits: the random rotation spreads every direction's energy over
 every coordinate, so a 2-bit TurboQuant code spends as much on noise directions as on the
-leading ones. Trained PQ exploits the structure and wins there (issue #6, lesson (c)).
+leading ones. Trained PQ exploits the structure and wins there.
 
 ``train(x)`` fits the mean mu and the eigenvectors V of the covariance (descending variance;
 for cosine, of the unit rows), then gives the components bits by their variance: a greedy
@@ -37,17 +37,17 @@ from ..codebooks import sphere_codebook, sphere_grid_codebook
 from ..codecs import TurboQuant
 from ..codecs.base import Codec
 from ..codecs.mixed import MIXED_WIDTHS, MixedTurboQuant, mixed_code_size
-from .flat import (
-    _QUERY_BLOCK,
+from .flat import FlatIndex
+from .metrics import (
     METRIC_COSINE,
     METRIC_L2,
-    FlatIndex,
-    _normalized,
-    _unit_rows,
-    check_refine,
+    QUERY_BLOCK,
     metric_code,
+    normalized,
     row_mean,
+    unit_rows,
 )
+from .rerank import check_refine
 
 __all__ = ["PCAIndex", "allocate_widths", "first_pass_runs", "FIRST_PASS_VARIANCE"]
 
@@ -208,7 +208,7 @@ class PCAIndex:
             raise ValueError(f"x must have >= 2 rows to fit a PCA basis, got {t.shape[0]}")
         t = t.to(torch.float32)
         if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
-            t = _normalized(t)
+            t = normalized(t)
         mu = row_mean(t)
         # float32 products of centred blocks, summed in float64 (half the time of float64
         # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
@@ -226,12 +226,25 @@ class PCAIndex:
         codec = MixedTurboQuant(self.d, runs, seed=self.seed,
                                 first_runs=first_pass_runs(runs, var))
         center = (mu.to(torch.float32) @ basis).numpy()
-        self._install(basis, var.astype(np.float32),
+        self.install(basis, var.astype(np.float32),
                       FlatIndex(codec, self.metric_type, refine=self.refine,
                                 k_factor=self._k_factor, prefilter=self._prefilter,
                                 center=center))
 
-    def _install(self, basis: torch.Tensor, variances: np.ndarray, index: FlatIndex) -> None:
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(meta, arrays): the inner index's state with the fit beside it (``tqvec.index.io``)."""
+        if self.index is None:
+            raise ValueError("index must be trained before it is written (PCA,TQ{b} has no "
+                             "basis yet)")
+        meta, arrays = self.index.state()
+        meta["pca"] = {"bits": self.bits, "seed": self.seed}
+        arrays["pca.basis"] = self.basis.numpy()
+        arrays["pca.variances"] = self.variances
+        return meta, arrays
+
+    def install(self, basis: torch.Tensor, variances: np.ndarray, index: FlatIndex) -> None:
+        """Take a fit and the centred inner index that codes in its basis (``train``, or a
+        state read back)."""
         self.basis, self.variances, self.index = basis, variances, index
         self._query_map = None
 
@@ -254,25 +267,24 @@ class PCAIndex:
         basis's, V being orthogonal), inner products offset by <q, mu>, cosine on unit rows."""
         index = self.index
         if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and 0 < x.shape[0] <= _QUERY_BLOCK and x.shape[1] == self.d
+                and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
                 and index.refine is None):
             return None
-        with index._lock:
-            scan, n, ids = index._scan_state(), index._n, index._ids
-        kk = min(n, k)
-        if (scan is None or not scan["fast"] or not index._fast_rows_ok(n, kk)
-                or not np.isfinite(x).all()):
-            return None
-        q = torch.from_numpy(_unit_rows(x) if self.metric_type == METRIC_COSINE else x)
-        W, slices, mu = self._fused_query_map()
-        offsets = None
-        if self.metric_type == METRIC_L2:
-            q = q - mu
-        else:
-            offsets = ops.row_dots(q, mu).numpy()
-        t = q @ W
-        return index._scan_results([t[:, s].contiguous() for s in slices], q, offsets, scan,
-                                   ids, kk, k)
+
+        def prepare() -> tuple[list[torch.Tensor], torch.Tensor, np.ndarray | None] | None:
+            if not np.isfinite(x).all():
+                return None
+            q = torch.from_numpy(unit_rows(x) if self.metric_type == METRIC_COSINE else x)
+            W, slices, mu = self._fused_query_map()
+            offsets = None
+            if self.metric_type == METRIC_L2:
+                q = q - mu
+            else:
+                offsets = ops.row_dots(q, mu).numpy()
+            t = q @ W
+            return [t[:, s].contiguous() for s in slices], q, offsets
+
+        return index.search_prepared(k, prepare)
 
     @property
     def codec(self) -> MixedTurboQuant | None:

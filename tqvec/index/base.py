@@ -1,0 +1,259 @@
+"""What every tqvec index over stored codes shares: faiss's surface for ids and rows (add,
+add_with_ids, remove_ids, reconstruct, ntotal, k_factor), a memory-mapped file's check, and the
+one composition every search is - prepare the queries -> scan for candidates -> re-rank with the
+refinement -> ids and the metric's distances. An index supplies how its rows are encoded, how
+queries are prepared and how a block of them is scanned (``FlatIndex``: the codes themselves;
+``IVFIndex``: the probed inverted lists), and may supply a fused compiled implementation of the
+whole composition for float32 numpy queries.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from ..codecs.base import Codec, Codes
+from .metrics import METRIC_L2, QUERY_BLOCK, metric_code, padded, results
+from .rerank import RefineLut, check_refine, refine_lut, rerank
+from .rows import Rows
+
+__all__ = ["CodesIndex"]
+
+
+class CodesIndex:
+    """Base of the indexes that store codes of one codec (not instantiated itself).
+
+    Subclasses set ``codec``, ``d``, ``metric_type``, ``refine``, ``device``, ``is_trained``
+    and ``_scoring`` (the metric the codes are scored with), call ``_init_rows`` and implement
+    ``_encode``, ``_queries`` and ``_scan_block`` (and ``_fused_search`` where they have one).
+    """
+
+    codec: Codec
+    d: int
+    metric_type: int
+    device: torch.device
+    is_trained: bool
+    _scoring: int
+
+    def _init_rows(self, codec: Codec, metric: Any, refine: Any, k_factor: int) -> None:
+        if not isinstance(codec, Codec):
+            raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
+        self.codec = codec
+        self.d = codec.dim
+        self.metric_type = metric_code(metric)
+        self.refine = check_refine(refine, self.d)
+        self.k_factor = k_factor
+        self._lock = threading.Lock()
+        self._rows = Rows()
+        self._mapped: Any = None
+        self._ref_lut: RefineLut | None = None
+
+    # -- to implement -------------------------------------------------------------------------
+    def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
+        """(codes, refinement rows or None, per-row terms) of new float rows t."""
+        raise NotImplementedError
+
+    def _queries(self, x: Any) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Validated, prepared queries, and offsets per query added to the final scores."""
+        raise NotImplementedError
+
+    def _scan_block(self, q: torch.Tensor, snap: Any, mask: torch.Tensor | None, kk: int,
+                    nq_total: int) -> tuple[np.ndarray, np.ndarray]:
+        """Best kk (similarities, row positions) of prepared queries q (l2: negated squared
+        distances), padded with -inf / -1."""
+        raise NotImplementedError
+
+    def _fused_search(self, x: Any, snap: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """The whole search in one compiled call, where this index has one for x; None
+        otherwise (and for queries holding NaN or Inf, which the composition reports)."""
+        return None
+
+    def _snapshot(self) -> Any:
+        """What a search reads, taken together (call with the lock held)."""
+        raise NotImplementedError
+
+    def _invalidate(self) -> None:
+        """Drop the search-time state derived from the rows (lock held)."""
+        self._ref_lut = None
+
+    #: What ``train`` does for this index, for the error of a use before it.
+    _train_hint = "call index.train(x) first (is_trained is False)"
+
+    def _check_ready(self, what: str) -> None:
+        if not self.is_trained:
+            raise ValueError(f"index must be trained before {what}: {self._train_hint}")
+
+    # -- parameters ----------------------------------------------------------------------------
+    @property
+    def k_factor(self) -> int:
+        """Candidates per result taken from the codes for the refinement to re-rank."""
+        return self._k_factor
+
+    @k_factor.setter
+    def k_factor(self, value: int) -> None:
+        self._k_factor = V.positive_int(value, "k_factor", 1, V.MAX_CANDIDATE_FACTOR)
+
+    @property
+    def ntotal(self) -> int:
+        return self._rows.n
+
+    def check_mapped(self) -> None:
+        """Raise ``FormatError`` if the file this index memory-maps (``read_index(...,
+        mmap=True)``) changed since it was read; every search, range search and reconstruction
+        checks it first."""
+        if self._mapped is not None:
+            self._mapped.check()
+
+    # -- rows ------------------------------------------------------------------------------------
+    def reset(self) -> None:
+        """Remove every vector (what was trained stays, as in faiss)."""
+        with self._lock:
+            self._rows.reset()
+            self._mapped = None
+            self._invalidate()
+
+    def add(self, x: Any) -> None:
+        """Add vectors with ids ntotal, ntotal+1, ... (faiss's convention; after custom ids,
+        from one past the largest)."""
+        t, _ = V.float_matrix(x, "x", self.d)
+        start = self._rows.next_id
+        if start + t.shape[0] - 1 > V.INT64_MAX:
+            raise ValueError(f"add() numbers the rows from next id {start}: {t.shape[0]} more do "
+                             "not fit in int64; use add_with_ids")
+        self._append(t, torch.arange(start, start + t.shape[0], dtype=torch.int64))
+
+    def add_with_ids(self, x: Any, ids: Any) -> None:
+        """Add vectors with the given ids (integers in 0..2**63-1; -1 stands for "no result")."""
+        t, _ = V.float_matrix(x, "x", self.d)
+        a = V.id_array(ids)
+        if a.shape != (t.shape[0],):
+            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got shape "
+                             f"{np.shape(ids)}")
+        if a.size and int(a.min()) < 0:
+            raise ValueError(f"ids must be in 0..2**63-1, got {int(a.min())}")
+        self._append(t, torch.from_numpy(a.copy()))
+
+    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+        if t.shape[0] == 0:
+            return
+        self._check_ready("add")
+        codes, ref, per_row = self._encode(t)
+        with self._lock:
+            self._rows.append(codes, ids, ref, per_row)
+            self._invalidate()
+
+    def remove_ids(self, ids: Any) -> int:
+        """Remove the given ids; returns how many were removed (faiss semantics)."""
+        sel = torch.from_numpy(V.id_array(ids))
+        with self._lock:
+            if self._rows.n == 0 or sel.numel() == 0:
+                return 0
+            removed = self._rows.keep(~torch.isin(self._rows.ids, sel))
+            if removed:
+                self._invalidate()
+                self._removed()
+            return removed
+
+    def _removed(self) -> None:
+        """After rows were removed (lock held): drop layouts that only grow by appends."""
+
+    def _position(self, key: Any) -> int:
+        self.check_mapped()
+        return self._rows.position(key)
+
+    def _positions(self, i0: Any, n: Any) -> tuple[int, int]:
+        """Checked (i0, n) of ``reconstruct_n``."""
+        i0 = V.positive_int(i0, "i0", 0)
+        n = V.positive_int(n, "n", 0)
+        if i0 + n > self._rows.n:
+            raise ValueError(f"i0, n must select positions within 0..{self._rows.n}, got {i0}, "
+                             f"{n}")
+        self.check_mapped()
+        return i0, n
+
+    def reconstruct(self, key: int) -> np.ndarray:
+        """The vector with id ``key`` as the codes hold it -> (d,) float32."""
+        p = self._position(key)
+        return self.reconstruct_n(p, 1)[0]
+
+    def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    # -- search ----------------------------------------------------------------------------------
+    def _refine_lut(self) -> RefineLut | None:
+        """The refinement's rotated-domain tables (``rerank.refine_lut``), built once per
+        change of the rows (call with the lock held)."""
+        if self._ref_lut is None:
+            self._ref_lut = refine_lut(self.refine, self._rows.ref, self._scoring, self.device)
+        return self._ref_lut
+
+    def _candidates(self, n: int, k: int) -> int:
+        """Candidates a scan returns per query: k, or k_factor k for a refinement."""
+        return min(n, k * self._k_factor if self.refine is not None else k)
+
+    def _allowed_mask(self, allowed_ids: Any, ids: torch.Tensor) -> torch.Tensor | None:
+        if allowed_ids is None:
+            return None
+        sel = torch.from_numpy(V.id_array(allowed_ids, "allowed_ids"))
+        return torch.isin(ids, sel).to(self.device)
+
+    def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
+               params: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """k nearest neighbours of each row of x: ``(D, I)`` as faiss returns them.
+
+        ``allowed_ids`` restricts the search to those ids and still returns k results when k of
+        them exist (faiss's ``SearchParameters(sel=...)`` idea). ``params`` may be a faiss
+        ``SearchParameters`` whose ``sel`` is an ``IDSelectorBatch``/``IDSelectorArray``-like
+        object with ``is_member``; prefer ``allowed_ids``.
+        """
+        k = V.search_k(k, self._rows.n)
+        self._check_ready("search")
+        self.check_mapped()
+        if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
+            sel = params.sel
+            allowed_ids = [int(i) for i in self._rows.ids.tolist() if sel.is_member(int(i))]
+        with self._lock:  # a consistent snapshot; searching itself needs no lock
+            snap = self._snapshot()
+        if allowed_ids is None:
+            out = self._fused_search(x, snap, k)
+            if out is not None:
+                return out
+        q, offsets = self._queries(x)
+        return self._search_queries(q, offsets, snap, k,
+                                    self._allowed_mask(allowed_ids, snap.rows.ids))
+
+    def _search_queries(self, q: torch.Tensor, offsets: np.ndarray | None, snap: Any, k: int,
+                        mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
+        """The composition for prepared queries: scan, re-rank, ids and distances."""
+        nq, n = q.shape[0], snap.rows.n
+        if n == 0 or nq == 0:
+            return padded(self.metric_type, nq, k)
+        ids = snap.rows.ids.numpy()
+        kk = self._candidates(n, k)
+        blocks = []
+        for qs in range(0, nq, QUERY_BLOCK):
+            qe = min(nq, qs + QUERY_BLOCK)
+            qb = q if nq <= QUERY_BLOCK else q[qs:qe]
+            vals, pos = self._scan_block(qb, snap, mask, kk, nq)
+            if snap.rows.ref is not None:
+                vals, pos = rerank(qb, vals, pos, self.refine, snap.rows.ref, snap.ref_lut,
+                                   self._scoring, k)
+            blocks.append(self._results(vals, pos, ids, k,
+                                        None if offsets is None else offsets[qs:qe]))
+        if len(blocks) == 1:
+            return blocks[0]
+        return np.concatenate([b[0] for b in blocks]), np.concatenate([b[1] for b in blocks])
+
+    def _results(self, vals: np.ndarray, pos: np.ndarray, ids: np.ndarray, k: int,
+                 offsets: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """(D, I) from best-first similarities: L2 distances, plus per-query offsets."""
+        if self.metric_type == METRIC_L2:
+            vals = -vals
+        if offsets is not None:
+            vals = vals + offsets[:, None]
+        return results(self.metric_type, vals, pos, ids, k)

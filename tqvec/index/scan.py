@@ -1,0 +1,103 @@
+"""A flat index's lookup-table scan state: the codes' terms with the metric's per-row
+multipliers and offsets, their fast-scan layout (kept across appends), and the prepared scans
+of the CPU kernels."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import ops
+from ..codecs.base import Codec, Codes, LutTerm
+from .fused import FlatSearch
+from .metrics import METRIC_COSINE, METRIC_L2
+
+__all__ = ["FlatScan", "BlockedCodes", "metric_terms"]
+
+
+@dataclass
+class FlatScan:
+    """What a flat index's LUT scan reads for one state of its rows:
+    score_i = sum_t mults[t]_i <query_terms(q)[t], cents[t][idx_t,i]> + add_i is the metric's
+    similarity (without the query's ||q||^2 for L2). On the CPU kernels ``scanner`` scans every
+    term (several terms two-stage from the leading ones with a prefilter), or ``signs`` scans a
+    sign plane first and re-scores its best rows with the full codes (a prefilter on
+    TurboQuant-mse codes); ``fused`` runs the whole search in one compiled call where it can.
+    Without them (no fast-scan layout) the packed terms serve ``ops.lut_scan``."""
+
+    packed: list[torch.Tensor]
+    mults: list[torch.Tensor]
+    cents: list[torch.Tensor]
+    bits: list[int]
+    add: torch.Tensor
+    scanner: ops.FastScan | None = None
+    signs: ops.FastScan | None = None
+    fused: FlatSearch | None = field(default=None, repr=False)
+
+    @property
+    def fast(self) -> bool:
+        """Whether the CPU fast-scan kernels scan these rows."""
+        return self.scanner is not None or self.signs is not None
+
+
+def metric_terms(terms: list[LutTerm], n: int, scoring: int, sqnorms: torch.Tensor,
+                 ipcorr: torch.Tensor, device: torch.device
+                 ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per-term multipliers and the row offsets that make the terms' sum the metric's
+    similarity: l2 2 est - N(x), cosine (or a rescaled inner product) est / sqrt(N(x)), plus a
+    centred inner-product index's correction (``rowterms``)."""
+    add = torch.zeros(n, dtype=torch.float32, device=device)
+    if scoring == METRIC_L2:
+        weight = torch.full((n,), 2.0, device=device)
+        add = -sqnorms
+    elif scoring == METRIC_COSINE or sqnorms.numel():
+        weight = 1.0 / torch.sqrt(sqnorms.clamp_min(1e-30))
+    else:
+        weight = torch.ones(n, device=device)
+    if ipcorr.numel():
+        add = add + ipcorr
+    mults = [(weight * t.scale).to(torch.float32).contiguous() for t in terms]
+    return mults, add.to(torch.float32).contiguous()
+
+
+class BlockedCodes:
+    """The fast-scan layout (``ops.block_codes``) of an index's codes, kept across appends:
+    rows added after the last whole 32-row block are laid out and joined to the blocks before
+    them; ``clear`` drops it (after removals, or to hold one layout at a time). Either the
+    codec's terms or its sign plane (a prefilter's first pass)."""
+
+    def __init__(self) -> None:
+        self.clear()
+
+    def clear(self) -> None:
+        self.blocks: list[torch.Tensor] | None = None
+        self.n = 0
+        self.kind = ""
+
+    def _extend(self, kind: str, parts: list[tuple[torch.Tensor, int, int]], n: int,
+                start: int) -> list[torch.Tensor]:
+        """parts: (packed rows from ``start`` on, d, b) per array."""
+        blocks = []
+        for i, (packed, d, b) in enumerate(parts):
+            new = ops.block_codes(packed, d, b)
+            old = self.blocks[i][: start // 32] if start else None
+            blocks.append(new if old is None else torch.cat([old, new]))
+        self.blocks, self.n, self.kind = blocks, n, kind
+        return blocks
+
+    def _start(self, kind: str) -> int:
+        return (self.n // 32) * 32 if self.blocks is not None and self.kind == kind else 0
+
+    def terms(self, terms: list[LutTerm], n: int) -> list[torch.Tensor]:
+        """Every term's codes in the fast-scan layout."""
+        start = self._start("terms")
+        return self._extend("terms", [(t.packed[start:], t.d, t.bits) for t in terms], n, start)
+
+    def sign_plane(self, codec: Codec, codes: Codes) -> tuple[torch.Tensor, LutTerm]:
+        """The codec's sign plane (``Codec.sign_term``) in the fast-scan layout, and the sign
+        term of the rows laid out last (its d and centroids)."""
+        start = self._start("signs")
+        term = codec.sign_term(codes[start:])
+        blocks = self._extend("signs", [(term.packed, term.d, 1)], len(codes), start)
+        return blocks[0], term

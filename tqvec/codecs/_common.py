@@ -14,15 +14,16 @@ class DeviceCache:
     """float32 copies of fixed CPU arrays, made once per device."""
 
     def __init__(self, **arrays: np.ndarray):
-        self._cpu = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
+        #: name -> the CPU tensor (what the codec's fingerprint covers)
+        self.host = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in arrays.items()}
         self._dev: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def get(self, name: str, device: torch.device) -> torch.Tensor:
         if device.type == "cpu":
-            return self._cpu[name]
+            return self.host[name]
         key = (name, device)
         if key not in self._dev:
-            self._dev[key] = self._cpu[name].to(device)
+            self._dev[key] = self.host[name].to(device)
         return self._dev[key]
 
 

@@ -165,8 +165,8 @@ Codes.concat = staticmethod(concat_codes)  # type: ignore[attr-defined]
 class Codec:
     """Base class: ``encode`` / ``decode`` / ``score`` with no training.
 
-    Subclasses implement ``_encode_block(x float32 (B, d), norms (B,)) -> (payload, scalars)``,
-    ``_decode_block(codes) -> float32 (B, d)``, ``_prepare_queries(q float32) -> state`` and
+    Subclasses implement ``encode_block(x float32 (B, d), norms (B,)) -> (payload, scalars)``,
+    ``decode_block(codes) -> float32 (B, d)``, ``_prepare_queries(q float32) -> state`` and
     ``_score_block(state, codes) -> float32 (nq, B)``.
     """
 
@@ -194,11 +194,15 @@ class Codec:
         """name -> (per-vector shape, dtype) of the stored scalars."""
         raise NotImplementedError
 
-    def _encode_block(self, x: torch.Tensor, norms: torch.Tensor
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def encode_block(self, x: torch.Tensor, norms: torch.Tensor
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Encode checked rows x (B, d) float32 with their norms (B,): (payload, scalars).
+        ``encode`` validates and calls this per block; a codec made of codecs (``MixedTurboQuant``)
+        calls its parts' directly."""
         raise NotImplementedError
 
-    def _decode_block(self, codes: Codes) -> torch.Tensor:
+    def decode_block(self, codes: Codes) -> torch.Tensor:
+        """Decode checked codes -> (B, d) float32 (``decode`` validates and calls it per block)."""
         raise NotImplementedError
 
     def _prepare_queries(self, q: torch.Tensor) -> Any:
@@ -253,9 +257,9 @@ class Codec:
         """(n,) stored ||x||^2 (exact up to the norm dtype), for codecs that store the norm."""
         raise NotImplementedError(f"{type(self).__name__} does not store the true norm")
 
-    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+    def decoded_sqnorms(self, codes: Codes) -> torch.Tensor:
         """||decode(codes)||^2 per vector (B,); codecs override this with a rotation-free form."""
-        return (self._decode_block(codes) ** 2).sum(1)
+        return (self.decode_block(codes) ** 2).sum(1)
 
     def reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
         """(n,) float32 squared norms of the decoded vectors (what L2 search against the
@@ -264,10 +268,10 @@ class Codec:
         out = torch.empty(len(codes), dtype=torch.float32, device=codes.device)
         for s in range(0, len(codes), BLOCK_ROWS):
             e = min(len(codes), s + BLOCK_ROWS)
-            out[s:e] = self._reconstruction_sqnorms(codes[s:e])
+            out[s:e] = self.decoded_sqnorms(codes[s:e])
         return out
 
-    def _fingerprint_arrays(self) -> list[np.ndarray]:
+    def fingerprint_arrays(self) -> list[np.ndarray]:
         """Every materialized random/codebook array that decoding depends on."""
         raise NotImplementedError
 
@@ -291,7 +295,7 @@ class Codec:
     def fingerprint(self) -> str:
         """sha256 of every materialized array the codec decodes with (stored in files)."""
         h = hashlib.sha256(json.dumps(self.params, sort_keys=True).encode())
-        for a in self._fingerprint_arrays():
+        for a in self.fingerprint_arrays():
             h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()
 
@@ -317,7 +321,7 @@ class Codec:
             block = t[s:e].to(torch.float32)
             norms = torch.linalg.vector_norm(block, dim=1)
             V.finite_rows(block, norms, "x", s)
-            p, sc = self._encode_block(block, norms)
+            p, sc = self.encode_block(block, norms)
             payload[s:e] = p
             for k, v in sc.items():
                 scalars[k][s:e] = v
@@ -351,7 +355,7 @@ class Codec:
         out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
         for s in range(0, len(codes), BLOCK_ROWS):
             e = min(len(codes), s + BLOCK_ROWS)
-            out[s:e] = self._decode_block(codes[s:e])
+            out[s:e] = self.decode_block(codes[s:e])
         return out.cpu().numpy() if isinstance(like, np.ndarray) else out
 
     def score(self, q: Any, codes: Codes) -> Any:

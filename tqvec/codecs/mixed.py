@@ -121,8 +121,8 @@ class MixedTurboQuant(Codec):
     def _scalar_layout(self):
         return {"fit": ((len(self._parts),), torch.float16)}
 
-    def _fingerprint_arrays(self):
-        return [a for _, _, c in self._parts for a in c._fingerprint_arrays()]
+    def fingerprint_arrays(self):
+        return [a for _, _, c in self._parts for a in c.fingerprint_arrays()]
 
     def expected_mse(self, energy: Any) -> float:
         """Predicted E||x - x_hat||^2 / E||x||^2 for runs holding the given shares of the energy
@@ -146,32 +146,32 @@ class MixedTurboQuant(Codec):
                                         {"fit": fit[:, j]}, c.params)))
         return out
 
-    def _encode_block(self, x: torch.Tensor, norms: torch.Tensor):
+    def encode_block(self, x: torch.Tensor, norms: torch.Tensor):
         payload, fits = [], []
         for start, _, c in self._parts:
             xs = x[:, start: start + c.dim].contiguous()
-            p, sc = c._encode_block(xs, torch.linalg.vector_norm(xs, dim=1))
+            p, sc = c.encode_block(xs, torch.linalg.vector_norm(xs, dim=1))
             payload.append(p)
             fits.append(sc["fit"])
         return torch.cat(payload, dim=1), {"fit": torch.stack(fits, dim=1)}
 
-    def _decode_block(self, codes: Codes) -> torch.Tensor:
+    def decode_block(self, codes: Codes) -> torch.Tensor:
         out = torch.zeros((len(codes), self.dim), dtype=torch.float32, device=codes.device)
         for start, c, sub in self._sub_codes(codes):
-            out[:, start: start + c.dim] = c._decode_block(sub)
+            out[:, start: start + c.dim] = c.decode_block(sub)
         return out
 
-    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+    def decoded_sqnorms(self, codes: Codes) -> torch.Tensor:
         tot = torch.zeros(len(codes), dtype=torch.float32, device=codes.device)
         for _, c, sub in self._sub_codes(codes):
-            tot += c._reconstruction_sqnorms(sub)
+            tot += c.decoded_sqnorms(sub)
         return tot
 
     # -- the estimator as terms -------------------------------------------------------------
     @staticmethod
     def _grid_nibbles(c: TurboQuant, dev: torch.device) -> torch.Tensor:
         """The 16 centroids h (2 j - 15) of an 8-bit grid run's nibbles (module docstring)."""
-        cent = c._arr.get("centroids", dev).to(torch.float64)
+        cent = c.centroids_on(dev).to(torch.float64)
         h = (cent[1] - cent[0]) / 2
         return (h * (2 * torch.arange(16, dtype=torch.float64, device=dev) - 15)).float()
 
@@ -211,7 +211,7 @@ class MixedTurboQuant(Codec):
                 terms += c.code_terms(sub)
                 continue
             nib = ops.unpack_bits(sub.payload.contiguous(), 2 * c.dim, 4, self.backend).long()
-            terms.append((self._grid_nibbles(c, codes.device)[nib], c._multiplier(sub)))
+            terms.append((self._grid_nibbles(c, codes.device)[nib], c.multiplier(sub)))
         return terms
 
     def lut_term_bits(self) -> list[int]:
@@ -229,5 +229,5 @@ class MixedTurboQuant(Codec):
                 continue
             # the code bytes are the nibbles' packed 4-bit row (low nibble first)
             terms.append(LutTerm(sub.payload, 2 * c.dim, 4, self._grid_nibbles(c, codes.device),
-                                 c._multiplier(sub).to(torch.float32)))
+                                 c.multiplier(sub).to(torch.float32)))
         return terms

@@ -103,16 +103,16 @@ class PolarQuant(Codec):
     def _scalar_layout(self):
         return {"radii": ((self.n_radii,), _RADIUS_DTYPES[self.radius_dtype])}
 
-    def _fingerprint_arrays(self):
+    def fingerprint_arrays(self):
         return ([np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]
-                + [a.numpy() for a in self._arr._cpu.values()])
+                + [a.numpy() for a in self._arr.host.values()])
 
     @property
     def expected_mse(self) -> float:
         """Predicted E||x - x_hat||^2 / ||x||^2 from the codebooks (exact radii)."""
         return polar_expected_mse(self.level_bits)
 
-    def _encode_block(self, x: torch.Tensor, norms: torch.Tensor):
+    def encode_block(self, x: torch.Tensor, norms: torch.Tensor):
         dev = x.device
         y = self._rot.apply(x)
         parts = []
@@ -141,11 +141,11 @@ class PolarQuant(Codec):
             r = torch.stack((r * torch.cos(psi), r * torch.sin(psi)), dim=2).reshape(len(codes), -1)
         return r
 
-    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+    def decoded_sqnorms(self, codes: Codes) -> torch.Tensor:
         # Polar reconstruction keeps the stored radii exactly: ||x_hat||^2 = sum of radii^2.
         return (codes.scalars["radii"].float() ** 2).sum(1)
 
-    def _decode_block(self, codes: Codes) -> torch.Tensor:
+    def decode_block(self, codes: Codes) -> torch.Tensor:
         return self._rot.inverse(self._rotated(codes).contiguous())
 
     def _prepare_queries(self, q: torch.Tensor):

@@ -134,8 +134,8 @@ class QJL(Codec):
             lay["onorm"] = ((), dt)
         return lay
 
-    def _fingerprint_arrays(self):
-        return [a.numpy() for a in self._arr._cpu.values()]
+    def fingerprint_arrays(self):
+        return [a.numpy() for a in self._arr.host.values()]
 
     unbiased_ip = True
 
@@ -151,7 +151,7 @@ class QJL(Codec):
         return (x[:, self._arr.get("inliers", x.device)],
                 x[:, self._arr.get("outliers", x.device)])
 
-    def _encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
+    def encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
         dt = NORM_DTYPES[self.norm_dtype]
         xi, xo = self._split(x)
         if xo is not None:
@@ -175,7 +175,7 @@ class QJL(Codec):
                    codes.scalars["onorm"].float() * qjl_scale(self.outlier_sketch_dim),
                    self._arr.get("S_out", dev))
 
-    def _decode_block(self, codes: Codes) -> torch.Tensor:
+    def decode_block(self, codes: Codes) -> torch.Tensor:
         parts = [(s @ S) * g[:, None] for s, g, S in self._parts(codes)]
         if not self.outliers:
             return parts[0]

@@ -195,7 +195,7 @@ class TurboQuant(Codec):
                                       "true norm")
         return codes.scalars["norm"].float() ** 2
 
-    def _multiplier(self, codes: Codes) -> torch.Tensor:
+    def multiplier(self, codes: Codes) -> torch.Tensor:
         """Per-vector factor on the rotated-domain reconstruction: ||x||, ||x|| / <u, c> or
         ||x|| <u, c> / ||c||^2."""
         if self.scale == "fit":
@@ -205,11 +205,15 @@ class TurboQuant(Codec):
             m = m / codes.scalars["corr"].float()
         return m
 
-    def _fingerprint_arrays(self):
+    def centroids_on(self, device: torch.device) -> torch.Tensor:
+        """The mse stage's float32 centroids on ``device`` (cached per device)."""
+        return self._arr.get("centroids", device)
+
+    def fingerprint_arrays(self):
         out = [np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]
         for k in ("centroids", "thresholds", "S"):
-            if k in self._arr._cpu:
-                out.append(self._arr._cpu[k].numpy())
+            if k in self._arr.host:
+                out.append(self._arr.host[k].numpy())
         return out
 
     @property
@@ -218,7 +222,7 @@ class TurboQuant(Codec):
         return self.codebook.mse if self.codebook is not None else 1.0
 
     # -- encode -----------------------------------------------------------------------------
-    def _encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
+    def encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
         dev = x.device
         inv = inverse_norms(nrm)
         y = self._rot.apply(x)
@@ -276,17 +280,17 @@ class TurboQuant(Codec):
             return codes.scalars["rnorm"].float()
         return torch.ones(len(codes), dtype=torch.float32, device=codes.device)
 
-    def _reconstruction_sqnorms(self, codes: Codes) -> torch.Tensor:
+    def decoded_sqnorms(self, codes: Codes) -> torch.Tensor:
         # The rotation is orthogonal: ||x_hat|| = ||x|| * ||y_hat|| in the rotated domain.
         if self.variant == "mse" and self.mse_bits:  # ||y_hat||^2 = sum of squared centroids
             csq, _ = ops.centroid_stats(codes.payload[:, : self._mse_bytes], self.dim,
                                         self.mse_bits, self._arr.get("centroids", codes.device),
                                         backend=self.backend)
-            return csq * self._multiplier(codes) ** 2
-        return (self._rotated_unit(codes) ** 2).sum(1) * self._multiplier(codes) ** 2
+            return csq * self.multiplier(codes) ** 2
+        return (self._rotated_unit(codes) ** 2).sum(1) * self.multiplier(codes) ** 2
 
-    def _decode_block(self, codes: Codes) -> torch.Tensor:
-        y = self._rotated_unit(codes) * self._multiplier(codes)[:, None]
+    def decode_block(self, codes: Codes) -> torch.Tensor:
+        y = self._rotated_unit(codes) * self.multiplier(codes)[:, None]
         return self._rot.inverse(y.contiguous())
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
@@ -315,7 +319,7 @@ class TurboQuant(Codec):
         """mse: [(c[idx], m)] with m = ||x|| (or ||x|| / <u, c>): <q, x_hat> = m <Pi q, c[idx]>.
         prod adds [(sign(S r), ||x|| gamma sqrt(pi/2)/m)] paired with S Pi q."""
         dev = codes.device
-        nrm = self._multiplier(codes)
+        nrm = self.multiplier(codes)
         terms = []
         if self.mse_bits:
             idx = ops.unpack_bits(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,
@@ -357,7 +361,7 @@ class TurboQuant(Codec):
             d1 = self._sign_prefix_dims()
             packed = codes.payload[:, : d1 // 8].contiguous()
             return LutTerm(packed, d1, 1, self._arr.get("centroids", dev).to(torch.float32),
-                           self._multiplier(codes).to(torch.float32))
+                           self.multiplier(codes).to(torch.float32))
         payload = codes.payload[:, : self._mse_bytes]
         parts = [ops.pack_bits(ops.unpack_bits(payload[s:s + 65536], self.dim, b, self.backend)
                                >> (b - 1), 1, self.backend)
@@ -365,13 +369,13 @@ class TurboQuant(Codec):
         packed = torch.cat(parts) if parts else torch.empty(
             (0, ops.row_bytes(self.dim, 1)), dtype=torch.uint8, device=dev)
         c1 = torch.from_numpy(sphere_codebook(self.dim, 1).centroids.astype(np.float32))
-        return LutTerm(packed, self.dim, 1, c1.to(dev), self._multiplier(codes).to(torch.float32))
+        return LutTerm(packed, self.dim, 1, c1.to(dev), self.multiplier(codes).to(torch.float32))
 
     def lut_terms(self, codes: Codes) -> list[LutTerm]:
         """code_terms over the packed codes (no unpacking): the mse indices with the codebook,
         and for prod the QJL sign bits with centroids (-1, +1)."""
         dev = codes.device
-        nrm = self._multiplier(codes).to(torch.float32)
+        nrm = self.multiplier(codes).to(torch.float32)
         terms = []
         if self.mse_bits:
             terms.append(LutTerm(codes.payload[:, : self._mse_bytes], self.dim, self.mse_bits,

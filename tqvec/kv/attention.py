@@ -186,7 +186,7 @@ def _field_norms(quantizer, data: dict) -> torch.Tensor:
     name = "fit" if quantizer.codec.scale == "fit" else "norm"
     nrm = data[name]
     if name in quantizer.log_fields:
-        return quantizer._unlog8(nrm).float()
+        return quantizer.unlog8(nrm).float()
     return nrm.float()
 
 
@@ -196,7 +196,7 @@ def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
     B, H, R, D = q.shape
     qk, qbias = q, torch.zeros((B, H, R), dtype=torch.float32, device=q.device)
     if ks is not None:  # <q, k> = <q, mu> + <q s, (k - mu) / s>
-        mu, sc = ks._stats(q.device)
+        mu, sc = ks.stats(q.device)
         qk, qbias = q * sc, scaling * (q * mu).sum(-1)
     qr = kq.codec.query_terms(qk.reshape(-1, D))[0].reshape(B * H, R, D)
     kd, vd = layer.kbuf.data, layer.vbuf.data
@@ -206,13 +206,13 @@ def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
     m, l, acc = ops.decode_attention(
         qr.contiguous(), qbias.reshape(B * H, R).contiguous(),
         kd["payload"].reshape(B * H, cap, -1), _field_norms(kq, kd).reshape(B * H, cap),
-        kq.codec._arr.get("centroids", q.device), kq.codec.bits,
+        kq.codec.centroids_on(q.device), kq.codec.bits,
         vd["payload"].reshape(B * H, cap, -1), _field_norms(vq, vd).reshape(B * H, cap),
-        vq.codec._arr.get("centroids", q.device), vq.codec.bits, lo, hi, scaling)
+        vq.codec.centroids_on(q.device), vq.codec.bits, lo, hi, scaling)
     m, l = m.reshape(B, H, R), l.reshape(B, H, R)
     acc = vq.codec.unrotate(acc.reshape(-1, D)).reshape(B, H, R, D)
     if vs is not None:  # sum_t p_t (s y_t + mu) = s sum_t p_t y_t + mu sum_t p_t
-        mu, sc = vs._stats(q.device)
+        mu, sc = vs.stats(q.device)
         acc = acc * sc + l[..., None] * mu
     exact = []
     for kind, k, v, pos, _ in segs:

@@ -86,7 +86,7 @@ class _LogNorms:
         code = torch.round((lg - self.center) * self._STEPS).clamp(-half + 1, half - 1) + half
         return torch.where(v > 0, code, torch.zeros_like(code)).to(torch.uint8)
 
-    def _unlog8(self, c: torch.Tensor) -> torch.Tensor:
+    def unlog8(self, c: torch.Tensor) -> torch.Tensor:
         half = self._STEPS * self._OCTAVES
         v = torch.exp2((c.float() - half) / self._STEPS + (self.center or 0.0))
         return torch.where(c > 0, v, torch.zeros_like(v)).to(torch.float16)
@@ -107,7 +107,7 @@ class CodecQuantizer(_LogNorms, KVQuantizer):
         self.codec = codec
         self.dim = codec.dim
         self.norm_bits = V.choice(norm_bits, "norm_bits", (8, 16))
-        layout = codec._scalar_layout()
+        layout = codec.scalar_layout()
         self.log_fields = [k for k, (shape, dt) in layout.items()
                            if shape == () and dt == torch.float16] if norm_bits == 8 else []
         self.bytes_per_token = codec.code_size - len(self.log_fields)  # 2 bytes -> 1 each
@@ -124,7 +124,7 @@ class CodecQuantizer(_LogNorms, KVQuantizer):
     def _codes(self, flat: Fields) -> Codes:
         scalars = {k: v for k, v in flat.items() if k != "payload"}
         for k in self.log_fields:
-            scalars[k] = self._unlog8(scalars[k])
+            scalars[k] = self.unlog8(scalars[k])
         return Codes(flat["payload"], scalars, self.codec.params)
 
     def decode(self, f: Fields) -> torch.Tensor:
@@ -212,7 +212,7 @@ class BlockVQQuantizer(_LogNorms, KVQuantizer):
         P = self._points(flat["payload"].device)
         idx = ops.unpack_bits(flat["payload"], self.nblocks, self.code_bits).long()
         fit = flat["fit"]
-        fit = (self._unlog8(fit) if self.norm_bits == 8 else fit).float()
+        fit = (self.unlog8(fit) if self.norm_bits == 8 else fit).float()
         return P[idx].reshape(n, self.dim), fit
 
     def decode(self, f: Fields) -> torch.Tensor:
@@ -407,28 +407,29 @@ class ChannelScale(KVQuantizer):
                                             + self.scale.numel() * self.scale.element_size())
         return own + self.inner.side_bytes()
 
-    def _stats(self, device):
+    def stats(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, scale) of the channels, shaped to broadcast over (B, H, T, d) on ``device``."""
         return (self.mean.to(device)[None, :, None, :], self.scale.to(device)[None, :, None, :])
 
     def transform(self, x: torch.Tensor) -> torch.Tensor:
         """(x - mu) / s: what the inner quantizer codes."""
-        mu, s = self._stats(x.device)
+        mu, s = self.stats(x.device)
         return (x - mu) / s
 
     def encode_heads(self, x: torch.Tensor) -> Fields:
         return self.inner.encode_heads(self.transform(x))
 
     def decode(self, f: Fields) -> torch.Tensor:
-        mu, s = self._stats(f["payload"].device)
+        mu, s = self.stats(f["payload"].device)
         return self.inner.decode(f) * s + mu
 
     def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
-        mu, s = self._stats(q.device)
+        mu, s = self.stats(q.device)
         # <q, k> = <q, mu> + <q s, (k - mu) / s>: the first term is exact.
         return self.inner.scores(q * s, f) + (q * mu).sum(-1, keepdim=True)
 
     def weighted_sum(self, p: torch.Tensor, f: Fields) -> torch.Tensor:
-        mu, s = self._stats(p.device)
+        mu, s = self.stats(p.device)
         # sum_t p_t (s (x) y_t + mu) = s (x) sum_t p_t y_t + mu sum_t p_t
         return self.inner.weighted_sum(p, f) * s + p.sum(-1, keepdim=True) * mu
 

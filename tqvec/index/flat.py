@@ -266,7 +266,7 @@ class FlatIndex(CodesIndex):
     def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
         """Decode the vectors at positions i0 .. i0+n-1 -> (n, d) float32."""
         i0, n = self._positions(i0, n)
-        return self._from_stored(self.codec.decode(self._rows.codes[i0:i0 + n],
+        return self._from_stored(self.codec.decode(self._rows.codes_rows(i0, i0 + n),
                                                    like=np.empty(0)))
 
     def _from_stored(self, rows: np.ndarray) -> np.ndarray:
@@ -330,17 +330,32 @@ class FlatIndex(CodesIndex):
             return self._scan
         fast = self._fast_scan_ok()
         rows = self._rows
-        if rows.codes is None or not (fast or self._lut_ok()):
+        if not rows.has_codes or not (fast or self._lut_ok()):
             return None
         n, dev = rows.n, self.device
-        terms = self.codec.lut_terms(rows.codes)
+        first = self.codec.first_pass_terms() if self._prefilter else 0
+        # The codes are held once: a scan that reads only their blocked layout (every term, no
+        # first pass re-scoring packed rows) takes them over from the row-major copy.
+        held_by_layout = fast and not self._prefilter and self._layout_tiles_payload()
+        if held_by_layout:
+            start = self._layout.start("terms")
+            tail = self.codec.lut_terms(rows.codes_rows(start, n))
+            terms = self.codec.lut_terms(rows.scalar_codes())
+        else:
+            rows.materialize()
+            terms = self.codec.lut_terms(rows.codes)
         mults, add = metric_terms(terms, n, self._scoring, rows.term("sqnorms", dev),
                                   rows.term("ipcorr", dev), dev)
-        scan = FlatScan([t.packed for t in terms], mults,
+        scan = FlatScan(None if held_by_layout else [t.packed for t in terms], mults,
                         [t.centroids.to(torch.float32).contiguous() for t in terms],
                         [t.bits for t in terms], add)
-        first = self.codec.first_pass_terms() if self._prefilter else 0
-        if fast and self._prefilter and not first:
+        if held_by_layout:
+            blocked = self._layout.lay_out("terms", [(t.packed, t.d, t.bits) for t in tail], n,
+                                           start)
+            scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
+                                        self.codec.backend)
+            rows.release(self._layout)
+        elif fast and self._prefilter and not first:
             signs, term = self._layout.sign_plane(self.codec, rows.codes)
             add1 = add
             if term.d < self.d:  # a prefix of the coordinates (1-bit codes) scores ~d1/d
@@ -357,7 +372,9 @@ class FlatIndex(CodesIndex):
                                       full=(scan.packed[0], scan.bits[0], scan.cents[0]),
                                       add1=add1)
         elif fast:
-            blocked = self._layout.terms(terms, n)
+            start = self._layout.start("terms")
+            blocked = self._layout.lay_out("terms", [(t.packed[start:], t.d, t.bits)
+                                                     for t in terms], n, start)
             # a prefilter over several terms: the leading ones first, then every term of
             # the shortlist from the packed codes
             scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
@@ -367,6 +384,13 @@ class FlatIndex(CodesIndex):
             scan.fused = self._fused(scan)
         self._scan = scan
         return scan
+
+    def _layout_tiles_payload(self) -> bool:
+        """Whether the codec's terms, side by side, are its whole payload (so that their
+        fast-scan layout can serve it back)."""
+        bits = self.codec.lut_term_bits() or []
+        return bool(bits) and sum(ops.row_bytes(t.d, t.bits) for t in self.codec.lut_terms(
+            self._rows.scalar_codes())) == self.codec.payload_bytes
 
     def _fused(self, scan: FlatScan) -> FlatSearch | None:
         """The whole search as one compiled call, where it implements this index's
@@ -458,8 +482,10 @@ class FlatIndex(CodesIndex):
         qts = self.codec.query_terms(q)
         if route == "fast":
             vals, pos = self.fast_scan(qts, scan, kk, None if mask is None else add)
-        else:  # one mse term (_lut_ok)
-            vals, pos = ops.lut_scan(qts[0], scan.packed[0], scan.cents[0], scan.mults[0], add,
+        else:  # one mse term (_lut_ok); row-major codes, rebuilt if the layout holds them
+            packed = (scan.packed[0] if scan.packed is not None
+                      else self.codec.lut_terms(snap.rows.codes)[0].packed)
+            vals, pos = ops.lut_scan(qts[0], packed, scan.cents[0], scan.mults[0], add,
                                      scan.bits[0], kk, self.codec.backend)
         if self._scoring == METRIC_L2:  # one ||q||^2 function for all paths (same bits)
             vals = vals - ops.row_sqnorms(q)[:, None]
@@ -529,7 +555,7 @@ class FlatIndex(CodesIndex):
         best_p = torch.empty((q.shape[0], 0), dtype=torch.int64, device=dev)
         for cs in range(0, rows.n, ROW_BLOCK):
             ce = min(rows.n, cs + ROW_BLOCK)
-            s = self._scores(q, rows.codes[cs:ce], sqn[cs:ce], corr[cs:ce])
+            s = self._scores(q, rows.codes_rows(cs, ce), sqn[cs:ce], corr[cs:ce])
             if mask is not None:
                 s = s.masked_fill(~mask[cs:ce][None, :], -float("inf"))
             s = torch.cat([best_s, s], dim=1)
@@ -552,13 +578,13 @@ class FlatIndex(CodesIndex):
         q, off = self._queries(x)
         off_t = None if off is None else torch.from_numpy(off).to(q.device)[:, None]
         with self._lock:
-            rows = self._rows
-            codes, ids, n = rows.codes, rows.ids, rows.n
+            rows = self._rows.snapshot()
+            ids, n = rows.ids, rows.n
             sqn, corr = rows.term("sqnorms", self.device), rows.term("ipcorr", self.device)
         per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(q.shape[0])]
         for cs in range(0, n, ROW_BLOCK):
             ce = min(n, cs + ROW_BLOCK)
-            s = self._scores(q, codes[cs:ce], sqn[cs:ce], corr[cs:ce])
+            s = self._scores(q, rows.codes_rows(cs, ce), sqn[cs:ce], corr[cs:ce])
             if off_t is not None:
                 s = s + off_t
             if self.metric_type == METRIC_L2:

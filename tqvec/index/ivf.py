@@ -58,6 +58,7 @@ from .metrics import (
 from .rerank import RefineLut
 from .rows import Rows
 from .rowterms import ip_row_correction, sqnorms_of
+from .scan import rows_from_blocked
 
 __all__ = ["IVFIndex"]
 
@@ -80,6 +81,20 @@ class IVFScan:
     pos: np.ndarray | None = None
     add: torch.Tensor | None = None
     fused: IVFSearch | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class ListPayload:
+    """The row-major payload of rows held in the list-major fast-scan layout (``Rows.release``):
+    row i (add order) is padded row ``slots[i]`` of ``blocked``."""
+
+    blocked: torch.Tensor
+    slots: torch.Tensor
+    d: int
+    b: int
+
+    def payload(self, i0: int, i1: int) -> torch.Tensor:
+        return rows_from_blocked(self.blocked, self.slots[i0:i1], self.d, self.b)
 
 
 @dataclass(frozen=True)
@@ -267,7 +282,7 @@ class IVFIndex(CodesIndex):
         """Centroid + decoded residual of the vectors at positions i0 .. i0+n-1 (normalized
         for cosine) -> (n, d) float32."""
         i0, n = self._positions(i0, n)
-        r = self.codec.decode(self._rows.codes[i0:i0 + n])
+        r = self.codec.decode(self._rows.codes_rows(i0, i0 + n))
         return (self.centroids[self._rows.term("lists")[i0:i0 + n]] + r.cpu()).numpy()
 
     # -- state (files) -----------------------------------------------------------------------
@@ -312,7 +327,7 @@ class IVFIndex(CodesIndex):
         st = IVFScan(order, starts)
         if self._fast_ok() and n:
             w = 1.0 if self.metric_type == METRIC_INNER_PRODUCT else 2.0
-            term = self.codec.lut_terms(rows.codes)[0]
+            term = self.codec.lut_terms(rows.codes)[0]  # (rebuilt from the old layout if held)
             mult = w * term.scale.cpu()
             blocks = (sizes + _ROWS - 1) // _ROWS
             list_blocks = torch.cat([torch.zeros(1, dtype=torch.int64), blocks.cumsum(0)])
@@ -327,11 +342,15 @@ class IVFIndex(CodesIndex):
             payload[~valid] = 0
             add = torch.where(valid, rows.term("rowterm")[src], torch.full((), -float("inf")))
             st.pos, st.add = pos.numpy(), add
+            blocked = ops.block_codes(payload, self.d, term.bits)
             st.scanner = ops.IVFFastScan(
-                ops.block_codes(payload, self.d, term.bits), term.centroids,
-                torch.where(valid, mult[src], torch.zeros(())), add, list_blocks, term.bits,
-                self.codec.backend)
+                blocked, term.centroids, torch.where(valid, mult[src], torch.zeros(())), add,
+                list_blocks, term.bits, self.codec.backend)
             st.fused = self._fused(st)
+            # the codes are held once: the list-major layout serves them (one term: the payload)
+            slots = torch.empty(n, dtype=torch.int64)
+            slots[order] = padded_rows
+            rows.release(ListPayload(blocked, slots, self.d, term.bits))
         self._scan = st
         return st
 
@@ -417,14 +436,14 @@ class IVFIndex(CodesIndex):
         n_l) similarities before ``_to_metric``), scored by the codec."""
         order, starts, rows = snap.scan.order, snap.scan.starts, snap.rows
         w = 1.0 if self.metric_type == METRIC_INNER_PRODUCT else 2.0
-        rowterm = rows.term("rowterm")
+        rowterm, codes = rows.term("rowterm"), rows.codes
         for li in torch.unique(probes).tolist():
             members = order[starts[li]:starts[li + 1]]
             if members.numel() == 0:
                 continue
             hit = probes == li
             qsel = hit.any(1).nonzero()[:, 0]
-            s = (w * self.codec.score(q[qsel], rows.codes[members])
+            s = (w * self.codec.score(q[qsel], codes[members])
                  + rowterm[members][None, :] + (offsets * hit).sum(1)[qsel, None])
             yield members, qsel, s
 

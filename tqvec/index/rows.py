@@ -1,16 +1,31 @@
 """An index's stored rows: codes, ids, the refinement's rows and named per-row arrays, kept in
-add order and changed together."""
+add order and changed together.
+
+The codes' payload is held once. Row-major as added; once an index has laid the codes out for
+its scan (the fast-scan kernels' blocked layout, which it must hold anyway), it ``release``s the
+row-major copy of those rows, and the layout serves them (``PayloadSource``): ``codes_rows``
+rebuilds just the rows asked for, ``codes`` all of them - for files, reconstructions, removals
+and the routes that read row-major codes. Rows added later stay row-major until the next
+layout takes them.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from .. import _validate as V
 from ..codecs.base import Codes, concat_codes
 
-__all__ = ["Rows"]
+__all__ = ["Rows", "PayloadSource"]
+
+
+class PayloadSource(Protocol):
+    """Where released rows' payload lives: ``payload(i0, i1)`` gives rows [i0, i1) as the
+    (i1 - i0, payload_bytes) uint8 row-major payload."""
+
+    def payload(self, i0: int, i1: int) -> torch.Tensor: ...
 
 
 def _concat(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
@@ -21,7 +36,7 @@ def _concat(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
 
 
 class Rows:
-    """Rows in add order: ``codes`` (``Codes`` or None while empty), ``ids`` (int64, host),
+    """Rows in add order: their codes (``codes``, ``codes_rows``), ``ids`` (int64, host),
     ``ref`` (the refinement's codes or exact vectors, or None) and ``per_row`` (name -> (n,)
     tensor of an estimator's per-row terms or list numbers; an empty tensor stands for a term
     the index does not use). ``next_id`` is what ``add`` numbers from (faiss's ``IndexIDMap2``:
@@ -33,7 +48,15 @@ class Rows:
     def reset(self) -> None:
         self.n = 0
         self.next_id = 0
-        self.codes: Codes | None = None
+        # the codes: rows [0, released) served by _source, rows [released, n) by _payload
+        # (row-major); _scalars hold every row's, _params the codec's, _mapped the file that
+        # memory-mapped rows read (Codes.source)
+        self._payload: torch.Tensor | None = None
+        self._scalars: dict[str, torch.Tensor] = {}
+        self._params: dict[str, Any] = {}
+        self._mapped: Any = None
+        self._source: PayloadSource | None = None
+        self.released = 0
         self.ref: Codes | torch.Tensor | None = None
         self.ids = torch.empty(0, dtype=torch.int64)
         self.per_row: dict[str, torch.Tensor] = {}
@@ -43,14 +66,62 @@ class Rows:
         """A copy that later appends and removals leave as it is (they replace arrays, never
         change them in place)."""
         out = Rows.__new__(Rows)
-        out.__dict__.update(self.__dict__)
-        out.per_row = dict(self.per_row)
+        out.__dict__.update(self.__dict__, per_row=dict(self.per_row),
+                            _scalars=dict(self._scalars))
         return out
 
+    # -- the codes ---------------------------------------------------------------------------
+    @property
+    def has_codes(self) -> bool:
+        return self._payload is not None
+
+    def codes_rows(self, i0: int, i1: int) -> Codes:
+        """Rows [i0, i1) as row-major ``Codes`` (a view where they are held row-major)."""
+        scalars = {k: v[i0:i1] for k, v in self._scalars.items()}
+        r = self.released
+        if i0 >= r:
+            return Codes(self._payload[i0 - r:i1 - r], scalars, self._params, self._mapped)
+        payload = self._source.payload(i0, min(i1, r))
+        if i1 > r:
+            payload = torch.cat([payload, self._payload[: i1 - r]])
+        return Codes(payload, scalars, self._params)
+
+    @property
+    def codes(self) -> Codes | None:
+        """Every row's ``Codes``, row-major (rebuilt from the layout for released rows)."""
+        return None if self._payload is None else self.codes_rows(0, self.n)
+
+    def scalar_codes(self) -> Codes:
+        """Every row's scalars with an empty payload: what a codec's ``lut_terms`` reads for its
+        terms' centroids and per-row scales without their codes."""
+        empty = torch.empty((self.n, 0), dtype=torch.uint8, device=self._payload.device)
+        return Codes(empty, self._scalars, self._params)
+
+    def release(self, source: PayloadSource) -> None:
+        """From now on ``source`` serves every current row's payload; the row-major copy goes."""
+        p = self._payload  # a new empty tensor: a slice would keep the storage alive
+        self._payload = torch.empty((0, p.shape[1]), dtype=p.dtype, device=p.device)
+        self._source, self.released = source, self.n
+
+    def materialize(self) -> None:
+        """Hold every row row-major again (before removals, or where the layout goes)."""
+        if self.released:
+            self._payload = self.codes_rows(0, self.n).payload
+            self._source, self.released = None, 0
+
+    # -- changes ------------------------------------------------------------------------------
     def append(self, codes: Codes, ids: torch.Tensor, ref: Any,
                per_row: dict[str, torch.Tensor]) -> None:
         """Add rows: their codes, ids, refinement rows (or None) and per-row terms."""
-        self.codes = _concat(self.codes, codes)
+        if self._payload is None:
+            self._payload, self._scalars = codes.payload, dict(codes.scalars)
+            self._params, self._mapped = dict(codes.params), codes.source
+        else:
+            if dict(codes.params) != self._params:
+                raise ValueError(f"codes were encoded with {dict(codes.params)}, expected "
+                                 f"{self._params}")
+            self._payload = torch.cat([self._payload, codes.payload])
+            self._scalars = {k: torch.cat([v, codes.scalars[k]]) for k, v in self._scalars.items()}
         if ref is not None:
             self.ref = _concat(self.ref, ref)
         for name, values in per_row.items():
@@ -67,7 +138,10 @@ class Rows:
         removed = int((~keep).sum())
         if not removed:
             return 0
-        self.codes = self.codes[keep.to(self.codes.device)]
+        self.materialize()
+        kd = keep.to(self._payload.device)
+        self._payload = self._payload[kd]
+        self._scalars = {k: v[kd] for k, v in self._scalars.items()}
         if self.ref is not None:
             self.ref = self.ref[keep.to(self.ref.device)]
         for name, values in self.per_row.items():

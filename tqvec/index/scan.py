@@ -13,7 +13,7 @@ from ..codecs.base import Codec, Codes, LutTerm
 from .fused import FlatSearch
 from .metrics import METRIC_COSINE, METRIC_L2
 
-__all__ = ["FlatScan", "BlockedCodes", "metric_terms"]
+__all__ = ["FlatScan", "BlockedCodes", "metric_terms", "rows_from_blocked"]
 
 
 @dataclass
@@ -26,7 +26,7 @@ class FlatScan:
     TurboQuant-mse codes); ``fused`` runs the whole search in one compiled call where it can.
     Without them (no fast-scan layout) the packed terms serve ``ops.lut_scan``."""
 
-    packed: list[torch.Tensor]
+    packed: list[torch.Tensor] | None  # None: the codes live in the scanner's layout only
     mults: list[torch.Tensor]
     cents: list[torch.Tensor]
     bits: list[int]
@@ -61,43 +61,66 @@ def metric_terms(terms: list[LutTerm], n: int, scoring: int, sqnorms: torch.Tens
     return mults, add.to(torch.float32).contiguous()
 
 
+def rows_from_blocked(blocked: torch.Tensor, slots: torch.Tensor, d: int, b: int
+                      ) -> torch.Tensor:
+    """Packed rows (len(slots), ceil(d b / 8)) of the given rows of a fast-scan layout (nb, fb,
+    32): byte p of row s sits at blocked[s // 32, p, s % 32] - a gather of just those rows."""
+    fb = blocked.shape[1]
+    base = (slots // 32) * (fb * 32) + slots % 32
+    rows = blocked.reshape(-1)[base[:, None] + torch.arange(fb, device=blocked.device) * 32]
+    if b != 3:  # the layout's row is the packed row
+        return rows
+    m = len(slots)  # b = 3: the pair layout, unpacked by the layout's inverse
+    pad = torch.zeros((-(-m // 32) * 32, fb), dtype=torch.uint8, device=blocked.device)
+    pad[:m] = rows
+    return ops.unblock_codes(pad.reshape(-1, 32, fb).transpose(1, 2), m, d, b)
+
+
 class BlockedCodes:
     """The fast-scan layout (``ops.block_codes``) of an index's codes, kept across appends:
     rows added after the last whole 32-row block are laid out and joined to the blocks before
     them; ``clear`` drops it (after removals, or to hold one layout at a time). Either the
-    codec's terms or its sign plane (a prefilter's first pass)."""
+    codec's terms or its sign plane (a prefilter's first pass). Laid out terms that tile the
+    payload serve it back (``payload``: the index then holds its codes once, see ``Rows``)."""
 
     def __init__(self) -> None:
         self.clear()
 
     def clear(self) -> None:
         self.blocks: list[torch.Tensor] | None = None
+        self.dims: list[tuple[int, int]] = []  # (d, b) of each array
         self.n = 0
         self.kind = ""
 
-    def _extend(self, kind: str, parts: list[tuple[torch.Tensor, int, int]], n: int,
+    def start(self, kind: str) -> int:
+        """The first row a new layout of ``kind`` must lay out again: where the last whole
+        block of the current one ends (0 for another kind or none)."""
+        return (self.n // 32) * 32 if self.blocks is not None and self.kind == kind else 0
+
+    def lay_out(self, kind: str, parts: list[tuple[torch.Tensor, int, int]], n: int,
                 start: int) -> list[torch.Tensor]:
-        """parts: (packed rows from ``start`` on, d, b) per array."""
+        """Extend to n rows: parts = (packed rows [start, n), d, b) per array."""
         blocks = []
         for i, (packed, d, b) in enumerate(parts):
             new = ops.block_codes(packed, d, b)
             old = self.blocks[i][: start // 32] if start else None
             blocks.append(new if old is None else torch.cat([old, new]))
         self.blocks, self.n, self.kind = blocks, n, kind
+        self.dims = [(d, b) for _, d, b in parts]
         return blocks
-
-    def _start(self, kind: str) -> int:
-        return (self.n // 32) * 32 if self.blocks is not None and self.kind == kind else 0
-
-    def terms(self, terms: list[LutTerm], n: int) -> list[torch.Tensor]:
-        """Every term's codes in the fast-scan layout."""
-        start = self._start("terms")
-        return self._extend("terms", [(t.packed[start:], t.d, t.bits) for t in terms], n, start)
 
     def sign_plane(self, codec: Codec, codes: Codes) -> tuple[torch.Tensor, LutTerm]:
         """The codec's sign plane (``Codec.sign_term``) in the fast-scan layout, and the sign
         term of the rows laid out last (its d and centroids)."""
-        start = self._start("signs")
+        start = self.start("signs")
         term = codec.sign_term(codes[start:])
-        blocks = self._extend("signs", [(term.packed, term.d, 1)], len(codes), start)
+        blocks = self.lay_out("signs", [(term.packed, term.d, 1)], len(codes), start)
         return blocks[0], term
+
+    def payload(self, i0: int, i1: int) -> torch.Tensor:
+        """Rows [i0, i1) of the laid out terms as row-major payload bytes (the terms' packed
+        rows side by side, as ``Codec.lut_terms`` cut them)."""
+        slots = torch.arange(i0, i1, device=self.blocks[0].device)
+        cols = [rows_from_blocked(bl, slots, d, b)
+                for bl, (d, b) in zip(self.blocks, self.dims, strict=True)]
+        return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)

@@ -14,12 +14,13 @@ import numpy as np
 import torch
 
 from . import cpu as _cpu
+from . import ref as _ref
 from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
            "quantize_pack", "centroid_stats", "hadamard_rotate", "HadamardRotate", "lut_scan",
-           "lut_rescore", "block_codes", "fast_scan", "fast_scan_terms",
+           "lut_rescore", "block_codes", "unblock_codes", "fast_scan", "fast_scan_terms",
            "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
            "row_sqnorms", "row_dots", "decode_attention", "row_bytes", "fast_scan_row_bytes",
@@ -116,6 +117,12 @@ def block_codes(packed: torch.Tensor, d: int, b: int, backend: str = "auto") -> 
         raise ValueError(f"packed must be (n, {row_bytes(d, b)}) for d={d}, b={b}, "
                          f"got {tuple(packed.shape)}")
     return pick("block_codes", packed.device, backend)(packed.contiguous(), int(d), int(b))
+
+
+def unblock_codes(blocked: torch.Tensor, n: int, d: int, b: int) -> torch.Tensor:
+    """Inverse of ``block_codes``: the first n rows of a fast-scan layout as packed rows (n,
+    ceil(d b / 8)) (torch on the layout's device; a memory-bound transpose for b != 3)."""
+    return _ref.unblock_codes(blocked, int(n), int(d), int(b))
 
 
 def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.Tensor,

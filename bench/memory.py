@@ -3,9 +3,11 @@ its codes, ids and per-vector scalars (``code_size`` bytes per vector + 8 for th
 
     python bench/memory.py [--n 1000000] [--d 384] [--spec TQ4 ...] [--out NAME]
 
-Each spec runs in a fresh process (so one index's freed pages do not hide another's): the
+Each spec runs in fresh processes (so one index's freed pages do not hide another's): the
 vectors are made first, then RSS (``VmRSS``, after ``malloc_trim``) is read before the index,
-after ``add`` and after one search; the index's share is the growth. Writes
+after ``add`` and after one search; the index's share is the growth. It runs at n and at n / 2:
+the growth between the two, per added vector, is the index's memory per vector without the
+fixed costs (the codec's tables, torch's and the kernels' buffers). Writes
 bench/results/<out>.{json,md} with the machine. A test-free measurement: the numbers depend on
 the allocator and the machine.
 """
@@ -76,12 +78,19 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for spec in a.spec:
-        out = subprocess.run([sys.executable, __file__, "--worker", spec, "--n", str(a.n),
-                              "--d", str(a.d)], capture_output=True, text=True, check=True)
-        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-        r = rows[-1]
-        print(f"{spec}: {r['ratio_after_add']:.2f} after add, {r['ratio_after_search']:.2f} "
-              f"after the first search", flush=True)
+        runs = []
+        for n in (a.n // 2, a.n):
+            out = subprocess.run([sys.executable, __file__, "--worker", spec, "--n", str(n),
+                                  "--d", str(a.d)], capture_output=True, text=True, check=True)
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        half, r = runs
+        per = (r["held_bytes"] - half["held_bytes"]) / (r["n"] - half["n"])
+        for key in ("after_add", "after_search"):
+            r[f"marginal_{key}"] = (r[key] - half[key]) / (r["n"] - half["n"]) / per
+        rows.append(r)
+        print(f"{spec}: {r['ratio_after_add']:.2f} / {r['ratio_after_search']:.2f} (marginal "
+              f"{r['marginal_after_add']:.2f} / {r['marginal_after_search']:.2f}) after add / "
+              f"the first search", flush=True)
     report = {"machine": machine_info(), "n": a.n, "d": a.d, "rows": rows}
     path = os.path.join("bench", "results", a.out)
     with open(path + ".json", "w") as f:
@@ -89,12 +98,14 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"# Resident memory: {a.out}", "", f"Machine: {report['machine']}", "",
              f"`python bench/memory.py --n {a.n} --d {a.d}`: RSS growth of a fresh process over "
              "its vectors (malloc_trim'd), in units of what the index must hold (n x (code_size "
-             "+ 8 bytes of id)).", "",
-             "| index | bytes/vector | held MB | after add | after first search |",
-             "|---|---|---|---|---|"]
+             "+ 8 bytes of id)); marginal: the growth from n / 2 to n vectors per vector, in the "
+             "same units (without fixed costs).", "",
+             "| index | bytes/vector | held MB | after add | after first search | marginal "
+             "after add | marginal after first search |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['spec']} | {r['code_size']} | {r['held_bytes'] / 2**20:.0f} | "
-                     f"{r['ratio_after_add']:.2f} | {r['ratio_after_search']:.2f} |")
+                     f"{r['ratio_after_add']:.2f} | {r['ratio_after_search']:.2f} | "
+                     f"{r['marginal_after_add']:.2f} | {r['marginal_after_search']:.2f} |")
     with open(path + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

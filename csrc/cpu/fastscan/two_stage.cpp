@@ -1,0 +1,113 @@
+// fast_scan_two_stage: a first pass over the sign plane (or a prefix of 1-bit codes), then the
+// full codes of its best rows (layouts: ../fastscan.h).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "../kernels.h"
+#include "../parallel.h"
+#include "block_sums.h"
+#include "schedule.h"
+#include "shortlist.h"
+#include "tables.h"
+#include "terms.h"
+
+namespace tqvec {
+namespace fastscan {
+namespace {
+
+// The approximate scores (8-bit table sums, as consider() forms them) of the rows of blocks
+// [j0, j1), written to s[row]: a two-stage scan's first pass at a few queries, which then keeps
+// the k1 best of them by one selection (a shortlist of k1 rows would compact itself every k1
+// admissions; a store per 8 rows and one pass over n floats cost less).
+__attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint8_t* blocked,
+                                                        int64_t rb, int64_t n, int64_t j0,
+                                                        int64_t j1, const float* mult,
+                                                        const float* add, float* s) {
+  alignas(32) uint32_t tot[4 * kRows];
+  const uint8_t* q8[1] = {L.q8.data()};
+  const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
+  for (int64_t j = j0; j < j1;) {
+    const int nb = j + 4 <= j1 ? 4 : 1;
+    if (nb == 4)
+      block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    else
+      block_sums<1, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);
+    for (int u = 0; u < nb; ++u, ++j) {
+      const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+      const uint32_t* bt = tot + u * kRows;
+      if (rows < kRows) {  // last, partial block: consider()'s float operations
+        for (int64_t t = 0; t < rows; ++t)
+          s[base + t] =
+              mult[base + t] * (L.delta * static_cast<float>(bt[t]) + L.bias) + add[base + t];
+        continue;
+      }
+      for (int g = 0; g < kRows; g += 8) {
+        const __m256 sum =
+            _mm256_cvtepi32_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(bt + g)));
+        const __m256 v =
+            _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(mult + base + g),
+                                        _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)),
+                          _mm256_loadu_ps(add + base + g));
+        _mm256_storeu_ps(s + base + g, v);
+      }
+    }
+  }
+}
+
+// The rows i with s[i] >= t and s[i] > -inf, in order: 8 at a time, a compare and a mask
+
+}  // namespace
+}  // namespace fastscan
+
+using namespace fastscan;  // NOLINT: the kernel's own internals
+
+void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs,
+                         int64_t d1, int64_t n, const float* c1, const uint8_t* packed, int b,
+                         const float* centroids, const float* mult, const float* add,
+                         const float* add1, int64_t k1, int64_t k, float* out_vals,
+                         int64_t* out_idx, int nthreads) {
+  // the exact full-code scores of query qi's candidate rows -> its top k (the full codes as
+  // the one term of rescore_terms)
+  const ScanTerm full{qr, d, nullptr, b, centroids, mult, packed};
+  auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
+    rescore_terms(&full, 1, qi, rows, add, k, out_vals + qi * k, out_idx + qi * k);
+  };
+  const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
+  if (simd_avx2() && nq < 3 * t && nb >= kMinBlocksPerSplit) {
+    // A few queries: every first-pass score stored (threads over blocks), one select
+    const int64_t rb1 = fs_row_bytes(d1, 1);
+    std::vector<float> s(static_cast<size_t>(n));
+    std::vector<int64_t> rows;
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      Lut L = build_lut(qr + qi * d, d1, 1, c1, rb1, false);
+      const int64_t tb = std::min<int64_t>(t, nb / kMinBlocksPerSplit), chunk = (nb + tb - 1) / tb;
+      run_workers(tb, [&](int64_t w) {
+        const int64_t j0 = std::min(nb, w * chunk), j1 = std::min(nb, (w + 1) * chunk);
+        approx_scores_avx2(L, signs, rb1, n, j0, j1, mult, add1, s.data());
+      });
+      rows_reaching_kth(s.data(), n, k1, rows);
+      second(qi, rows);
+    }
+    return;
+  }
+  fast_scan_impl(qr, nq, d1, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+                 [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
+                   // the rows of the k1 best approximate sign scores (ties included), then
+                   // their exact full-code scores
+                   const float th = final_threshold(parts, k1);
+                   std::vector<int64_t> rows;
+                   for (auto* sl : parts)
+                     for (const auto& c : sl->cand)
+                       if (c.ub >= th) rows.push_back(c.row);
+                   second(qi, rows);
+                 });
+}
+
+}  // namespace tqvec

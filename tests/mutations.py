@@ -124,7 +124,7 @@ MUTANTS = [
            ["tests/test_ops.py::test_lut_scan_matches_reference"]),
     # -- C++ kernels -------------------------------------------------------------------------
     Mutant("fastscan-tail-rows", "the fast scan skips the last row of a partial block",
-           [("csrc/cpu/fastscan.cpp",
+           [("csrc/cpu/fastscan/block_sums.h",
              "for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off",
              "for (int64_t t = 0; t + 1 < n - base; ++t) consider(L, bt[t], base + t, mult, add, "
              "off")],
@@ -142,10 +142,10 @@ MUTANTS = [
              "idx_buf[j] += static_cast<uint8_t>(vbuf[j] > th);")],
            ["tests/test_ops.py"]),
     Mutant("kernel-k1-unclamped", "a first pass asked for more candidates than rows is not clamped",
-           [("csrc/cpu/module.cpp",
+           [("csrc/cpu/bind/scans.cpp",
              "    k1 = std::min(k1, n);  // more candidates than rows: every row\n"
-             "    nb::gil_scoped_release rel;\n    tqvec::fast_scan_two_stage(",
-             "    nb::gil_scoped_release rel;\n    tqvec::fast_scan_two_stage(")],
+             "    nb::gil_scoped_release rel;\n    fast_scan_two_stage(",
+             "    nb::gil_scoped_release rel;\n    fast_scan_two_stage(")],
            ["tests/test_hostile.py::test_kernels_refuse_or_clamp_hostile_sizes"]),
     # -- files ---------------------------------------------------------------------------------
     Mutant("reader-trailing-bytes", "the reader accepts bytes after the last array",

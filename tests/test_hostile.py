@@ -147,6 +147,50 @@ def test_candidate_factors_and_nprobe_are_bounded(rng):
     assert (ivf.search(x[:3], 5)[1] >= 0).all()
 
 
+def test_kernel_shape_errors_name_the_parameter_the_expected_and_the_given_shape():
+    """Every binding checks shapes with one helper: the ValueError names the function, the
+    parameter, the shape expected and the shape that came; the one-call searchers take their
+    arguments by keyword only (a positional call cannot put an array in the wrong slot)."""
+    _C = pytest.importorskip("tqvec._C")
+    n, d, b, k = 40, 64, 4, 3
+    q = np.zeros((2, d), np.float32)
+    c, one = np.zeros(16, np.float32), np.ones(n, np.float32)
+    vals, idx = np.empty((2, k), np.float32), np.empty((2, k), np.int64)
+    with pytest.raises(ValueError, match=r"^fast_scan: blocked codes must have shape "
+                                         r"\(2, 32, 32\), got \(1, 32, 32\)$"):
+        _C.fast_scan(q, np.zeros((1, 32, 32), np.uint8), n, c, one, one, b, k, False, vals,
+                     idx, 1)
+    with pytest.raises(ValueError, match=r"^fast_scan: mult must have shape \(40,\), "
+                                         r"got \(39,\)$"):
+        _C.fast_scan(q, np.zeros((2, 32, 32), np.uint8), n, c, one[1:], one, b, k, False, vals,
+                     idx, 1)
+    with pytest.raises(ValueError, match=r"^lut_scan: out_idx must have shape \(2, 3\), "
+                                         r"got \(2, 4\)$"):
+        _C.lut_scan(q, np.zeros((n, 32), np.uint8), c, one, one, b, k, vals,
+                    np.empty((2, 4), np.int64), 1)
+    perms = np.tile(np.arange(d, dtype=np.int64), (2, 1))
+    signs = np.ones((2, d), np.float32)
+    with pytest.raises(ValueError, match=r"^Rotation: signs must have shape \(2, 64\), "
+                                         r"got \(2, 63\)$"):
+        _C.Rotation(perms, signs[:, 1:], 64)
+    with pytest.raises(ValueError, match="Rotation: perms holds an entry outside"):
+        _C.Rotation(perms + 1, signs, 64)
+    rot = _C.Rotation(perms, signs, 64)
+    with pytest.raises(TypeError):
+        _C.FlatSearcher(rot, np.zeros((2, 32, 32), np.uint8), n, b, c, one, one,
+                        np.arange(n), 1)
+    with pytest.raises(ValueError, match=r"^FlatSearcher: ids must have shape \(40,\)"):
+        _C.FlatSearcher(rotation=rot, blocked=np.zeros((2, 32, 32), np.uint8), n=n, bits=b,
+                        centroids=c, mult=one, add=one, ids=np.arange(n - 1), metric=1)
+    searcher = _C.FlatSearcher(rotation=rot, blocked=np.zeros((2, 32, 32), np.uint8), n=n,
+                               bits=b, centroids=c, mult=one, add=one, ids=np.arange(n),
+                               metric=1)
+    with pytest.raises(ValueError, match=r"^FlatSearcher.search: q must have shape \(\*, 64\), "
+                                         r"got \(2, 63\)$"):
+        searcher.search(q[:, 1:], vals, idx, 1, 1)
+    assert searcher.search(q, vals, idx, 1, 1) and (idx >= 0).all()
+
+
 def test_kernels_refuse_or_clamp_hostile_sizes():
     """The compiled entry points re-check what the Python side lets through: a bad size is a
     ValueError, a candidate count beyond the rows means every row - never undefined

@@ -30,18 +30,37 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
                      const float* signs, int rounds, int64_t p, bool inverse, float* out,
                      int nthreads);
 
-void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
-              const float* centroids, const float* mult, const float* add, int64_t k,
-              float* out_vals, int64_t* out_idx, int nthreads);
+// b-bit codes with the per-row terms of their scores, score_i = add_i + mult_i <qr, c[idx_i]>:
+// n rows over d coordinates, centroids c (2^b), mult and add (n). `codes` is packed
+// (n, ceil(d b / 8)) for the packed-layout kernels, blocked (ceil(n / 32), fs_row_bytes(d, b),
+// 32) for the fast scans.
+struct CodeTable {
+  const uint8_t* codes;
+  int64_t n, d;
+  int b;
+  const float* centroids;
+  const float* mult;
+  const float* add;
+};
+// A top-k result: per query the best k, (nq, k) values and row positions, best first, padded
+// with -inf / -1.
+struct TopKOut {
+  int64_t k;
+  float* vals;
+  int64_t* idx;
+  float* vals_of(int64_t qi) const { return vals + qi * k; }
+  int64_t* idx_of(int64_t qi) const { return idx + qi * k; }
+};
+
+// The top k rows of packed codes t for each of nq queries qr (nq, t.d).
+void lut_scan(const float* qr, int64_t nq, const CodeTable& t, const TopKOut& out, int nthreads);
 // lut_scan's meaning over the listed rows only: query i scores rows[i, 0 .. r) (-1 = none;
 // the second stage after a coarse scan), top k of them as row positions.
-void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
-                 const float* centroids, const float* mult, const float* add,
-                 const int64_t* rows, int64_t r, int64_t k, float* out_vals, int64_t* out_idx,
-                 int nthreads);
+void lut_rescore(const float* qr, int64_t nq, const CodeTable& t, const int64_t* rows, int64_t r,
+                 const TopKOut& out, int nthreads);
 
-// Fast-scan (fastscan.cpp): bytes per row of the blocked layout — the packed row for b in
-// {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.cpp).
+// Fast-scan (fastscan/): bytes per row of the blocked layout — the packed row for b in
+// {1, 2, 4}, the pair layout of 3 bytes per 8 coordinates for b = 3 (see fastscan.h).
 // min(a * b, cap) for a, b >= 1 without overflow: a candidate count (k * k_factor, prefilter *
 // k) is at most the n rows there are, whatever a caller asked for.
 inline int64_t capped_product(int64_t a, int64_t b, int64_t cap) {
@@ -55,22 +74,17 @@ inline int64_t fs_row_bytes(int64_t d, int b) {
 // is transposed as is, except b = 3, which is re-laid out in pairs.
 void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
                  int nthreads);
-// lut_scan's meaning over the blocked layout, b in {1, 2, 3, 4}; approx: the top k by the 8-bit
+// lut_scan's meaning over blocked codes t, b in {1, 2, 3, 4}; approx: the top k by the 8-bit
 // table scores and those scores, no exact re-score (a first stage before a refinement).
-void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
-               const float* centroids, const float* mult, const float* add, int64_t k,
-               bool approx, float* out_vals, int64_t* out_idx, int nthreads);
-// Two stages: the approximate top k1 rows by the sign plane (signs: 1-bit codes of the top
-// bit of each index of the first d1 <= d coordinates, blocked (nb, ceil(d1/8), 32), centroids
-// c1 (2), offsets add1), then the exact top k of those by their full b-bit packed codes
-// (n, ceil(d b / 8)), centroids (2^b) and offsets add; mult is shared (a row's scale).
-// add1 = -inf must hold wherever add = -inf. (1-bit codes: d1 < d, a prefix of the coordinates
-// is the coarse pass.)
-void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs,
-                         int64_t d1, int64_t n, const float* c1, const uint8_t* packed, int b,
-                         const float* centroids, const float* mult, const float* add,
-                         const float* add1, int64_t k1, int64_t k, float* out_vals,
-                         int64_t* out_idx, int nthreads);
+void fast_scan(const float* qr, int64_t nq, const CodeTable& t, bool approx, const TopKOut& out,
+               int nthreads);
+// Two stages: the approximate top k1 rows by the sign plane `signs` (blocked 1-bit codes of the
+// top bit of each index of the first signs.d <= full.d coordinates, its 2 centroids, its
+// offsets add1), then the exact top k of those by their packed b-bit codes `full`; mult is
+// shared (a row's scale) and add1 = -inf must hold wherever full.add = -inf. qr (nq, full.d).
+// (1-bit codes: signs.d < d, a prefix of the coordinates is the coarse pass.)
+void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs,
+                         const CodeTable& full, int64_t k1, const TopKOut& out, int nthreads);
 // fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
 // width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the
@@ -89,18 +103,20 @@ struct ScanTerm {
   const uint8_t* packed;  // row-major codes (nfirst > 0), else may be null
 };
 void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,
-                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads, int nfirst = 0,
-                     int64_t k1 = 0);
-// fast_scan over inverted lists stored as consecutive block ranges of one blocked array (rows
-// past a list's end padded with add = -inf): query i scans the lists probes[i, :] (-1 = none),
-// list_blocks[l] .. list_blocks[l + 1], adding offsets[i, r] to the scores of list probes[i, r].
-// n = 32 * nb rows; out_idx holds row positions of that array. approx: the top k by the 8-bit
-// table scores and those scores, with no exact re-score (a first stage before a refinement).
-void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
-                   int b, const float* centroids, const float* mult, const float* add,
-                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
-                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
-                   float* out_vals, int64_t* out_idx, int nthreads);
+                     const TopKOut& out, int nthreads, int nfirst = 0, int64_t k1 = 0);
+// fast_scan over inverted lists stored as consecutive block ranges of blocked codes t (rows
+// past a list's end padded with add = -inf; t.n = 32 * blocks): list l is blocks
+// list_blocks[l] .. list_blocks[l + 1] of nlist. Query i scans its probed lists
+// probes.lists[i, :] (-1 = none), adding probes.offsets[i, r] to the scores of list
+// probes.lists[i, r]; out.idx holds row positions of t. approx as fast_scan's.
+struct Probes {
+  const int64_t* lists;   // (nq, nprobe)
+  const float* offsets;   // (nq, nprobe)
+  int64_t nprobe;
+};
+void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_t* list_blocks,
+                   int64_t nlist, const Probes& probes, bool approx, const TopKOut& out,
+                   int nthreads);
 
 // Decode attention over TurboQuant-mse key/value codes (attention.cpp; decode_attention_ref):
 // softmax state (m, l, acc) per (KV head, query row), tokens [lo, hi) of T per head.
@@ -140,39 +156,25 @@ struct RotationArgs {
   int64_t p;
 };
 
-// A refinement by TurboQuant-mse codes (search.cpp's one-call searches): packed (n, ceil(d b /
-// 8)) rows re-scored by lut_rescore of the query rotated by rot, with the index's refinement
-// table terms (cent, mult, add; the flat index's _refine_lut_state). packed == nullptr: none.
+// A refinement by TurboQuant-mse codes (search.cpp's one-call searches): packed rows `codes`
+// re-scored by lut_rescore of the query rotated by rot, with the index's refinement table terms.
+// codes.codes == nullptr: none.
 struct CodedRefine {
-  const uint8_t* packed;
-  int b;
+  CodeTable codes;
   RotationArgs rot;
   bool same_rotation;  // rot is the scan's: its rotated queries are re-used
-  const float* cent;
-  const float* mult;
-  const float* add;
 };
 
-// A whole flat search (search.cpp): rotate the queries (perms, signs: rounds x d, block p),
-// fast_scan the n rows (blocked codes, b bits, codebook, mult, add) for the best min(k, n), or
-// with packed != nullptr fast_scan_two_stage (blocked: the sign plane, codebook its 2
-// centroids; packed (n, ceil(d bfull / 8)) the full codes, cfull their centroids, add1 the
-// first stage's offsets, prefilter * kk rows kept); for l2 the score minus qsq[i] = ||q_i||^2;
-// D, I (nq, k) as faiss returns them, qoff[i] added to query i's values unless qoff is nullptr
-// (a centred index's <q, mu>; its l2 queries come as q - mu).
+// A whole flat search (search.cpp): rotate the queries (rot), fast_scan the blocked codes
+// `scan` for the best min(k, n), or with a prefilter (full.codes != nullptr)
+// fast_scan_two_stage (`scan` then is the sign plane, `full` the packed full codes, prefilter *
+// kk rows kept); for l2 the score minus ||q_i||^2 by row_sqnorms; D, I (nq, k) as faiss returns
+// them.
 struct FlatSearchArgs {
-  int64_t d, n;
   RotationArgs rot;
-  const uint8_t* blocked;
-  int b;
-  const float* codebook;
-  const float* mult;
-  const float* add;
-  const uint8_t* packed;  // nullptr: one stage
-  int64_t d1;             // the sign plane's coordinates (a prefix: d1 <= d)
-  int bfull;
-  const float* cfull;
-  const float* add1;
+  CodeTable scan;         // n rows over d coordinates (with a prefilter: d1 <= d of them)
+  CodeTable full;         // the packed full codes of a prefilter; codes == nullptr: one stage
+  int64_t d;              // the queries' dimension
   int64_t prefilter;
   const int64_t* ids;
   int metric;            // RescoreMetric of the index's scores
@@ -183,37 +185,31 @@ struct FlatSearchArgs {
   const float* ip_center;
   // A refinement (prefilter 0): the scan keeps k_factor k candidates by its tables alone
   // (approx), then re-scores them — exact vectors ref_x (n, d) by rescore_topk, or the codes of
-  // ref_codes. Neither: ref_x == ref_codes.packed == nullptr.
+  // ref_codes. Neither: ref_x == ref_codes.codes.codes == nullptr.
   const float* ref_x;
   CodedRefine ref_codes;
   int64_t k_factor;
 };
-// ||q - center||^2 by row_sqnorms for L2.
 void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                  int64_t* I, int nthreads);
 
 // A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
-// the queries (perms, signs: rounds x d, block p), ivf_fast_scan the probed lists (blocked codes
-// of npad = 32 nb rows, b bits, codebook, mult, add, list_blocks), map padded rows to positions
-// (pos, -1 = padding) and with exact vectors ref (n, d) re-rank the best kk of them
-// (rescore_topk); D, I (nq, k) as faiss returns them (L2 distances, ids[position], padding).
+// the queries (rot), ivf_fast_scan the probed lists (blocked codes `scan` of 32 nb padded rows,
+// list_blocks), map padded rows to positions (pos, -1 = padding) and with a refinement re-rank
+// the best kk of them (exact vectors ref by rescore_topk, or ref_codes by lut_rescore); D, I
+// (nq, k) as faiss returns them (L2 distances, ids[position], padding).
 struct IvfSearchArgs {
   int64_t d, nlist, nprobe;
   const float* centroids;  // (nlist, d)
   const float* csq;        // (nlist) squared norms
   RotationArgs rot;
-  const uint8_t* blocked;
-  int64_t npad;
-  int b;
-  const float* codebook;  // (2^b)
-  const float* mult;
-  const float* add;
+  CodeTable scan;
   const int64_t* list_blocks;  // (nlist + 1)
-  const int64_t* pos;          // (npad)
+  const int64_t* pos;          // (scan.n)
   const int64_t* ids;          // (n)
+  int64_t n;                   // rows (positions)
   const float* ref;            // (n, d) or nullptr: no exact refinement
-  CodedRefine ref_codes;       // or a refinement by codes (packed nullptr: none) of
-  int64_t ref_n;               // n rows
+  CodedRefine ref_codes;       // or a refinement by codes (codes.codes nullptr: none)
   int metric;                  // RescoreMetric of the index
   int64_t kk;                  // candidates per query (k * k_factor with ref, else k)
 };

@@ -111,10 +111,12 @@ void scan_range(const Table& tab, const uint8_t* packed, int64_t lo, int64_t hi,
 
 }  // namespace
 
-void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
-                 const float* centroids, const float* mult, const float* add,
-                 const int64_t* rows, int64_t r, int64_t k, float* out_vals, int64_t* out_idx,
-                 int nthreads) {
+void lut_rescore(const float* qr, int64_t nq, const CodeTable& c, const int64_t* rows, int64_t r,
+                 const TopKOut& out, int nthreads) {
+  const uint8_t* packed = c.codes;
+  const int64_t n = c.n, d = c.d, k = out.k;
+  const int b = c.b;
+  const float *centroids = c.centroids, *mult = c.mult, *add = c.add;
   const int64_t rb = (d * b + 7) / 8;
   // threads over queries; a query's candidates are few (a small multiple of k)
   const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nq * r / 256));
@@ -135,14 +137,16 @@ void lut_rescore(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, 
         top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) * mult[i] + add[i],
                  i);
       }
-      write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);
+      write_topk(top.heap, k, out.vals_of(qi), out.idx_of(qi));
     }
   });
 }
 
-void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int64_t n, int b,
-              const float* centroids, const float* mult, const float* add, int64_t k,
-              float* out_vals, int64_t* out_idx, int nthreads) {
+void lut_scan(const float* qr, int64_t nq, const CodeTable& c, const TopKOut& out, int nthreads) {
+  const uint8_t* packed = c.codes;
+  const int64_t n = c.n, d = c.d, k = out.k;
+  const int b = c.b;
+  const float *centroids = c.centroids, *mult = c.mult, *add = c.add;
   if (nq >= nthreads || n < 4096) {
     // Threads over queries (strided): each builds its table and scans the whole database.
     const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, nq));
@@ -151,7 +155,7 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
         Table tab = build_table(qr + qi * d, d, b, centroids);
         TopK top(k);
         scan_range(tab, packed, 0, n, d, b, mult, add, top);
-        write_topk(top.heap, k, out_vals + qi * k, out_idx + qi * k);
+        write_topk(top.heap, k, out.vals_of(qi), out.idx_of(qi));
       }
     };
     run_workers(t, work);
@@ -169,7 +173,7 @@ void lut_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* packed, int
     });
     std::vector<Hit> all;
     for (auto& tp : tops) all.insert(all.end(), tp.heap.begin(), tp.heap.end());
-    write_topk(all, k, out_vals + qi * k, out_idx + qi * k);
+    write_topk(all, k, out.vals_of(qi), out.idx_of(qi));
   }
 }
 

@@ -38,8 +38,9 @@ void write_results(const float* vals, const int64_t* idx, int64_t nq, int64_t m,
 // the query rotated for them; qsq (nq) or nullptr: subtracted (L2: -||q - x_hat||^2), as the
 // flat index's _rerank_np does with ops.row_sqnorms.
 void refine_by_codes(const CodedRefine& r, const float* q, const float* qr, int64_t nq,
-                     int64_t d, int64_t n, const int64_t* rows, int64_t kc, const float* qsq,
-                     int64_t m, float* vals, int64_t* idx, int nthreads) {
+                     const int64_t* rows, int64_t kc, const float* qsq, const TopKOut& out,
+                     int nthreads) {
+  const int64_t d = r.codes.d, m = out.k;
   std::vector<float> q2;
   if (!r.same_rotation) {  // qr: q rotated by the scan's rotation
     q2.resize(static_cast<size_t>(nq * d));
@@ -47,18 +48,17 @@ void refine_by_codes(const CodedRefine& r, const float* q, const float* qr, int6
                     nthreads);
     qr = q2.data();
   }
-  lut_rescore(qr, nq, d, r.packed, n, r.b, r.cent, r.mult, r.add, rows, kc, m, vals, idx,
-              nthreads);
+  lut_rescore(qr, nq, r.codes, rows, kc, out, nthreads);
   if (qsq != nullptr)
     for (int64_t i = 0; i < nq; ++i)
-      for (int64_t t = 0; t < m; ++t) vals[i * m + t] = vals[i * m + t] - qsq[i];
+      for (int64_t t = 0; t < m; ++t) out.vals[i * m + t] = out.vals[i * m + t] - qsq[i];
 }
 
 }  // namespace
 
 void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                  int64_t* I, int nthreads) {
-  const int64_t d = a.d, kk = std::min(k, a.n);
+  const int64_t d = a.d, n = a.scan.n, kk = std::min(k, n);
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), qc, qsq, qoff;
   if (a.normalize) {  // unit rows: the float operations of the index's _unit_rows
@@ -88,35 +88,31 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
                   nthreads);
   const bool l2 = a.metric == kRescoreL2;
   const float* off = qoff.empty() ? nullptr : qoff.data();
-  if (a.ref_x != nullptr || a.ref_codes.packed != nullptr) {
+  if (a.ref_x != nullptr || a.ref_codes.codes.codes != nullptr) {
     // kk = k_factor k candidates by the tables alone, then the refinement's best min(k, kk)
-    const int64_t kc = capped_product(k, a.k_factor, a.n), m = std::min(k, kc);
+    const int64_t kc = capped_product(k, a.k_factor, n), m = std::min(k, kc);
     std::vector<float> cv(nqs * kc), rv(nqs * m);
     std::vector<int64_t> ci(nqs * kc), ri(nqs * m);
-    fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kc, true,
-              cv.data(), ci.data(), nthreads);
+    fast_scan(qr.data(), nq, a.scan, true, {kc, cv.data(), ci.data()}, nthreads);
     for (size_t t = 0; t < nqs * kc; ++t)  // the general path's rows: -1 where not finite
       if (!std::isfinite(cv[t])) ci[t] = -1;
     if (a.ref_x != nullptr)
       rescore_topk(q, nq, d, a.ref_x, ci.data(), kc, a.metric, m, rv.data(), ri.data(),
                    nthreads);
     else
-      refine_by_codes(a.ref_codes, q, qr.data(), nq, d, a.n, ci.data(), kc,
-                      l2 ? qsq.data() : nullptr, m,
-                      rv.data(), ri.data(), nthreads);
+      refine_by_codes(a.ref_codes, q, qr.data(), nq, ci.data(), kc, l2 ? qsq.data() : nullptr,
+                      {m, rv.data(), ri.data()}, nthreads);
     write_results(rv.data(), ri.data(), nq, m, k, l2, off, a.ids, D, I);
     return;
   }
   std::vector<float> vals(nqs * kk);
   std::vector<int64_t> idx(nqs * kk);
-  if (a.packed != nullptr)  // a prefilter: the sign plane, then the full codes of its best
-    fast_scan_two_stage(qr.data(), nq, d, a.blocked, a.d1, a.n, a.codebook, a.packed, a.bfull,
-                        a.cfull, a.mult, a.add, a.add1, capped_product(a.prefilter, kk, a.n), kk,
-                        vals.data(),
-                        idx.data(), nthreads);
+  const TopKOut out{kk, vals.data(), idx.data()};
+  if (a.full.codes != nullptr)  // a prefilter: the sign plane, then the full codes of its best
+    fast_scan_two_stage(qr.data(), nq, a.scan, a.full, capped_product(a.prefilter, kk, n), out,
+                        nthreads);
   else
-    fast_scan(qr.data(), nq, d, a.blocked, a.n, a.b, a.codebook, a.mult, a.add, kk, false,
-              vals.data(), idx.data(), nthreads);
+    fast_scan(qr.data(), nq, a.scan, false, out, nthreads);
   if (l2)  // the similarity -||q - x||^2 = score - ||q||^2 (then reported negated)
     for (size_t i = 0; i < nqs; ++i)
       for (int64_t r = 0; r < kk; ++r) vals[i * kk + r] = vals[i * kk + r] - qsq[i];
@@ -141,9 +137,9 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
   // with a refinement, which re-ranks them, the candidates by the 8-bit tables alone
-  ivf_fast_scan(qr.data(), nq, d, a.blocked, a.npad, a.b, a.codebook, a.mult, a.add,
-                a.list_blocks, a.nlist, probes.data(), offsets.data(), np, kk,
-                a.ref != nullptr || a.ref_codes.packed != nullptr, vals.data(), idx.data(),
+  const bool refine = a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
+  ivf_fast_scan(qr.data(), nq, a.scan, a.list_blocks, a.nlist,
+                {probes.data(), offsets.data(), np}, refine, {kk, vals.data(), idx.data()},
                 nthreads);
   for (size_t t = 0; t < nqs * kk; ++t) {
     if (idx[t] >= 0) idx[t] = a.pos[idx[t]];  // padded row -> add-order position
@@ -151,7 +147,7 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
     if (a.metric == kRescoreCosine) vals[t] = 1.f + 0.5f * vals[t];
   }
   int64_t m = kk;
-  if (a.ref != nullptr || a.ref_codes.packed != nullptr) {
+  if (refine) {
     m = std::min(k, kk);
     std::vector<int64_t> rows(nqs * kk);
     for (size_t t = 0; t < nqs * kk; ++t) rows[t] = std::isfinite(vals[t]) ? idx[t] : -1;
@@ -165,8 +161,8 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
         qsq.resize(nqs);
         row_sqnorms(q, nq, d, qsq.data());
       }
-      refine_by_codes(a.ref_codes, q, qr.data(), nq, d, a.ref_n, rows.data(), kk,
-                      qsq.empty() ? nullptr : qsq.data(), m, v2.data(), i2.data(), nthreads);
+      refine_by_codes(a.ref_codes, q, qr.data(), nq, rows.data(), kk,
+                      qsq.empty() ? nullptr : qsq.data(), {m, v2.data(), i2.data()}, nthreads);
     }
     vals.swap(v2);
     idx.swap(i2);

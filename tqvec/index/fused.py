@@ -16,26 +16,27 @@ from .. import ops
 
 __all__ = ["FlatSearch", "IVFSearch"]
 
-_NONE = np.zeros(0, dtype=np.float32)
-
-
-def _ref_code_args(ref_codes: tuple | None) -> tuple | None:
-    """The compiled searchers' refinement-by-codes arguments (packed, b, perms, signs, p,
-    centroids, mult, add) from ``ref_codes`` = (rotate, packed, b, centroids, mult, add), or
-    empty ones (no such refinement); None where the rotation is not a compiled Hadamard one."""
+def _code_refinement(ref_codes: tuple | None) -> dict | None:
+    """The compiled searchers' ``refine_codes`` from ``ref_codes`` = (rotate, packed, b,
+    centroids, mult, add); None for no such refinement. Raises LookupError where the rotation
+    is not a compiled Hadamard one."""
     if ref_codes is None:
-        return (np.zeros((0, 1), np.uint8), 1, np.zeros((0, 1), np.int64),
-                np.zeros((0, 1), np.float32), 1, _NONE, _NONE, _NONE)
+        return None
     rot, packed, b, cents, mult, add = ref_codes
     if rot.host is None:
-        return None
+        raise LookupError("the refinement's rotation has no compiled form")
     perms, signs = rot.host
 
     def as_np(t: Any, dt: Any) -> np.ndarray:
         return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t, dt)
 
-    return (as_np(packed, np.uint8), int(b), perms, signs, int(rot.p), as_np(cents, np.float32),
-            as_np(mult, np.float32), as_np(add, np.float32))
+    return dict(rotation=(perms, signs, int(rot.p)), packed=as_np(packed, np.uint8), bits=int(b),
+                centroids=as_np(cents, np.float32), mult=as_np(mult, np.float32),
+                add=as_np(add, np.float32))
+
+
+def _optional(x: Any) -> np.ndarray | None:
+    return None if x is None else np.ascontiguousarray(x, np.float32)
 
 
 class FlatSearch:
@@ -62,27 +63,23 @@ class FlatSearch:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
         if rotate.host is None or scan.host is None or len(scan.bits) != 1 or scan.n == 0:
             return None
+        try:
+            refine_codes = _code_refinement(ref_codes)
+        except LookupError:
+            return None
         perms, signs = rotate.host
         h = scan.host
-        blocked, cents, mults, add = h.blocked, h.centroids, h.mults, h.add
+        prefilter_arg = None
         if h.full is not None:
             packed, bfull, cfull, add1 = h.full
-        else:
-            packed, bfull = np.zeros((0, 1), np.uint8), 1
-            cfull, add1 = np.zeros(2, np.float32), np.zeros(0, np.float32)
-        rx = (np.zeros((0, 1), np.float32) if ref_x is None
-              else np.ascontiguousarray(ref_x, np.float32))
-        codes = _ref_code_args(ref_codes)
-        if codes is None:
-            return None
+            prefilter_arg = dict(keep=int(prefilter), packed=packed, bits=int(bfull),
+                                 centroids=cfull, first_add=add1)
         searcher = ops.compiled_flat_searcher(
-            perms, signs, rotate.p, blocked[0], scan.n, scan.bits[0], cents[0], mults[0], add,
-            np.ascontiguousarray(ids, np.int64), packed, int(bfull), cfull, add1,
-            int(prefilter), ops.RESCORE_METRICS.index(metric),
-            _NONE if center is None else np.ascontiguousarray(center, np.float32),
-            bool(normalize),
-            _NONE if ip_center is None else np.ascontiguousarray(ip_center, np.float32),
-            rx, *codes)
+            rotation=(perms, signs, rotate.p), blocked=h.blocked[0], n=scan.n,
+            bits=scan.bits[0], centroids=h.centroids[0], mult=h.mults[0], add=h.add,
+            ids=np.ascontiguousarray(ids, np.int64), metric=ops.RESCORE_METRICS.index(metric),
+            prefilter=prefilter_arg, center=_optional(center), normalize=bool(normalize),
+            ip_center=_optional(ip_center), refine_x=_optional(ref_x), refine_codes=refine_codes)
         return None if searcher is None else cls(searcher)
 
     def search(self, q: np.ndarray, k: int, k_factor: int = 1
@@ -123,19 +120,20 @@ class IVFSearch:
             return None
         if probe.l2 != (metric != "ip"):
             raise ValueError("probe.l2 must be True exactly for the l2 and cosine metrics")
+        try:
+            refine_codes = _code_refinement(ref_codes)
+        except LookupError:
+            return None
         cen, csq = probe.host
         perms, signs = rotate.host
         blocked, codebook, mult, add, list_blocks = scan.host
-        d = cen.shape[1]
-        ref_np = (np.zeros((0, d), np.float32) if ref is None
-                  else ref.to(torch.float32).contiguous().numpy())
-        codes = _ref_code_args(ref_codes)
-        if codes is None:
-            return None
         searcher = ops.compiled_ivf_searcher(
-            cen, csq, perms, signs, rotate.p, blocked, scan.b, codebook, mult, add, list_blocks,
-            np.ascontiguousarray(pos, np.int64), np.ascontiguousarray(ids, np.int64), ref_np,
-            ops.RESCORE_METRICS.index(metric), *codes)
+            centroids=cen, centroid_norms=csq, rotation=(perms, signs, rotate.p), blocked=blocked,
+            bits=scan.b, codebook=codebook, mult=mult, add=add, list_blocks=list_blocks,
+            pos=np.ascontiguousarray(pos, np.int64), ids=np.ascontiguousarray(ids, np.int64),
+            metric=ops.RESCORE_METRICS.index(metric),
+            refine_x=None if ref is None else ref.to(torch.float32).contiguous().numpy(),
+            refine_codes=refine_codes)
         return None if searcher is None else cls(searcher)
 
     def search(self, q: np.ndarray, nprobe: int, kk: int, k: int

@@ -138,7 +138,7 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
         mult.contiguous(), add.contiguous(), b, k)
 
 
-#: Code terms one fast scan sums per row (csrc/cpu/fastscan.cpp kMaxTerms).
+#: Code terms one fast scan sums per row (csrc/cpu/fastscan/terms.h kMaxTerms).
 MAX_SCAN_TERMS = 8
 
 
@@ -428,15 +428,15 @@ def threads() -> int:
     return _cpu.threads()
 
 
-def compiled_flat_searcher(*args: Any) -> Any | None:
-    """The compiled one-call flat search over prepared arrays (``tqvec.index.fused``), or None
-    without ``tqvec._C``."""
-    return _cpu.flat_searcher(*args) if _cpu.available() else None
+def compiled_flat_searcher(**args: Any) -> Any | None:
+    """The compiled one-call flat search over prepared arrays (``tqvec.index.fused``; keyword
+    arguments as ``ops.cpu.flat_searcher`` takes them), or None without ``tqvec._C``."""
+    return _cpu.flat_searcher(**args) if _cpu.available() else None
 
 
-def compiled_ivf_searcher(*args: Any) -> Any | None:
+def compiled_ivf_searcher(**args: Any) -> Any | None:
     """The compiled one-call IVF search, as ``compiled_flat_searcher``."""
-    return _cpu.ivf_searcher(*args) if _cpu.available() else None
+    return _cpu.ivf_searcher(**args) if _cpu.available() else None
 
 
 def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:

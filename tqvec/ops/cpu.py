@@ -285,12 +285,25 @@ def rescore_topk_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metri
     return torch.from_numpy(vals), torch.from_numpy(idx)
 
 
-def flat_searcher(*args: object) -> object:
-    """The one-call flat search (csrc/cpu/search.cpp ``FlatSearcher``) over prepared arrays; the
-    arguments as ``tqvec.index.fused.FlatSearch.prepare`` assembles them."""
-    return _C.FlatSearcher(*args)
+def _code_refinement(parts: dict | None) -> object:
+    if parts is None:
+        return None
+    parts = dict(parts)
+    return _C.CodeRefinement(rotation=_C.Rotation(*parts.pop("rotation")), **parts)
 
 
-def ivf_searcher(*args: object) -> object:
-    """The one-call IVF search (``IVFSearcher``), as ``flat_searcher``."""
-    return _C.IVFSearcher(*args)
+def flat_searcher(*, rotation: tuple, prefilter: dict | None = None,
+                  refine_codes: dict | None = None, **args: object) -> object:
+    """The one-call flat search (csrc/cpu/search.cpp ``flat_search``; its keyword arguments:
+    csrc/cpu/bind/searchers.cpp) over prepared arrays: ``rotation`` = (perms, signs, p),
+    ``prefilter`` and ``refine_codes`` the keywords of ``Prefilter`` / ``CodeRefinement`` (the
+    latter's rotation a tuple too), as ``tqvec.index.fused.FlatSearch.prepare`` assembles them."""
+    return _C.FlatSearcher(rotation=_C.Rotation(*rotation),
+                           prefilter=None if prefilter is None else _C.Prefilter(**prefilter),
+                           refine_codes=_code_refinement(refine_codes), **args)
+
+
+def ivf_searcher(*, rotation: tuple, refine_codes: dict | None = None, **args: object) -> object:
+    """The one-call IVF search (``ivf_search``), as ``flat_searcher``."""
+    return _C.IVFSearcher(rotation=_C.Rotation(*rotation),
+                          refine_codes=_code_refinement(refine_codes), **args)

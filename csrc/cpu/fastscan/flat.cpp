@@ -69,17 +69,16 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
   run_workers(t, [&](int64_t w) { work(std::min(nb, w * chunk), std::min(nb, (w + 1) * chunk)); });
 }
 
-void fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n, int b,
-               const float* centroids, const float* mult, const float* add, int64_t k,
-               bool approx, float* out_vals, int64_t* out_idx, int nthreads) {
-  const int64_t rb = fs_row_bytes(d, b);
-  fast_scan_impl(qr, nq, d, d, blocked, n, b, centroids, mult, add, k, approx, nthreads,
-                 [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
+void fast_scan(const float* qr, int64_t nq, const CodeTable& t, bool approx, const TopKOut& out,
+               int nthreads) {
+  const int64_t rb = fs_row_bytes(t.d, t.b), k = out.k;
+  fast_scan_impl(qr, nq, t.d, t.d, t.codes, t.n, t.b, t.centroids, t.mult, t.add, k, approx,
+                 nthreads, [&](int64_t qi, const Lut& L, std::vector<Shortlist*> parts) {
                    if (approx)
-                     finish_approx(parts, k, out_vals + qi * k, out_idx + qi * k);
+                     finish_approx(parts, k, out.vals_of(qi), out.idx_of(qi));
                    else
-                     finish(L, blocked, rb, mult, add, std::move(parts), k, out_vals + qi * k,
-                            out_idx + qi * k);
+                     finish(L, t.codes, rb, t.mult, t.add, std::move(parts), k, out.vals_of(qi),
+                            out.idx_of(qi));
                  });
 }
 

@@ -20,20 +20,26 @@ namespace tqvec {
 
 using namespace fastscan;  // NOLINT: the kernel's own internals
 
-void ivf_fast_scan(const float* qr, int64_t nq, int64_t d, const uint8_t* blocked, int64_t n,
-                   int b, const float* centroids, const float* mult, const float* add,
-                   const int64_t* list_blocks, int64_t nlist, const int64_t* probes,
-                   const float* offsets, int64_t nprobe, int64_t k, bool approx,
-                   float* out_vals, int64_t* out_idx, int nthreads) {
+void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_t* list_blocks,
+                   int64_t nlist, const Probes& pr, bool approx, const TopKOut& out,
+                   int nthreads) {
+  const int64_t d = t.d, n = t.n, nprobe = pr.nprobe, k = out.k;
   // Many queries: each thread takes a contiguous share of them, lists and all (splitting the
   // lists between threads would give every query a shortlist per thread, each filling its own
   // k from part of the rows).
   if (split_queries(nq, nthreads, 64, [&](int64_t lo, int64_t hi) {
-        ivf_fast_scan(qr + lo * d, hi - lo, d, blocked, n, b, centroids, mult, add, list_blocks,
-                      nlist, probes + lo * nprobe, offsets + lo * nprobe, nprobe, k, approx,
-                      out_vals + lo * k, out_idx + lo * k, 1);
+        ivf_fast_scan(qr + lo * d, hi - lo, t, list_blocks, nlist,
+                      {pr.lists + lo * nprobe, pr.offsets + lo * nprobe, nprobe}, approx,
+                      {k, out.vals_of(lo), out.idx_of(lo)}, 1);
       }))
     return;
+  const uint8_t* blocked = t.codes;
+  const int b = t.b;
+  const float *centroids = t.centroids, *mult = t.mult, *add = t.add;
+  const int64_t* probes = pr.lists;
+  const float* offsets = pr.offsets;
+  float* const out_vals = out.vals;
+  int64_t* const out_idx = out.idx;
   const int64_t rb = fs_row_bytes(d, b);
   // Queries are handled in batches whose tables (5 bytes * 16 * 2 rb each) stay within 64 MB;
   // within a batch the probes are inverted so that each probed list is read once for all the

@@ -211,8 +211,10 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
 using namespace fastscan;  // NOLINT: the kernel's own internals
 
 void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, const float* add,
-                     int64_t k, float* out_vals, int64_t* out_idx, int nthreads, int nfirst,
-                     int64_t k1) {
+                     const TopKOut& out, int nthreads, int nfirst, int64_t k1) {
+  const int64_t k = out.k;
+  float* const out_vals = out.vals;
+  int64_t* const out_idx = out.idx;
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t t = std::max(1, nthreads);
   auto make = [&](int64_t qi, int upto, bool keep_float) {

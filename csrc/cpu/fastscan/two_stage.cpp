@@ -68,16 +68,16 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
 
 using namespace fastscan;  // NOLINT: the kernel's own internals
 
-void fast_scan_two_stage(const float* qr, int64_t nq, int64_t d, const uint8_t* signs,
-                         int64_t d1, int64_t n, const float* c1, const uint8_t* packed, int b,
-                         const float* centroids, const float* mult, const float* add,
-                         const float* add1, int64_t k1, int64_t k, float* out_vals,
-                         int64_t* out_idx, int nthreads) {
+void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
+                         const CodeTable& full_t, int64_t k1, const TopKOut& out, int nthreads) {
+  const int64_t d = full_t.d, d1 = signs_t.d, n = full_t.n, k = out.k;
+  const uint8_t* signs = signs_t.codes;
+  const float *c1 = signs_t.centroids, *mult = full_t.mult, *add1 = signs_t.add;
   // the exact full-code scores of query qi's candidate rows -> its top k (the full codes as
   // the one term of rescore_terms)
-  const ScanTerm full{qr, d, nullptr, b, centroids, mult, packed};
+  const ScanTerm full{qr, d, nullptr, full_t.b, full_t.centroids, mult, full_t.codes};
   auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
-    rescore_terms(&full, 1, qi, rows, add, k, out_vals + qi * k, out_idx + qi * k);
+    rescore_terms(&full, 1, qi, rows, full_t.add, k, out.vals_of(qi), out.idx_of(qi));
   };
   const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
   if (simd_avx2() && nq < 3 * t && nb >= kMinBlocksPerSplit) {

@@ -1,0 +1,115 @@
+// The bindings' argument checks: every array's shape is checked by check_shape before a kernel
+// reads it, so that a wrong call raises ValueError (naming the function, the parameter, the
+// shape expected and the one that came) and can never read or write out of bounds. Value checks
+// (NaN, ranges) happen once in tqvec/_validate.py, but for what a kernel indexes by.
+#pragma once
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+
+#include "../kernels.h"
+
+namespace tqvec::bind {
+
+namespace nb = nanobind;
+
+template <class T>
+using CArr = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
+
+// An extent check_shape accepts whatever its value.
+constexpr int64_t kAny = -1;
+
+// Raises std::invalid_argument (ValueError) unless ok. The message is built only on failure: a
+// std::string argument would be constructed, and past 15 characters heap-allocated, on every
+// call - 20 us per one-query rotation, whose loop checks each permutation entry.
+template <class... Parts>
+void require(bool ok, const Parts&... parts) {
+  if (ok) return;
+  std::string msg;
+  (msg.append(parts), ...);
+  throw std::invalid_argument(msg);
+}
+
+// "(3, *, 32)" for check_shape's messages.
+std::string shape_text(std::initializer_list<int64_t> dims);
+template <class A>
+std::string shape_text(const A& a) {
+  std::string s = "(";
+  for (size_t i = 0; i < a.ndim(); ++i)
+    s += (i ? ", " : "") + std::to_string(a.shape(i)) + (a.ndim() == 1 ? "," : "");
+  return s + ")";
+}
+
+// The one shape check: a has exactly dims.size() dimensions, each equal to dims (kAny: any).
+template <class A>
+void check_shape(const A& a, std::initializer_list<int64_t> dims, const char* op,
+                 const char* name) {
+  bool ok = a.ndim() == dims.size();
+  size_t i = 0;
+  for (const int64_t e : dims) {
+    if (!ok) break;
+    ok = e == kAny || (e >= 0 && a.shape(i) == static_cast<size_t>(e));
+    ++i;
+  }
+  require(ok, op, ": ", name, " must have shape ", shape_text(dims), ", got ", shape_text(a));
+}
+
+// An extent as int64_t.
+template <class A>
+int64_t dim(const A& a, size_t i) {
+  return static_cast<int64_t>(a.shape(i));
+}
+
+inline int64_t packed_row_bytes(int64_t d, int b) { return (d * b + 7) / 8; }
+
+inline void check_bits(int b, int max_bits, const char* op) {
+  require(b >= 1 && b <= max_bits, op, ": bits must be in 1..", std::to_string(max_bits),
+          ", got ", std::to_string(b));
+}
+
+inline void check_metric(int metric, const char* op) {
+  require(metric >= 0 && metric <= 2, op, ": metric must be 0, 1 or 2 (ip, l2, cosine)");
+}
+
+// Every entry of an index array (n entries) within [lo, hi).
+inline void check_entries(const int64_t* x, int64_t n, int64_t lo, int64_t hi, const char* op,
+                          const char* name) {
+  bool ok = true;
+  for (int64_t t = 0; t < n; ++t) ok &= x[t] >= lo && x[t] < hi;
+  require(ok, op, ": ", name, " holds an entry outside [", std::to_string(lo), ", ",
+          std::to_string(hi), ")");
+}
+
+// The coordinates a two-stage scan's sign plane (nb, bytes, 32) covers, d1 <= d.
+int64_t sign_plane_dims(const CArr<const uint8_t>& signs, int64_t d, const char* op);
+
+// Inverted lists as block ranges: (nlist + 1) non-decreasing offsets from 0 to at most nb.
+void check_list_blocks(const CArr<const int64_t>& lb, int64_t nlist, int64_t nb, const char* op);
+
+// A code table (kernels.h CodeTable) from its arrays, checked: packed (n, ceil(d b / 8)) or
+// blocked (ceil(n / 32), fs_row_bytes(d, b), 32) codes of n rows, 2^b centroids, mult and add
+// (n) - or, for padded IVF lists, (32 blocks).
+CodeTable packed_table(const CArr<const uint8_t>& packed, int64_t d, int b,
+                       const CArr<const float>& centroids, const CArr<const float>& mult,
+                       const CArr<const float>& add, const char* op);
+CodeTable blocked_table(const CArr<const uint8_t>& blocked, int64_t n, int64_t d, int b,
+                        const CArr<const float>& centroids, const CArr<const float>& mult,
+                        const CArr<const float>& add, const char* op);
+
+// A top-k output pair (nq, k).
+TopKOut topk_out(CArr<float>& vals, CArr<int64_t>& idx, int64_t nq, int64_t k, const char* op);
+
+// A Hadamard rotation's parameters for d coordinates: perms, signs (rounds, d), block p.
+RotationArgs rotation_args(const CArr<const int64_t>& perms, const CArr<const float>& signs,
+                           int64_t p, int64_t d, const char* op);
+
+void bind_codes(nb::module_& m);
+void bind_scans(nb::module_& m);
+void bind_attention(nb::module_& m);
+void bind_searchers(nb::module_& m);
+
+}  // namespace tqvec::bind

@@ -1,0 +1,105 @@
+// Bindings of the coding kernels: bit packing, quantization, centroid statistics, the Hadamard
+// rotation, the blocked layout and the per-row norms and dots.
+#include <nanobind/stl/optional.h>
+
+#include <optional>
+
+#include "check.h"
+
+namespace tqvec::bind {
+
+void bind_codes(nb::module_& m) {
+  m.def("pack_bits", [](CArr<const uint8_t> idx, int b, CArr<uint8_t> out, int nthreads) {
+    check_bits(b, 8, "pack_bits");
+    check_shape(idx, {kAny, kAny}, "pack_bits", "idx");
+    const int64_t n = dim(idx, 0), d = dim(idx, 1);
+    check_shape(out, {n, packed_row_bytes(d, b)}, "pack_bits", "out");
+    nb::gil_scoped_release rel;
+    pack_bits(idx.data(), n, d, b, out.data(), nthreads);
+  });
+
+  m.def("unpack_bits", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> out,
+                          int nthreads) {
+    check_bits(b, 8, "unpack_bits");
+    check_shape(packed, {kAny, packed_row_bytes(d, b)}, "unpack_bits", "packed");
+    const int64_t n = dim(packed, 0);
+    check_shape(out, {n, d}, "unpack_bits", "out");
+    nb::gil_scoped_release rel;
+    unpack_bits(packed.data(), n, d, b, out.data(), nthreads);
+  });
+
+  m.def("quantize_pack", [](CArr<const float> y, CArr<const float> scale, CArr<const float> thr,
+                            int b, CArr<uint8_t> out, int nthreads) {
+    check_bits(b, 8, "quantize_pack");
+    check_shape(y, {kAny, kAny}, "quantize_pack", "y");
+    const int64_t n = dim(y, 0), d = dim(y, 1);
+    check_shape(scale, {n}, "quantize_pack", "scale");
+    check_shape(thr, {(int64_t{1} << b) - 1}, "quantize_pack", "thresholds");
+    check_shape(out, {n, packed_row_bytes(d, b)}, "quantize_pack", "out");
+    nb::gil_scoped_release rel;
+    quantize_pack(y.data(), scale.data(), n, d, thr.data(), b, out.data(), nthreads);
+  });
+
+  m.def("centroid_stats", [](CArr<const uint8_t> packed, int64_t d, int b,
+                             CArr<const float> centroids, std::optional<CArr<const float>> y,
+                             std::optional<CArr<const float>> scale, CArr<float> csq,
+                             std::optional<CArr<float>> dot, int nthreads) {
+    const char* op = "centroid_stats";
+    check_bits(b, 8, op);
+    check_shape(packed, {kAny, packed_row_bytes(d, b)}, op, "packed");
+    const int64_t n = dim(packed, 0);
+    check_shape(centroids, {int64_t{1} << b}, op, "centroids");
+    check_shape(csq, {n}, op, "csq");
+    require(y.has_value() == scale.has_value() && y.has_value() == dot.has_value(), op,
+            ": y, scale and dot go together");
+    if (y) {
+      check_shape(*y, {n, d}, op, "y");
+      check_shape(*scale, {n}, op, "scale");
+      check_shape(*dot, {n}, op, "dot");
+    }
+    nb::gil_scoped_release rel;
+    centroid_stats(packed.data(), n, d, b, centroids.data(), y ? y->data() : nullptr,
+                   scale ? scale->data() : nullptr, csq.data(), dot ? dot->data() : nullptr,
+                   nthreads);
+  });
+
+  m.def("hadamard_rotate", [](CArr<const float> x, CArr<const int64_t> perms,
+                              CArr<const float> signs, int64_t p, bool inverse,
+                              CArr<float> out, int nthreads) {
+    check_shape(x, {kAny, kAny}, "hadamard_rotate", "x");
+    const int64_t n = dim(x, 0), d = dim(x, 1);
+    const RotationArgs r = rotation_args(perms, signs, p, d, "hadamard_rotate");
+    check_shape(out, {n, d}, "hadamard_rotate", "out");
+    nb::gil_scoped_release rel;
+    hadamard_rotate(x.data(), n, d, r.perms, r.signs, r.rounds, r.p, inverse, out.data(),
+                    nthreads);
+  });
+
+  m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
+                          int nthreads) {
+    check_bits(b, 8, "block_codes");
+    require(d >= 1, "block_codes: d must be >= 1");
+    check_shape(packed, {kAny, packed_row_bytes(d, b)}, "block_codes", "packed");
+    const int64_t n = dim(packed, 0);
+    check_shape(blocked, {(n + 31) / 32, fs_row_bytes(d, b), 32}, "block_codes", "blocked");
+    nb::gil_scoped_release rel;
+    block_codes(packed.data(), n, d, b, blocked.data(), nthreads);
+  });
+
+  m.def("row_sqnorms", [](CArr<const float> x, CArr<float> out) {
+    check_shape(x, {kAny, kAny}, "row_sqnorms", "x");
+    check_shape(out, {dim(x, 0)}, "row_sqnorms", "out");
+    nb::gil_scoped_release rel;
+    row_sqnorms(x.data(), dim(x, 0), dim(x, 1), out.data());
+  });
+
+  m.def("row_dots", [](CArr<const float> x, CArr<const float> v, CArr<float> out) {
+    check_shape(x, {kAny, kAny}, "row_dots", "x");
+    check_shape(v, {dim(x, 1)}, "row_dots", "v");
+    check_shape(out, {dim(x, 0)}, "row_dots", "out");
+    nb::gil_scoped_release rel;
+    row_dots(x.data(), dim(x, 0), dim(x, 1), v.data(), out.data());
+  });
+}
+
+}  // namespace tqvec::bind

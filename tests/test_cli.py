@@ -50,22 +50,29 @@ def test_demo_runs_on_the_embedded_dataset(tmp_path, capsys):
 
 
 def test_bench_runs_on_the_embedded_dataset_and_writes_results(tmp_path, capsys):
-    """`tqvec bench` (the README's first command) on digits: every method row, recall sane,
-    results written; slow faiss types left out with --skip."""
+    """`tqvec bench` (the README's first command) on digits: the default method rows, recall
+    sane, results written where asked, a summary naming the recommended index."""
     pytest.importorskip("sklearn")
     pytest.importorskip("faiss")
-    assert main(["bench", "--bits", "2", "--single", "2", "--out", str(tmp_path),
-                 "--skip", "PQ16x8", "RR,EDEN2", "RR,SQtqmse2", "RaBitQ2", "RR,RaBitQ2"]) == 0
+    assert main(["bench", "--bits", "2", "--single", "2", "--min-time", "0.01", "--quiet",
+                 "--threads", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "| 2 | tqvec TQ2 | 20 |" in out and "faiss PQ32x4fs" in out and "faiss PQ16x8" not in out
+    assert "200 queries" in out and "faiss PQ32x4fs" in out and "PQ16x8" not in out
+    assert "Summary for digits" in out and "2 bits/dim: " in out
+    assert str(tmp_path / "search_digits.json") in out
     res = json.loads((tmp_path / "search_digits.json").read_text())
-    assert res["complete"] and res["n"] == 1597 and res["machine"]["cpus"] >= 1
+    assert res["complete"] and res["n"] == 1597 and res["nq"] == 200
+    assert res["machine"]["cpus"] >= 1
     rows = {r["method"]: r for r in res["rows"]}
     assert rows["faiss Flat"]["recall@10"] == 1.0
+    assert rows["tqvec TQ2"]["bytes"] == 20
     assert 0.6 < rows["tqvec TQ2"]["recall@10"] < 0.8  # 0.705 at 20 bytes/vector
     assert rows["tqvec TQ2,Refine(TQ8g)"]["recall@10"] > 0.97
-    assert all(r["qps_single_1t"] > 0 and r["qps_batch_2t"] > 0 for r in res["rows"])
-    assert (tmp_path / "search_digits.md").exists()
+    assert rows["tqvec Center,TQ2f"]["recall@10"] > rows["tqvec TQ2"]["recall@10"]
+    assert all(r["qps_single_1t"] > 0 and r["qps_batch_2t"] > 0 and r["qps_batch_1t"] > 0
+               for r in res["rows"])
+    md = (tmp_path / "search_digits.md").read_text()
+    assert "200 queries" in md and "Summary for digits" in md
 
 
 def test_bench_help_lists_its_options(capsys):

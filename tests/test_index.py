@@ -283,10 +283,11 @@ def test_factory_codebook_and_scale_suffixes(spec, scale, codebook):
     assert index.code_size == b * 4 + 4 + (2 if scale == "unbiased" else 0)
 
 
-@pytest.mark.parametrize("spec,msg", [("PQ8", "index spec component must be one of"),
+@pytest.mark.parametrize("spec,msg", [("PQ8", "is a faiss index type tqvec does not build"),
                                       ("TQ2ug", "index spec component must be one of"),
                                       ("IVF,TQ4", "for an IVF index"),
-                                      ("Flat", "Flat is only a refinement"),
+                                      ("Flat", "for exact search use faiss.s IndexFlat"),
+                                      ("Flat,Refine(TQ8)", "Flat is only a refinement"),
                                       ("TQ4,Refine(TQ8", "spec must look like")])
 def test_bad_factory_strings(spec, msg):
     with pytest.raises(ValueError, match=msg):

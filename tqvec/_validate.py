@@ -68,9 +68,11 @@ def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = 
     """
     t, was_numpy = as_tensor(x, name)
     if t.dtype not in _FLOAT_TORCH:
+        given = f"numpy {x.dtype}" if was_numpy else str(t.dtype)
+        fix = "x.astype(np.float32)" if was_numpy else "x.float()"
         raise TypeError(
-            f"{name} must have dtype float32, float16 or bfloat16, got {t.dtype} "
-            f"(convert integers explicitly, e.g. x.astype(np.float32))")
+            f"{name} must have dtype float32, float16 or bfloat16, got {given} "
+            f"(convert integers explicitly, e.g. {fix})")
     if t.dtype == torch.float64:
         t = t.to(torch.float32)
     if t.ndim != 2:

@@ -9,9 +9,50 @@ import sys
 
 import numpy as np
 
-__all__ = ["main"]
+__all__ = ["main", "build_parser"]
 
 _CHUNK = 65536
+_NPY_MAGIC = b"\x93NUMPY"
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Help with every option's default (none shown for flags and unset options) and the
+    examples kept as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if ("%(default)" not in text and action.option_strings
+                and not any(action.default is v for v in (None, False, argparse.SUPPRESS))):
+            default = action.default
+            if isinstance(default, list):
+                default = ",".join(str(v) for v in default)
+            text += f" (default: {default})"
+        return text
+
+
+def _positive(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _bit_list(allowed: range):
+    def parse(text: str) -> list[int]:
+        try:
+            bits = [int(s) for s in text.split(",")]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be comma-separated integers, e.g. 1,2,4, got {text!r}") from None
+        bad = [b for b in bits if b not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(
+                f"must be in {allowed.start}..{allowed.stop - 1}, got {bad}")
+        return bits
+    return parse
 
 
 def _codec_from_args(a: argparse.Namespace, d: int):
@@ -21,19 +62,24 @@ def _codec_from_args(a: argparse.Namespace, d: int):
         return TurboQuant(d, a.bits, a.variant, a.seed, rotation=a.rotation,
                           sketch_dim=a.sketch_dim, norm_dtype=a.norm_dtype)
     if a.codec == "qjl":
-        return QJL(d, a.sketch_dim or a.bits * d, a.seed, norm_dtype=a.norm_dtype)
+        m = a.bits * d if a.sketch_dim is None else a.sketch_dim
+        return QJL(d, m, a.seed, norm_dtype=a.norm_dtype)
     levels = tuple(int(s) for s in a.level_bits.split(","))
     return PolarQuant(d, levels, a.seed, rotation=a.rotation)
 
 
 def _check_output(a: argparse.Namespace) -> None:
-    """The output must be a new name or a regular file other than the input (a write replaces
-    it; it never writes through a symlink or onto a device, and never eats its own input)."""
+    """The output must be a new name, or with --force a regular file other than the input (a
+    write replaces it atomically; it never writes through a symlink or onto a device, and never
+    over its own input, whatever the name)."""
     from .io import check_writable
 
     check_writable(a.output, "output")
-    if os.path.exists(a.output) and os.path.samefile(a.input, a.output):
-        raise ValueError(f"output must not be the input file, got {a.output!r} for both")
+    if os.path.exists(a.output):
+        if os.path.samefile(a.input, a.output):
+            raise ValueError(f"output must not be the input file, got {a.output!r} for both")
+        if not a.force:
+            raise ValueError(f"output {a.output!r} exists: pass --force to replace it")
 
 
 def _load_array(path: str) -> np.ndarray:
@@ -42,14 +88,23 @@ def _load_array(path: str) -> np.ndarray:
     from .io import open_regular
 
     fd, _ = open_regular(path)
-    os.close(fd)
-    try:
-        x = np.load(path, mmap_mode="r", allow_pickle=False)
-    except (ValueError, OSError, EOFError) as e:
-        raise ValueError(f"input must be a .npy file holding one array, got {path!r}: {e}") from e
-    if not isinstance(x, np.ndarray):  # an .npz archive
+    with os.fdopen(fd, "rb") as f:
+        head = f.read(len(_NPY_MAGIC))
+    if head[:4] == b"PK\x03\x04":  # a zip: np.savez's .npz
         raise ValueError(f"input must be a .npy file holding one array, got an archive "
                          f"{path!r} (np.savez); save one array with np.save")
+    if head != _NPY_MAGIC:
+        raise ValueError(f"input must be a .npy file (np.save), got {path!r}, which does not "
+                         f"start with numpy's magic {_NPY_MAGIC!r}")
+    try:
+        x = np.load(path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        if "pickle" in str(e):
+            raise ValueError(f"input must hold a numeric array, got {path!r}, an array of "
+                             f"Python objects (dtype object)") from None
+        raise ValueError(f"input {path!r} is a damaged .npy file: {e}") from None
+    except (OSError, EOFError) as e:
+        raise ValueError(f"input {path!r} is a damaged .npy file: {e}") from None
     return x
 
 
@@ -63,7 +118,7 @@ def _encode(a: argparse.Namespace) -> int:
         raise ValueError(f"input must hold a 2-D (n, d) array, got shape {x.shape}")
     codec = _codec_from_args(a, x.shape[1])
     parts = [codec.encode(np.ascontiguousarray(x[s:s + _CHUNK]))
-             for s in range(0, max(len(x), 1), _CHUNK)] if len(x) else [codec.encode(
+             for s in range(0, len(x), _CHUNK)] or [codec.encode(
                  np.zeros((0, x.shape[1]), np.float32))]
     codes = concat_codes(parts)
     save_codes(a.output, codes)
@@ -100,8 +155,8 @@ def _info(a: argparse.Namespace) -> int:
 def _demo(a: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    run_demo(a.dataset, [int(b) for b in a.bits.split(",")], n=a.n, dim=a.dim,
-             use_faiss=not a.no_faiss, json_path=a.json, progress=not a.quiet)
+    run_demo(a.dataset, a.bits, n=a.n, dim=a.dim, use_faiss=not a.no_faiss, json_path=a.json,
+             progress=not a.quiet)
     return 0
 
 
@@ -112,29 +167,60 @@ def _bench(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tqvec", description="Data-oblivious vector quantization.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    from . import __version__
 
-    e = sub.add_parser("encode", help="encode an (n, d) .npy array into a codes file")
-    e.add_argument("input")
-    e.add_argument("output")
-    e.add_argument("--codec", choices=["turboquant", "qjl", "polarquant"], default="turboquant")
-    e.add_argument("--bits", type=int, default=4, help="bits per coordinate (default 4)")
-    e.add_argument("--variant", choices=["mse", "prod"], default="mse")
-    e.add_argument("--seed", type=int, default=0)
-    e.add_argument("--rotation", choices=["hadamard", "haar"], default="hadamard")
-    e.add_argument("--sketch-dim", type=int, default=None, help="QJL rows (default bits*d)")
+    p = argparse.ArgumentParser(
+        prog="tqvec", formatter_class=_Help,
+        description="Data-oblivious vector quantization: QJL, PolarQuant, TurboQuant.",
+        epilog="examples:\n"
+               "  tqvec bench                          search benchmark vs faiss (~1 minute)\n"
+               "  tqvec encode x.npy x.tqc --bits 4    compress an (n, d) float array\n"
+               "  tqvec decode x.tqc x_hat.npy         and back\n"
+               "  tqvec info x.tqc                     a codes file's header\n"
+               "  tqvec <command> --help               a command's options")
+    p.add_argument("--version", action="version", version=f"tqvec {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="command")
+
+    e = sub.add_parser(
+        "encode", help="encode an (n, d) .npy array into a codes file", formatter_class=_Help,
+        description="Encode the rows of an (n, d) float .npy array into a tqvec codes file "
+                    "(atomic write, checksummed, versioned).",
+        epilog="examples:\n"
+               "  tqvec encode x.npy x.tqc                         TurboQuant-mse, 4 bits\n"
+               "  tqvec encode x.npy x.tqc --bits 3 --variant prod unbiased inner products\n"
+               "  tqvec encode x.npy x.tqc --codec qjl --sketch-dim 512\n"
+               "  tqvec encode x.npy x.tqc --force                 replace an existing x.tqc")
+    e.add_argument("input", help="an (n, d) float16/float32/float64 .npy file")
+    e.add_argument("output", help="the codes file to write (new, or existing with --force)")
+    e.add_argument("--codec", choices=["turboquant", "qjl", "polarquant"], default="turboquant",
+                   help="the quantizer")
+    e.add_argument("--bits", type=int, default=4, help="bits per coordinate")
+    e.add_argument("--variant", choices=["mse", "prod"], default="mse",
+                   help="TurboQuant: mse (smallest error) or prod (unbiased inner products)")
+    e.add_argument("--seed", type=int, default=0, help="seed of the rotation and sketch")
+    e.add_argument("--rotation", choices=["hadamard", "haar"], default="hadamard",
+                   help="random rotation: O(d log d) Hadamard rounds or a dense Haar matrix")
+    e.add_argument("--sketch-dim", type=int, default=None,
+                   help="QJL / TurboQuant-prod sketch rows (default: bits * d, resp. d)")
     e.add_argument("--level-bits", default="4,2,2,2", help="PolarQuant bits per level")
-    e.add_argument("--norm-dtype", choices=["float32", "float16"], default="float32")
+    e.add_argument("--norm-dtype", choices=["float32", "float16"], default="float32",
+                   help="how the per-vector norm is stored (float16: 2 bytes less)")
+    e.add_argument("--force", action="store_true", help="replace an existing output file")
     e.set_defaults(fn=_encode)
 
-    d = sub.add_parser("decode", help="decode a codes file into an .npy array")
-    d.add_argument("input")
-    d.add_argument("output")
+    d = sub.add_parser(
+        "decode", help="decode a codes file into an .npy array", formatter_class=_Help,
+        description="Decode a codes file into an (n, d) float32 .npy array (atomic write).",
+        epilog="example:\n  tqvec decode x.tqc x_hat.npy")
+    d.add_argument("input", help="a codes file written by tqvec encode or save_codes")
+    d.add_argument("output", help="the .npy file to write (new, or existing with --force)")
+    d.add_argument("--force", action="store_true", help="replace an existing output file")
     d.set_defaults(fn=_decode)
 
-    i = sub.add_parser("info", help="print a codes file's header")
-    i.add_argument("input")
+    i = sub.add_parser("info", help="print a codes file's header", formatter_class=_Help,
+                       description="Print a codes file's header and arrays as JSON.",
+                       epilog="example:\n  tqvec info x.tqc")
+    i.add_argument("input", help="a codes file")
     i.set_defaults(fn=_info)
 
     b = sub.add_parser("bench", add_help=False,
@@ -143,15 +229,22 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("args", nargs=argparse.REMAINDER)
     b.set_defaults(fn=_bench)
 
-    m = sub.add_parser("demo", help="compare every codec at 1-4 bits (and faiss) on real data")
+    m = sub.add_parser(
+        "demo", help="distortion of every codec at 1-4 bits (and faiss) on real data",
+        formatter_class=_Help,
+        description="Relative MSE, SQNR and inner-product error of every codec at each bit "
+                    "width, next to faiss's RR,SQtqmse.",
+        epilog="examples:\n  tqvec demo\n  tqvec demo --dataset random --n 20000 --dim 384 "
+               "--bits 2,4")
     m.add_argument("--dataset", choices=["digits", "random"], default="digits",
                    help="digits: scikit-learn's bundled 1,797 x 64 (no download); random: "
                         "Gaussian n x dim")
-    m.add_argument("--bits", default="1,2,3,4")
-    m.add_argument("--n", type=int, default=20000, help="rows for --dataset random")
-    m.add_argument("--dim", type=int, default=384, help="dim for --dataset random")
-    m.add_argument("--no-faiss", action="store_true")
-    m.add_argument("--json", default=None, help="also write the results as JSON")
+    m.add_argument("--bits", type=_bit_list(range(1, 5)), default=[1, 2, 3, 4],
+                   help="bit widths per coordinate, comma-separated")
+    m.add_argument("--n", type=_positive, default=20000, help="rows for --dataset random")
+    m.add_argument("--dim", type=_positive, default=384, help="dim for --dataset random")
+    m.add_argument("--no-faiss", action="store_true", help="leave out faiss's rows")
+    m.add_argument("--json", default=None, help="also write the results as JSON to this path")
     m.add_argument("--quiet", action="store_true", help="no progress bar")
     m.set_defaults(fn=_demo)
     return p

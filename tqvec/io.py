@@ -56,6 +56,9 @@ __all__ = ["MAGIC", "FORMAT_VERSION", "Container", "MappedFile", "write_containe
 
 MAGIC = b"\x89TQV\r\n\x1a\n"
 FORMAT_VERSION = 1
+# A version field beyond this is damage, not a newer writer (one format change a year would
+# take centuries to reach it).
+_PLAUSIBLE_VERSION = 1000
 _ALIGN = 64
 _DTYPES = {"uint8", "int64", "int32", "float16", "float32", "float64"}
 _MAX_HEADER = 64 << 20
@@ -324,12 +327,18 @@ def read_container(path: str | os.PathLike, kind: str, *, mmap: bool = False,
     with os.fdopen(fd, "rb") as f:
         size = st.st_size
         head = f.read(16)
-        if len(head) < 16 or head[:8] != MAGIC:
-            raise FormatError(f"{p!r} is not a tqvec file (bad magic {head[:8]!r})")
+        if head[:8] != MAGIC[: len(head[:8])] or not head:
+            raise FormatError(f"{p!r} is not a tqvec file (it starts with {head[:8]!r}, a tqvec "
+                              f"file with {MAGIC!r})")
+        if len(head) < 16:
+            raise FormatError(f"{p!r} is truncated: {size} bytes, a tqvec file has at least 48")
         version, hlen = struct.unpack("<II", head[8:16])
-        if version > FORMAT_VERSION or version < 1:
-            raise FormatError(f"{p!r} has format version {version}; this tqvec reads "
-                              f"versions 1..{FORMAT_VERSION} (upgrade tqvec)")
+        if version < 1 or version > _PLAUSIBLE_VERSION:
+            raise FormatError(f"{p!r} is damaged: its format version field reads {version}, "
+                              f"which no tqvec writes (this one reads 1..{FORMAT_VERSION})")
+        if version > FORMAT_VERSION:
+            raise FormatError(f"{p!r} has format version {version}, newer than this tqvec reads "
+                              f"(1..{FORMAT_VERSION}): upgrade tqvec")
         if hlen > min(_MAX_HEADER, size - 48):
             raise FormatError(f"{p!r} is truncated or corrupted (header length {hlen}, "
                               f"file size {size})")

@@ -78,13 +78,49 @@ def parse_codec(d: int, spec: str, seed: int = 0) -> Codec | str:
                      f"Polar{{b1}}-{{b2}}..., Flat, got {spec!r}")
 
 
-def index_factory(d: int, spec: str, metric: Any = "ip", *, seed: int = 0,
+# faiss factory strings a faiss user may try, each with what to use in tqvec instead.
+_FAISS_ONLY = [
+    (r"(IVF\d+,)?Flat|IndexFlat.*", "tqvec stores compressed codes; for exact search use faiss's "
+     "IndexFlat, or 'TQ8' (8 bits/coordinate, recall@10 ~0.99) or 'TQ2,Refine(Flat)' (codes, "
+     "then exact re-ranking of 4k candidates)"),
+    (r"(IVF\d+,)?SQ.*", "faiss's SQ types are trained (per-dimension ranges); "
+     "the data-oblivious scalar codes here are 'TQ{b}', e.g. SQ8 -> 'TQ8', SQ4 -> 'TQ4'"),
+    (r"(IVF\d+(_HNSW\d+)?,)?(PQ|OPQ|IVFPQ|RQ|LSQ|PRQ|PLSQ|ITQ).*", "product and additive "
+     "quantizers are trained; at the same bytes use 'TQ{b}' (no training), 'Center,TQ{b}f' (one "
+     "fitted mean) or 'PCA,TQ{b}' (a fitted basis, the best recall here)"),
+    (r"HNSW.*|NSG.*|NNDescent.*", "graph indexes are not built by tqvec yet; for sub-linear "
+     "search use 'IVF{nlist},TQ{b}' (e.g. 'IVF1024,TQ4') with index.nprobe"),
+    (r"RR,.*|HR,.*", "tqvec's codecs already apply a seeded random rotation: drop the 'RR,' "
+     "('RR,TQ4' is 'TQ4')"),
+    (r"L2norm,.*", "normalise through the metric instead: index_factory(d, 'TQ4', 'cosine')"),
+    (r"PCA(R|W)?\d+.*|OPQ\d+.*", "the fitted basis here is 'PCA,TQ{b}' (every component kept, "
+     "bits per component chosen by variance)"),
+    (r"LSH.*", "sign-bit codes with an unbiased estimator are 'QJL{m}' (m bits per vector)"),
+    (r"RaBitQ.*|EDEN.*", "the closest data-oblivious code here is 'TQ{b}u' (unbiased scale) or "
+     "'Center,TQ{b}f'"),
+]
+
+
+def _faiss_only(body: str) -> str | None:
+    """What to use instead of a faiss-only factory string, or None."""
+    for pattern, hint in _FAISS_ONLY:
+        if re.fullmatch(pattern, body):
+            return hint
+    return None
+
+
+def index_factory(d: int, spec: str, metric: Any = "l2", *, seed: int = 0,
                   k_factor: int = 4, device: Any = None) -> FlatIndex | IVFIndex | PCAIndex:
     """Build an index from a factory string (see the module docstring); ``device="cuda"``
     keeps the codes on the GPU and searches them with the CUDA kernels."""
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a str, got {type(spec).__name__}")
     body = spec.replace(" ", "")
+    # faiss's IDMap wrapper adds add_with_ids, which every tqvec index has: accepted as is
+    body = re.sub(r"^IDMap2?,", "", body)
+    hint = _faiss_only(body)
+    if hint:
+        raise ValueError(f"spec {spec!r} is a faiss index type tqvec does not build: {hint}")
     if body.startswith("PCA,"):
         m = re.fullmatch(r"PCA,TQ(\d)(,Prefilter\((?P<pf>\d+)\))?(,Refine\((?P<ref>[^)]+)\))?",
                          body)

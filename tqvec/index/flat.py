@@ -135,7 +135,7 @@ class FlatIndex(CodesIndex):
         Ids, and exact vectors for ``Refine(Flat)``, stay in host memory.
     """
 
-    def __init__(self, codec: Codec, metric: Any = "ip", *, refine: Codec | str | None = None,
+    def __init__(self, codec: Codec, metric: Any = "l2", *, refine: Codec | str | None = None,
                  k_factor: int = 4, prefilter: int = 0, center: Any = None,
                  device: str | torch.device | None = None):
         self._init_rows(codec, metric, refine, k_factor)
@@ -608,10 +608,11 @@ class FlatIndex(CodesIndex):
 
 def range_results(per_query: list[list[tuple[np.ndarray, np.ndarray]]]
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """faiss's (lims, D, I) from each query's list of (distances, ids) parts."""
-    lims = np.zeros(len(per_query) + 1, dtype=np.int64)
-    for i, parts in enumerate(per_query):
-        lims[i + 1] = lims[i] + sum(len(dd) for dd, _ in parts)
+    """faiss's (lims, D, I) from each query's list of (distances, ids) parts; lims uint64 as
+    faiss returns it."""
+    counts = [sum(len(dd) for dd, _ in parts) for parts in per_query]
+    lims = np.zeros(len(per_query) + 1, dtype=np.uint64)
+    lims[1:] = np.cumsum(counts, dtype=np.uint64)
     flat = [part for parts in per_query for part in parts]
     D = np.concatenate([dd for dd, _ in flat]).astype(np.float32) if flat else np.zeros(
         0, np.float32)

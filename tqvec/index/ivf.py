@@ -124,7 +124,7 @@ class IVFIndex(CodesIndex):
     seed, niter: of the k-means training.
     """
 
-    def __init__(self, codec: Codec, nlist: int, metric: Any = "ip", *,
+    def __init__(self, codec: Codec, nlist: int, metric: Any = "l2", *,
                  refine: Codec | str | None = None, k_factor: int = 4, nprobe: int = 1,
                  seed: int = 0, niter: int = 20, device: Any = None):
         self._init_rows(codec, metric, refine, k_factor)

@@ -173,7 +173,7 @@ class PCAIndex:
         their whole codes (``FlatIndex.prefilter``; an attribute, like faiss's ``nprobe``).
     """
 
-    def __init__(self, d: int, bits: int, metric: Any = "ip", *,
+    def __init__(self, d: int, bits: int, metric: Any = "l2", *,
                  refine: Codec | str | None = None, k_factor: int = 4, prefilter: int = 0,
                  seed: int = 0):
         self.d = V.positive_int(d, "d", 2, V.MAX_DIM)

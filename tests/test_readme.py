@@ -1,15 +1,33 @@
-"""The README's Python example must run as written (in a temporary folder)."""
+"""The README's and the docs' Python examples must run as written (each page in its own
+temporary folder): documentation that does not run is a bug."""
 
 import os
 import re
 from pathlib import Path
 
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md"))
+
+
+def _blocks(page: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / page).read_text(), re.S)
+
 
 def test_readme_example_runs(tmp_path, monkeypatch):
-    text = (Path(__file__).parent.parent / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    blocks = _blocks("README.md")
     assert blocks, "README has no python example"
     monkeypatch.chdir(tmp_path)
     for code in blocks:
         exec(compile(code, "README.md", "exec"), {})
-    assert os.path.exists("codes.tqc")
+    assert os.path.exists("codes.tqc") and os.path.exists("x.tqv")
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES[1:] if _blocks(p)])
+def test_docs_examples_run(page, tmp_path, monkeypatch):
+    if "transformers" in (ROOT / page).read_text():
+        pytest.importorskip("transformers")
+    monkeypatch.chdir(tmp_path)
+    for code in _blocks(page):
+        exec(compile(code, page, "exec"), {})

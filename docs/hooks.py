@@ -1,0 +1,18 @@
+"""mkdocs hook: the benchmark results (bench/results/*.md, *.png, *.json) are published under
+results/ without copying them into docs/, so the pages link to the files the benchmarks wrote."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from mkdocs.structure.files import File, Files
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+def on_files(files: Files, config) -> Files:
+    for path in sorted(RESULTS.glob("*")):
+        if path.suffix in (".md", ".png", ".json"):
+            files.append(File.generated(config, f"results/{path.name}",
+                                        abs_src_path=str(path)))
+    return files

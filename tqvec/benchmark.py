@@ -324,6 +324,12 @@ def main(argv: list[str] | None = None, *, prog: str = "tqvec bench",
     stderr = _Stderr()
     written = []
     for name in a.dataset:
+        from .datasets import data_dir
+
+        if not (name == "digits" or os.path.isfile(name)
+                or os.path.exists(os.path.join(data_dir(), f"{name}.hdf5"))):
+            print(f"building {name} in {data_dir()} (once; exact neighbours by brute force, "
+                  "under a minute)", flush=True)
         xb, xq, gt, metric = load(name, a.nq)
         d = xb.shape[1]
         print(f"== {name}: {xb.shape[0]:,} x {d}, {len(xq)} queries, {metric}; results in "

@@ -58,6 +58,19 @@ def as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
     raise TypeError(f"{name} must be a numpy array or torch tensor, got {describe(x)}")
 
 
+def query_rows(x: Any, name: str, dim: int, device: torch.device) -> torch.Tensor:
+    """``float_matrix`` for an index's queries, as float32 on ``device``. The common case - a
+    C-contiguous, writable float32 numpy array for a CPU index - is checked in one numpy pass
+    and wrapped without a copy: at one query the general checks cost ~30 us, cache-cold after
+    the previous search's scan, as much as a tenth of the search."""
+    if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == dim
+            and device.type == "cpu" and x.flags.c_contiguous and x.flags.writeable
+            and np.isfinite(x).all()):
+        return torch.from_numpy(x)
+    t, _ = float_matrix(x, name, dim)
+    return t.to(device=device, dtype=torch.float32)
+
+
 def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = True,
                  check_finite: bool = True) -> tuple[torch.Tensor, bool]:
     """Validate an ``(n, d)`` floating matrix of finite values.

@@ -52,6 +52,8 @@ class CodesIndex:
         self._rows = Rows()
         self._mapped: Any = None
         self._ref_lut: RefineLut | None = None
+        self._ref_lut_done = False
+        self._snap: Any = None  # the cached search snapshot (_current)
 
     # -- to implement -------------------------------------------------------------------------
     def _encode(self, t: torch.Tensor) -> tuple[Codes, Any, dict[str, torch.Tensor]]:
@@ -80,6 +82,18 @@ class CodesIndex:
     def _invalidate(self) -> None:
         """Drop the search-time state derived from the rows (lock held)."""
         self._ref_lut = None
+        self._ref_lut_done = False
+        self._snap = None
+
+    def _current(self) -> Any:
+        """The search snapshot, taken once per change of what it holds (``_invalidate``)."""
+        snap = self._snap
+        if snap is None:
+            with self._lock:
+                snap = self._snap
+                if snap is None:
+                    snap = self._snap = self._snapshot()
+        return snap
 
     #: What ``train`` does for this index, for the error of a use before it.
     _train_hint = "call index.train(x) first (is_trained is False)"
@@ -188,8 +202,9 @@ class CodesIndex:
     def _refine_lut(self) -> RefineLut | None:
         """The refinement's rotated-domain tables (``rerank.refine_lut``), built once per
         change of the rows (call with the lock held)."""
-        if self._ref_lut is None:
+        if not self._ref_lut_done:
             self._ref_lut = refine_lut(self.refine, self._rows.ref, self._scoring, self.device)
+            self._ref_lut_done = True
         return self._ref_lut
 
     def _candidates(self, n: int, k: int) -> int:
@@ -213,19 +228,21 @@ class CodesIndex:
         """
         k = V.search_k(k, self._rows.n)
         self._check_ready("search")
-        self.check_mapped()
+        if self._mapped is not None:
+            self._mapped.check()
         if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
             sel = params.sel
             allowed_ids = [int(i) for i in self._rows.ids.tolist() if sel.is_member(int(i))]
-        with self._lock:  # a consistent snapshot; searching itself needs no lock
-            snap = self._snapshot()
+        snap = self._current()  # a consistent snapshot; searching itself needs no lock
+        mask = None
         if allowed_ids is None:
             out = self._fused_search(x, snap, k)
             if out is not None:
                 return out
+        else:
+            mask = self._allowed_mask(allowed_ids, snap.rows.ids)
         q, offsets = self._queries(x)
-        return self._search_queries(q, offsets, snap, k,
-                                    self._allowed_mask(allowed_ids, snap.rows.ids))
+        return self._search_queries(q, offsets, snap, k, mask)
 
     def _search_queries(self, q: torch.Tensor, offsets: np.ndarray | None, snap: Any, k: int,
                         mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:

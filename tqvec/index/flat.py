@@ -181,6 +181,7 @@ class FlatIndex(CodesIndex):
         with self._lock:
             self._prefilter = v
             self._scan = None  # the scan state holds the sign plane or the full blocked codes
+            self._snap = None
 
     # -- faiss surface ------------------------------------------------------------------------
     @property
@@ -216,6 +217,7 @@ class FlatIndex(CodesIndex):
                         else t)
         self._center = mean.to(device=self.device, dtype=torch.float32).contiguous()
         self._scan = None  # the one-call search holds the center it subtracts
+        self._snap = None
         self.is_trained = True
 
     @property
@@ -419,8 +421,11 @@ class FlatIndex(CodesIndex):
                                   ip_center=None if l2 else mu, ref_x=ref_x, ref_codes=ref_codes)
 
     def _snapshot(self) -> Snapshot:
-        """What a search reads, taken together (call with the lock held)."""
-        return Snapshot(self._rows.snapshot(), self._scan_state(), self._refine_lut())
+        """What a search reads, taken together (call with the lock held). The scan state first:
+        building it may hand the row-major codes to the blocked layout, which the rows' copy
+        must not keep alive."""
+        scan = self._scan_state()
+        return Snapshot(self._rows.snapshot(), scan, self._refine_lut())
 
     # -- search ------------------------------------------------------------------------------
     def _fast_rows_ok(self, n: int, kk: int) -> bool:
@@ -444,8 +449,7 @@ class FlatIndex(CodesIndex):
         """The queries as the codes are scored against them: validated float32 rows on the
         index's device, unit rows for cosine, q - mu for a centred L2 index; and a centred
         inner-product index's exact <q, mu> per query (None otherwise)."""
-        q, _ = V.float_matrix(x, "x", self.d)
-        q = q.to(device=self.device, dtype=torch.float32)
+        q = V.query_rows(x, "x", self.d, self.device)
         if self.metric_type == METRIC_COSINE:
             if q.device.type == "cpu":  # numpy: ~3 us against torch's ~7 for one query
                 q = torch.from_numpy(unit_rows(q.numpy()))
@@ -514,8 +518,7 @@ class FlatIndex(CodesIndex):
         (bad input: the caller's general path reports it). The fast-scan route only: None
         where it does not run (a refinement, no CPU kernels, too few rows per result), before
         ``prepare`` is called."""
-        with self._lock:
-            snap = self._snapshot()
+        snap = self._current()
         kk = self._candidates(snap.n, k)
         if (self.refine is not None or snap.scan is None or not snap.scan.fast
                 or not self._fast_rows_ok(snap.n, kk)):

@@ -148,6 +148,7 @@ class IVFIndex(CodesIndex):
     @nprobe.setter
     def nprobe(self, value: int) -> None:
         self._nprobe = V.positive_int(value, "nprobe", 1, _MAX_NLIST)
+        self._snap = None  # the snapshot holds nprobe
 
     @property
     def prefilter(self) -> int:
@@ -368,8 +369,9 @@ class IVFIndex(CodesIndex):
                                  metric_name(self.metric_type), ref_codes=ref_codes)
 
     def _snapshot(self) -> IVFSnapshot:
-        return IVFSnapshot(self._rows.snapshot(), self._scan_state(), self._refine_lut(),
-                           self._probe, self._nprobe)
+        scan = self._scan_state()  # first: it may release the row-major codes (flat's reason)
+        return IVFSnapshot(self._rows.snapshot(), scan, self._refine_lut(), self._probe,
+                           self._nprobe)
 
     def _route(self, snap: IVFSnapshot) -> str:
         """The scan a search runs, chosen here only: ``"fast"`` (the CPU kernel over the
@@ -377,8 +379,7 @@ class IVFIndex(CodesIndex):
         return "fast" if snap.scan.scanner is not None else "lists"
 
     def _queries(self, x: Any) -> tuple[torch.Tensor, None]:
-        q, _ = V.float_matrix(x, "x", self.d)
-        q = q.to(device=self.device, dtype=torch.float32)
+        q = V.query_rows(x, "x", self.d, self.device)
         if self.metric_type == METRIC_COSINE:
             q = torch.from_numpy(unit_rows(q.numpy()))
         return q, None
@@ -471,8 +472,7 @@ class IVFIndex(CodesIndex):
         radius = V.finite_float(radius, "radius")
         self.check_mapped()
         q, _ = self._queries(x)
-        with self._lock:
-            snap = self._snapshot()
+        snap = self._current()
         nq = q.shape[0]
         per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(nq)]
         if snap.n and nq:

@@ -303,8 +303,7 @@ class PCAIndex:
         return self.index
 
     def _to_basis(self, x: Any, name: str) -> np.ndarray:
-        t, _ = V.float_matrix(x, name, self.d)
-        return (t.to(torch.float32) @ self.basis).numpy()
+        return (V.query_rows(x, name, self.d, torch.device("cpu")) @ self.basis).numpy()
 
     def _from_basis(self, y: np.ndarray) -> np.ndarray:
         return (torch.from_numpy(y) @ self.basis.T).numpy()

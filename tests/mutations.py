@@ -107,10 +107,10 @@ MUTANTS = [
            [("tqvec/index/metrics.py", "fill = FLT_MAX if metric_type == METRIC_L2 else -FLT_MAX",
              "fill = -FLT_MAX if metric_type == METRIC_L2 else FLT_MAX")],
            ["tests/test_index.py"]),
-    Mutant("pca-budget", "PCA,TQ{b} for ip spends the 4 bytes of its centring term twice",
+    Mutant("pca-budget", "PCA,TQ{b} for ip forgets the 4 bytes of its centring term",
            [("tqvec/index/pca.py",
-             "self._code_budget = self.target_bytes - (0 if",
-             "self._code_budget = self.target_bytes + (0 if")],
+             "with_term = allocate_widths(var, self.target_bytes - 4)",
+             "with_term = allocate_widths(var, self.target_bytes)")],
            ["tests/test_pca.py"]),
     # -- a reference and its kernel wrong alike: only an independent oracle sees it -----------
     Mutant("scan-halves-offsets",

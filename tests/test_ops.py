@@ -345,6 +345,20 @@ def test_fast_scan_two_stage(backend, b, grid, rng):
     assert not torch.isin(p, torch.arange(0, n, 11)).any()
     _, cand = ops.ref.fast_scan_ref(qr, signs, n, c1, mult, add1, 1, 200)
     assert np.mean([len(set(p[i].tolist()) & set(cand[i].tolist())) / k for i in range(nq)]) > 0.9
+    # the first pass's own per-row multipliers (mult1): its candidates follow them, the
+    # second stage keeps the full codes' mult
+    mult1 = torch.where(torch.arange(n) % 2 == 0, mult, -mult)  # odd rows' signs flipped
+    v, p = ops.fast_scan_two_stage(qr, signs, n, c1, packed, b, c, mult, add, add1, 200, k,
+                                   backend=backend, mult1=mult1)
+    _, cand1 = ops.ref.fast_scan_ref(qr, signs, n, c1, mult1, add1, 1, 200)
+    assert np.mean([len(set(p[i].tolist()) & set(cand1[i].tolist())) / k
+                    for i in range(nq)]) > 0.9
+    exact = torch.stack([ops.ref.lut_rescore_ref(qr[i:i + 1], packed, c, mult, add, p[i:i + 1],
+                                                 b, k)[0][0] for i in range(nq)])
+    torch.testing.assert_close(v, exact, rtol=1e-5, atol=1e-5)
+    vr, pr = ops.ref.fast_scan_two_stage_ref(qr, signs, n, c1, packed, b, c, mult, add, add1,
+                                             200, k, mult1)
+    assert (p == pr).float().mean() > 0.9
 
 
 @pytest.mark.parametrize("d", [64, 72, 100])

@@ -1,10 +1,18 @@
-"""tqvec as an ann-benchmarks algorithm (copy this folder to ann_benchmarks/algorithms/tqvec/).
+"""tqvec as an ann-benchmarks algorithm (``install.sh`` copies this folder to
+ann_benchmarks/algorithms/tqvec/ of a harness checkout).
 
-Build arguments: ``metric`` (ann-benchmarks passes 'euclidean' or 'angular'), ``spec`` (a
-``tqvec.index_factory`` string, e.g. "TQ4" or "TQ2,Refine(TQ8)"). Query arguments:
-``k_factor`` (candidates per result re-ranked by a ``Refine(...)`` stage; ignored without one).
-``fit`` encodes the base set; it trains first only where the spec asks for a fit
-("Center,": the mean; "PCA,": the mean and principal components).
+Build arguments: ``metric`` (the harness passes 'euclidean' or 'angular') and ``spec``, a
+``tqvec.index_factory`` string ("TQ4", "Center,TQ2f", "IVF256,TQ1,Refine(Flat)", ...).
+``fit`` trains where the spec asks for a fit ("Center,": the mean; "PCA,": the mean and
+principal components; "IVF...": k-means), adds the base set and builds the search layouts.
+
+Query arguments, by the kind of index (positional, as the harness passes them):
+
+- ``IVF{n},...``: ``(nprobe[, k_factor])`` - lists searched, and with a ``Refine(...)`` stage
+  the candidates per result it re-ranks;
+- flat with ``Refine(...)``: ``(k_factor[, prefilter])``;
+- other flat indexes: ``(prefilter,)`` - candidates per result of the sign-bit first pass
+  (``FlatIndex.prefilter``; 0 = exact scan).
 """
 
 from __future__ import annotations
@@ -17,10 +25,6 @@ except ImportError:  # our own runner (bench/ann_benchmarks/run.py): the same in
     class BaseANN:  # minimal stand-in for ann_benchmarks.algorithms.base.module.BaseANN
         def done(self) -> None:
             pass
-
-        def get_memory_usage(self) -> float:
-            import psutil
-            return psutil.Process().memory_info().rss / 1024
 
         def get_additional(self) -> dict:
             return {}
@@ -40,20 +44,25 @@ class TQVec(BaseANN):
         self._metric = _METRICS[metric]
         self._spec = spec
         self.index = None
+        self.res: list[np.ndarray] = []
         self.name = f"tqvec({spec})"
 
     def fit(self, X: np.ndarray) -> None:
         X = np.ascontiguousarray(X, dtype=np.float32)
         self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
-        if not self.index.is_trained:  # "Center," / "PCA,": fitted on the base set
+        if not self.index.is_trained:  # Center, PCA, IVF: fitted on the base set
             self.index.train(X)
         self.index.add(X)
+        self.index.search(X[:1], 1)  # the search layouts, built now: not in the first query
+
+    def _query_names(self) -> tuple[str, ...]:
+        refine = "Refine" in self._spec
+        if self._spec.startswith("IVF") or ",IVF" in self._spec:
+            return ("nprobe", "k_factor") if refine else ("nprobe",)
+        return ("k_factor", "prefilter") if refine else ("prefilter",)
 
     def set_query_arguments(self, *args: int) -> None:
-        """``Refine`` specs: (k_factor[, prefilter]); other specs: (prefilter,) - candidates
-        per result of the sign-bit first pass (``FlatIndex.prefilter``, 0 = exact scan)."""
-        refine = "Refine" in self._spec
-        names = ("k_factor", "prefilter") if refine else ("prefilter",)
+        names = self._query_names()
         if len(args) > len(names):
             raise ValueError(f"query arguments must be {names} for {self._spec!r}, got {args}")
         parts = [self._spec]
@@ -68,16 +77,26 @@ class TQVec(BaseANN):
 
     def batch_query(self, X: np.ndarray, n: int) -> None:
         _, I = self.index.search(np.ascontiguousarray(X, dtype=np.float32), n)
-        self.res = I
+        # faiss's -1 padding (fewer than n results) is not a result: the harness would read it
+        # as a duplicated candidate
+        self.res = [row[row >= 0] for row in I]
 
-    def get_batch_results(self) -> np.ndarray:
+    def get_batch_results(self) -> list[np.ndarray]:
         return self.res
 
     def get_memory_usage(self) -> float:
-        """Kilobytes held by the index (codes + side information), not the process RSS."""
+        """Kilobytes the index holds (``memory_bytes``): codes, ids, per-vector scalars and
+        derived terms, the search layouts (built in ``fit``), the codec's rotation and
+        codebooks, and what was trained (centre, PCA basis, IVF centroids); 0 before ``fit``.
+        Not the process's RSS: the harness runs every algorithm of a ``--local`` run in one
+        process, so RSS differences would mix in the allocator's and other runs' memory."""
         if self.index is None:
             return 0.0
-        return self.index.ntotal * self.index.code_size / 1024
+        return self.index.memory_bytes() / 1024
+
+    def done(self) -> None:
+        self.index = None
+        self.res = []
 
     def __str__(self) -> str:
         return self.name

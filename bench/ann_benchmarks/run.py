@@ -6,9 +6,9 @@
 
 For every run group of config.yml (its args x query_args), in one process: build (fit) time,
 index size (get_memory_usage, kB), batch QPS (batch_query over all test queries), single-query QPS
-(query() one at a time over --single queries), and ann-benchmarks' metrics: ``knn`` (recall@k
-counting a result as correct when its true distance is within the k-th true distance times
-1 + 1e-3, as ann-benchmarks' `knn` metric) and ``recall`` (|I ∩ true top-k| / k). Threads: torch's
+(query() one at a time over --single queries), and ann-benchmarks' metrics: ``knn`` exactly as
+the harness computes it (a result counts when its distance, computed as the harness does, is
+within the true k-th distance plus 1e-3) and ``recall`` (|I ∩ true top-k| / k). Threads: torch's
 default (set OMP_NUM_THREADS / --threads to pin). Writes bench/results/ann_<dataset>.json and .md.
 The default dataset is scikit-learn's digits (1,797 x 64, euclidean) written as an ann-benchmarks
 HDF5 file in the data cache on first use: nothing is downloaded.
@@ -39,10 +39,11 @@ def load_module():
     return mod
 
 
-def run_groups(names: list[str] | None) -> list[tuple[str, list, list]]:
+def run_groups(names: list[str] | None, config: str = os.path.join(HERE, "config.yml")
+               ) -> list[tuple[str, list, list]]:
     import yaml
 
-    with open(os.path.join(HERE, "config.yml")) as f:
+    with open(config) as f:
         cfg = yaml.safe_load(f)
     (entry,) = cfg["float"]["any"]
     out = []
@@ -70,34 +71,45 @@ def dataset(name: str) -> tuple[str, dict]:
     return os.path.splitext(os.path.basename(name))[0], data
 
 
-def true_distances(train: np.ndarray, q: np.ndarray, ids: np.ndarray, metric: str) -> np.ndarray:
-    """Exact distances of the returned ids (-1: +inf), in ann-benchmarks' convention."""
-    x = train[np.clip(ids, 0, None)]
+def harness_distance(metric: str, a: np.ndarray, b: np.ndarray) -> float:
+    """A result's distance as ann-benchmarks computes it (ann_benchmarks/distance.py): the
+    Euclidean norm of a - b, or 1 - the cosine, in the vectors' own float32."""
     if metric == "euclidean":
-        d = np.sqrt(((x - q[:, None, :]) ** 2).sum(-1))
-    elif metric == "angular":
-        qn = q / np.linalg.norm(q, axis=1, keepdims=True)
-        xn = x / np.maximum(np.linalg.norm(x, axis=-1, keepdims=True), 1e-30)
-        d = 1 - (xn * qn[:, None, :]).sum(-1)
-    else:
-        d = -(x * q[:, None, :]).sum(-1)
-    return np.where(ids >= 0, d, np.inf)
+        return float(np.sum((a - b) ** 2) ** 0.5)
+    if metric == "angular":
+        return float(1 - np.dot(a, b) / (np.sum(a ** 2) ** 0.5 * np.sum(b ** 2) ** 0.5))
+    raise ValueError(f"metric must be 'euclidean' or 'angular', got {metric!r}")
 
 
-def evaluate(I: np.ndarray, data: dict, k: int) -> dict:
+def knn_recall(run_distances: list[list[float]], dataset_distances: np.ndarray, count: int,
+               epsilon: float = 1e-3) -> float:
+    """ann-benchmarks' ``knn`` metric: a query's first ``count`` results that lie within its
+    true count-th distance plus ``epsilon`` (absolute, as the harness's knn_threshold), over
+    count, averaged over the queries."""
+    hits = [sum(d <= float(dataset_distances[i][count - 1]) + epsilon for d in run[:count])
+            for i, run in enumerate(run_distances)]
+    return float(np.mean(hits)) / count
+
+
+def evaluate(results: list[np.ndarray], data: dict, k: int) -> dict:
+    """knn as the harness computes it, and recall = |results & true top k| / k."""
     gt = data["neighbors"][:, :k]
-    recall = float(np.mean([len(set(a[a >= 0]) & set(b)) / k for a, b in zip(I, gt,
-                                                                              strict=True)]))
-    dist = true_distances(data["train"], data["test"], I, data["distance"])
-    kth = data["distances"][:, k - 1][:, None]
-    knn = float(np.mean((dist <= kth * (1 + 1e-3) + 1e-6).sum(1) / k))
-    return {"knn": knn, "recall": recall}
+    train, test, metric = data["train"], data["test"], data["distance"]
+    recall = float(np.mean([len(set(r.tolist()) & set(g.tolist())) / k
+                            for r, g in zip(results, gt, strict=True)]))
+    dists = [[harness_distance(metric, q, train[j]) for j in r] for q, r in zip(test, results,
+                                                                               strict=True)]
+    return {"knn": knn_recall(dists, data["distances"], k), "recall": recall}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dataset", default="digits")
     ap.add_argument("--groups", nargs="*")
+    ap.add_argument("--config", default=os.path.join(HERE, "config.yml"),
+                    help="the algorithm definition's config.yml (run groups)")
+    ap.add_argument("--nq", type=int, default=None, help="the first nq test queries only")
+    ap.add_argument("--out", default=None, help="result name (default: ann_<dataset>)")
     ap.add_argument("--k", type=int, default=10)
     ap.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     ap.add_argument("--threads", type=int, default=None)
@@ -110,7 +122,11 @@ def main() -> None:
     metric = data["distance"]
     train, test = data["train"], data["test"]
     rows = []
-    for group, arg_sets, qarg_sets in run_groups(a.groups):
+    if a.nq:
+        data = dict(data, test=data["test"][:a.nq], neighbors=data["neighbors"][:a.nq],
+                    distances=data["distances"][:a.nq])
+        train, test = data["train"], data["test"]
+    for group, arg_sets, qarg_sets in run_groups(a.groups, a.config):
         for args in arg_sets:
             algo = mod.TQVec(metric, *args)
             t0 = time.perf_counter()
@@ -121,8 +137,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 algo.batch_query(test, a.k)
                 batch = time.perf_counter() - t0
-                I = np.asarray(algo.get_batch_results())
-                m = evaluate(I, data, a.k)
+                m = evaluate(algo.get_batch_results(), data, a.k)
                 ns = min(a.single, len(test))
                 t0 = time.perf_counter()
                 for q in test[:ns]:
@@ -140,7 +155,8 @@ def main() -> None:
            "metric": metric, "threads": torch.get_num_threads(), "machine": machine_info(),
            "rows": rows}
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, f"ann_{name}.json"), "w") as f:
+    stem = a.out or f"ann_{name}"
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"# ann-benchmarks-style run: {name} ({len(train):,} x {train.shape[1]}, {metric}, "
              f"{len(test)} queries, k = {a.k}, {res['threads']} threads)", "",
@@ -151,7 +167,7 @@ def main() -> None:
                      f"{r['knn']:.3f} | {r['recall']:.3f} | {r['batch_qps']:,.0f} | "
                      f"{r['single_qps']:,.0f} |")
     lines += ["", f"Reproduce: `python bench/ann_benchmarks/run.py --dataset {a.dataset}`."]
-    with open(os.path.join(RESULTS, f"ann_{name}.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 

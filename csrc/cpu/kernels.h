@@ -79,9 +79,9 @@ void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* bl
 void fast_scan(const float* qr, int64_t nq, const CodeTable& t, bool approx, const TopKOut& out,
                int nthreads);
 // Two stages: the approximate top k1 rows by the sign plane `signs` (blocked 1-bit codes of the
-// top bit of each index of the first signs.d <= full.d coordinates, its 2 centroids, its
-// offsets add1), then the exact top k of those by their packed b-bit codes `full`; mult is
-// shared (a row's scale) and add1 = -inf must hold wherever full.add = -inf. qr (nq, full.d).
+// top bit of each index of the first signs.d <= full.d coordinates, its 2 centroids, its own
+// per-row multipliers and offsets), then the exact top k of those by their packed b-bit codes
+// `full`; signs.add = -inf must hold wherever full.add = -inf. qr (nq, full.d).
 // (1-bit codes: signs.d < d, a prefix of the coordinates is the coarse pass.)
 void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs,
                          const CodeTable& full, int64_t k1, const TopKOut& out, int nthreads);

@@ -249,6 +249,10 @@ class Codec:
         term) for a two-stage scan, or None when the codec has none."""
         return None
 
+    def sign_scale(self, codes: Codes) -> torch.Tensor:
+        """The per-row scale of ``sign_term``'s entry, from the codes' scalars alone."""
+        raise NotImplementedError(f"{type(self).__name__} has no sign term")
+
     #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
     #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).
     unbiased_ip: bool = False

@@ -353,7 +353,7 @@ class TurboQuant(Codec):
         bit: their pass is the codes of the first d1 = 8 ceil(ceil(d / 8) / 2) coordinates,
         half of the bytes (after the random rotation every coordinate carries the same share of
         <q, x>, so a prefix scores ~d1/d of it with ~d/d1 times the relative noise). None for
-        prod, or 1 bit at d <= 8."""
+        prod, or 1 bit at d <= 8. Its scale: ``sign_scale``."""
         if not self.has_sign_term():
             return None
         b, dev = self.mse_bits, codes.device
@@ -361,7 +361,7 @@ class TurboQuant(Codec):
             d1 = self._sign_prefix_dims()
             packed = codes.payload[:, : d1 // 8].contiguous()
             return LutTerm(packed, d1, 1, self._arr.get("centroids", dev).to(torch.float32),
-                           self.multiplier(codes).to(torch.float32))
+                           self.sign_scale(codes))
         payload = codes.payload[:, : self._mse_bytes]
         parts = [ops.pack_bits(ops.unpack_bits(payload[s:s + 65536], self.dim, b, self.backend)
                                >> (b - 1), 1, self.backend)
@@ -369,7 +369,15 @@ class TurboQuant(Codec):
         packed = torch.cat(parts) if parts else torch.empty(
             (0, ops.row_bytes(self.dim, 1)), dtype=torch.uint8, device=dev)
         c1 = torch.from_numpy(sphere_codebook(self.dim, 1).centroids.astype(np.float32))
-        return LutTerm(packed, self.dim, 1, c1.to(dev), self.multiplier(codes).to(torch.float32))
+        return LutTerm(packed, self.dim, 1, c1.to(dev), self.sign_scale(codes))
+
+    def sign_scale(self, codes: Codes) -> torch.Tensor:
+        """``sign_term``'s per-row scale: the multiplier, but the norm for the unbiased scale
+        at 2+ bits - the b-bit codes' ||x|| / <u, c[idx]> would stretch each row's 1-bit
+        reconstruction by its own factor (1-bit codes: their prefix is the codes themselves)."""
+        if self.scale == "unbiased" and self.mse_bits > 1:
+            return codes.scalars["norm"].float()
+        return self.multiplier(codes).to(torch.float32)
 
     def lut_terms(self, codes: Codes) -> list[LutTerm]:
         """code_terms over the packed codes (no unpacking): the mse indices with the codebook,

@@ -18,6 +18,7 @@ import torch
 
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
+from .memory import held_bytes
 from .metrics import METRIC_L2, QUERY_BLOCK, metric_code, padded, results
 from .rerank import RefineLut, check_refine, refine_lut, rerank
 from .rows import Rows
@@ -115,6 +116,13 @@ class CodesIndex:
     @property
     def ntotal(self) -> int:
         return self._rows.n
+
+    def memory_bytes(self) -> int:
+        """Bytes of memory this index holds: codes, ids, per-vector scalars and derived terms,
+        the refinement's rows, the search layouts built so far, the codec's rotation, sketch
+        and codebooks once drawn, and what was trained (a centre, IVF centroids); each buffer
+        once (a memory-mapped file's arrays included)."""
+        return held_bytes(self)
 
     def check_mapped(self) -> None:
         """Raise ``FormatError`` if the file this index memory-maps (``read_index(...,

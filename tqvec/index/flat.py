@@ -56,7 +56,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..codecs.base import Codec, Codes
+from ..codecs.base import Codec, Codes, LutTerm
 from ..codecs.turbo import TurboQuant
 from .base import CodesIndex
 from .fused import FlatSearch
@@ -129,6 +129,10 @@ class FlatIndex(CodesIndex):
         on embeddings near the origin nothing. L2 distances are translation-invariant; inner
         products add <q, mu> exactly; cosine becomes the inner product of unit vectors (the
         reconstruction's norm is then not divided out).
+    center_term: for inner products (and cosine) of a centred index, whether each row stores
+        the exact <mu, x - mu> (4 bytes; default True) or the codes estimate it too: where
+        the bytes are few (a 20-d vector's 14) four more bytes of codes are worth more than
+        that term (``PCAIndex`` chooses by the expected error).
     device: where the codes live and are scanned (``"cpu"``, ``"cuda"``, ``"cuda:1"``...).
         On a GPU, adds encode with the CUDA kernels and searches run the CUDA LUT scan
         (TurboQuant-mse) or the codec's blocked GEMM; results come back as numpy, as in faiss.
@@ -137,12 +141,15 @@ class FlatIndex(CodesIndex):
 
     def __init__(self, codec: Codec, metric: Any = "l2", *, refine: Codec | str | None = None,
                  k_factor: int = 4, prefilter: int = 0, center: Any = None,
-                 device: str | torch.device | None = None):
+                 center_term: bool = True, device: str | torch.device | None = None):
         self._init_rows(codec, metric, refine, k_factor)
         self.device = device_of(device)
         self.is_trained = True  # data-oblivious: nothing to train (unless center="fit")
         self._center: torch.Tensor | None = None
         self.centered = center is not None
+        if not isinstance(center_term, bool):
+            raise TypeError(f"center_term must be a bool, got {center_term!r:.40}")
+        self.center_term = center_term
         self._fit_center = isinstance(center, str)
         if isinstance(center, str):
             if center != "fit":
@@ -198,8 +205,9 @@ class FlatIndex(CodesIndex):
 
     @property
     def _corrects_ip(self) -> bool:
-        """A centred index scored by inner products stores a per-row correction."""
-        return self.centered and self._scoring == METRIC_INNER_PRODUCT
+        """A centred index scored by inner products stores a per-row correction (unless
+        ``center_term`` is off)."""
+        return self.centered and self._scoring == METRIC_INNER_PRODUCT and self.center_term
 
     def train(self, x: Any) -> None:
         """No-op (data-oblivious; kept for faiss compatibility), except with ``center="fit"``:
@@ -359,20 +367,28 @@ class FlatIndex(CodesIndex):
             rows.release(self._layout)
         elif fast and self._prefilter and not first:
             signs, term = self._layout.sign_plane(self.codec, rows.codes)
+            # every row's first-pass term (the plane's rows were laid out in appends)
+            first_term = LutTerm(None, term.d, 1, term.centroids,
+                                 self.codec.sign_scale(rows.scalar_codes()))
             add1 = add
-            if term.d < self.d:  # a prefix of the coordinates (1-bit codes) scores ~d1/d
+            prefix = term.d < self.d  # 1-bit codes: a prefix of the coordinates scores ~d1/d
+            if prefix:
                 add1 = (add1 * (term.d / self.d)).contiguous()
-            if self._scoring == METRIC_L2:
+            if self._scoring == METRIC_L2 and not (prefix and self.codec.unbiased_ip):
                 # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign]
-                # (norm^2 = m^2 d c1^2), not with the full code's ||x_hat||^2: its inner
-                # products are ~2/pi smaller, and mixing the two scales ranks short vectors
-                # first.
-                add1 = -(terms[0].scale.float() ** 2
+                # (m the sign term's scale, norm^2 = m^2 d c1^2), not with the full code's
+                # ||x_hat||^2: its inner products are ~2/pi smaller, and mixing the two scales
+                # ranks short vectors first. An unbiased 1-bit prefix instead scores ~d1/d of
+                # <q, x>, paired with d1/d of ||x||^2 (above).
+                add1 = -(first_term.scale ** 2
                          * (float(term.centroids[1]) ** 2 * term.d)).contiguous()
+            mult1, _ = metric_terms([first_term], n, self._scoring, rows.term("sqnorms", dev),
+                                    rows.term("ipcorr", dev), dev)
             scan.signs = ops.FastScan([signs], n, [term.centroids.float().contiguous()],
                                       mults[:1], add, [1], self.codec.backend,
                                       full=(scan.packed[0], scan.bits[0], scan.cents[0]),
-                                      add1=add1)
+                                      add1=add1, mult1=None if torch.equal(mult1[0], mults[0])
+                                      else mult1[0])
         elif fast:
             start = self._layout.start("terms")
             blocked = self._layout.lay_out("terms", [(t.packed[start:], t.d, t.bits)

@@ -71,9 +71,9 @@ class FlatSearch:
         h = scan.host
         prefilter_arg = None
         if h.full is not None:
-            packed, bfull, cfull, add1 = h.full
+            packed, bfull, cfull, add1, mult1 = h.full
             prefilter_arg = dict(keep=int(prefilter), packed=packed, bits=int(bfull),
-                                 centroids=cfull, first_add=add1)
+                                 centroids=cfull, first_add=add1, first_mult=mult1)
         searcher = ops.compiled_flat_searcher(
             rotation=(perms, signs, rotate.p), blocked=h.blocked[0], n=scan.n,
             bits=scan.bits[0], centroids=h.centroids[0], mult=h.mults[0], add=h.add,

@@ -30,7 +30,8 @@ __all__ = ["index_state", "index_from_state"]
 
 _FLAT_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "refine",
               "k_factor"}
-_OPTIONAL_META = {"prefilter", "centered", "pca"}  # absent in files written before them
+# absent in files written before them
+_OPTIONAL_META = {"prefilter", "centered", "center_term", "pca"}
 _IVF_META = {"nlist", "nprobe", "seed", "niter", "trained"}
 _NOT_PER_ROW = {"center", "ivf.centroids", "pca.basis", "pca.variances"}
 
@@ -62,6 +63,8 @@ def _rows_state(index: FlatIndex | IVFIndex, rows: Rows, kind: str
             "ntotal": rows.n, "next_id": rows.next_id, "refine": refine,
             "k_factor": index.k_factor, "prefilter": index.prefilter,
             "centered": bool(index.centered)}
+    if index.centered and not index.center_term:
+        meta["center_term"] = False
     return meta, arrays
 
 
@@ -126,7 +129,8 @@ def _expected_arrays(meta: dict, codec: Codec, ref_codec: Any, ntotal: int
     (required if ntotal else optional).update(codes | ref)
     if meta.get("centered"):
         required.add("center")
-        optional.add("ipcorr")
+        if meta.get("center_term", True):
+            optional.add("ipcorr")
     if meta["type"] == "ivf" and meta["trained"]:
         required.add("ivf.centroids")
         (required if ntotal else optional).add("ivf.lists")
@@ -156,12 +160,17 @@ def _empty_index(meta: dict, codec: Codec, ref_codec: Any, arrays: dict
             index.is_trained = True
         return index
     center = None
+    center_term = meta.get("center_term", True)
+    if not isinstance(center_term, bool) or not (center_term or centered):
+        raise ValueError(f"center_term must be a bool, False only for a centred index, got "
+                         f"{center_term!r:.40}")
     if centered:
         if "center" not in arrays:
             raise ValueError("arrays must hold 'center' for a centred index")
         center = _float_rows(arrays, "center", (codec.dim,)).numpy().copy()
     return FlatIndex(codec, meta["metric"], refine=ref_codec, k_factor=meta["k_factor"],
-                     prefilter=meta.get("prefilter", 0), center=center)
+                     prefilter=meta.get("prefilter", 0), center=center,
+                     center_term=center_term)
 
 
 def _row_correction(arrays: dict, ntotal: int, name: str) -> torch.Tensor:
@@ -206,7 +215,8 @@ def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any,
             per_row = {"lists": lists, "rowterm": rowterm}
         else:
             per_row = {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
-            if index.centered and index.scoring == METRIC_INNER_PRODUCT:
+            if (index.centered and index.scoring == METRIC_INNER_PRODUCT
+                    and index.center_term):
                 per_row["ipcorr"] = _row_correction(arrays, ntotal, "ipcorr")
         rows.append(codes, torch.from_numpy(ids), ref, per_row)
     rows.next_id = next_id

@@ -157,13 +157,14 @@ def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: lis
 class FastScanHost:
     """``FastScan``'s arrays as the compiled CPU kernel reads them: per term the blocked codes,
     centroids and multipliers; the row offsets; a two-stage scan's full codes (packed, b,
-    centroids, first-pass offsets) or several-term scan's packed rows."""
+    centroids, first-pass offsets, first-pass multipliers or None) or several-term scan's packed
+    rows."""
 
     blocked: list[np.ndarray]
     centroids: list[np.ndarray]
     mults: list[np.ndarray]
     add: np.ndarray
-    full: tuple[np.ndarray, int, np.ndarray, np.ndarray] | None
+    full: tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None] | None
     packed: list[np.ndarray] | None
 
 
@@ -179,8 +180,9 @@ class FastScan:
     nothing exactly (for a first stage that a refinement re-ranks); elsewhere it is exact.
 
     ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
-    is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``), and
-    ``search(..., k1=...)`` re-scores its k1 best rows with the full codes.
+    is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``; per-row
+    multipliers ``mult1``, default the term's), and ``search(..., k1=...)`` re-scores its k1
+    best rows with the full codes.
 
     ``first=f`` with ``packed`` (each term's (n, ceil(d_t b_t / 8)) rows) makes a several-term
     scan two-stage (``fast_scan_terms_two_stage``): the k1 best rows by the first f terms,
@@ -191,7 +193,8 @@ class FastScan:
                  backend: str = "auto",
                  full: tuple[torch.Tensor, int, torch.Tensor] | None = None,
                  add1: torch.Tensor | None = None,
-                 packed: list[torch.Tensor] | None = None, first: int = 0):
+                 packed: list[torch.Tensor] | None = None, first: int = 0,
+                 mult1: torch.Tensor | None = None):
         _check_terms(len(blocked), blocked, centroids, mults, bits)
         if full is not None and bits != [1]:
             raise ValueError(f"a two-stage scan needs one 1-bit term (the signs), got bits {bits}")
@@ -209,6 +212,7 @@ class FastScan:
         self.full = None if full is None else (full[0].contiguous(), int(full[1]),
                                                full[2].contiguous())
         self.add1 = (self.add if add1 is None else add1.contiguous())
+        self.mult1 = None if mult1 is None else mult1.contiguous()
         name = ("fast_scan_two_stage" if full is not None
                 else "fast_scan_terms_two_stage" if self.first
                 else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
@@ -218,8 +222,9 @@ class FastScan:
             self.host = FastScanHost(
                 [t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
                 [t.numpy() for t in self.mults], self.add.numpy(),
-                None if self.full is None else (self.full[0].numpy(), self.full[1],
-                                                self.full[2].numpy(), self.add1.numpy()),
+                None if self.full is None else (
+                    self.full[0].numpy(), self.full[1], self.full[2].numpy(),
+                    self.add1.numpy(), None if self.mult1 is None else self.mult1.numpy()),
                 [t.numpy() for t in self.packed] if self.first else None)
 
     def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
@@ -238,16 +243,17 @@ class FastScan:
                 add1 = torch.where(torch.isinf(add) & (add < 0), add, self.add1)
             if self.host is not None and qrs[0].device.type == "cpu":
                 h = self.host
-                packed, b, full_c, add1_np = h.full
+                packed, b, full_c, add1_np, mult1_np = h.full
                 vals, pos = _cpu.fast_scan_two_stage_np(
                     qrs[0].contiguous().numpy(), h.blocked[0], self.n, h.centroids[0], packed, b,
                     full_c, h.mults[0], h.add if add is None else add.numpy(),
-                    add1_np if add1 is None else add1.numpy(), int(k1), int(k))
+                    add1_np if add1 is None else add1.numpy(), int(k1), int(k), mult1_np)
                 return torch.from_numpy(vals), torch.from_numpy(pos)
             return fast_scan_two_stage(qrs[0], self.blocked[0], self.n, self.centroids[0],
                                        *self.full, self.mults[0],
                                        self.add if add is None else add,
-                                       self.add1 if add1 is None else add1, k1, k, self.backend)
+                                       self.add1 if add1 is None else add1, k1, k, self.backend,
+                                       mult1=self.mult1)
         if self.host is not None and qrs[0].device.type == "cpu":
             h = self.host
             vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], h.blocked,
@@ -272,16 +278,18 @@ class FastScan:
 def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                         packed: torch.Tensor, b: int, centroids: torch.Tensor, mult: torch.Tensor,
                         add: torch.Tensor, add1: torch.Tensor, k1: int, k: int,
-                        backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                        backend: str = "auto", mult1: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k by the full b-bit codes ``packed`` among the k1 best rows of a first pass over
     their sign plane ``signs`` (1-bit codes, fast-scan layout, centroids c1, row offsets add1;
-    add is the full codes'): a two-stage scan
+    add is the full codes'; the first pass's per-row multipliers mult1, default mult): a
+    two-stage scan
     that reads b times fewer bytes per row in its first pass. Heuristic: a row outside the
     sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``."""
     return pick("fast_scan_two_stage", qr.device, backend)(
         qr.contiguous(), signs.contiguous(), int(n), c1.contiguous(), packed.contiguous(),
         int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), add1.contiguous(),
-        int(k1), int(k))
+        int(k1), int(k), None if mult1 is None else mult1.contiguous())
 
 
 def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,

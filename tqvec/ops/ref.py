@@ -147,18 +147,20 @@ def lut_rescore_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Ten
 def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                             packed: torch.Tensor, b: int, centroids: torch.Tensor,
                             mult: torch.Tensor, add: torch.Tensor, add1: torch.Tensor, k1: int,
-                            k: int) -> tuple[torch.Tensor, torch.Tensor]:
+                            k: int, mult1: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k by the full b-bit codes among the top k1 by the sign plane: stage 1 is
     ``fast_scan_ref`` over ``signs`` (1-bit codes in the fast-scan layout, centroids c1, row
     offsets add1: e.g. -||x_1bit||^2 for L2, the distance to the 1-bit reconstruction), stage
-    2 ``lut_rescore_ref`` over ``packed`` with the offsets add. The CPU kernel ranks stage 1
+    2 ``lut_rescore_ref`` over ``packed`` with the offsets add; stage 1 scales a row by mult1
+    where given (its own per-row scale), else by mult. The CPU kernel ranks stage 1
     by its 7-bit tables (no exact re-score), so its candidate set may differ at the k1-th
     place: a heuristic first pass, which is what it is for (the exact scan is ``fast_scan``).
     ``signs`` may cover only the first d1 = 8 * signs.shape[1] < d coordinates (1-bit codes:
     a prefix of the coordinates is their coarse pass); stage 1 then scores qr[:, :d1]."""
     d1 = sign_plane_dims(signs.shape[1], qr.shape[1])
-    _, cand = fast_scan_ref(qr[:, :d1].contiguous(), signs, n, c1, mult, add1, 1,
-                            min(k1, n) if n else k1)
+    _, cand = fast_scan_ref(qr[:, :d1].contiguous(), signs, n, c1,
+                            mult if mult1 is None else mult1, add1, 1, min(k1, n) if n else k1)
     return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
 
 

@@ -1,8 +1,10 @@
 // Bindings of the scans: LUT scans of packed codes, the fast scans of blocked codes (one term,
 // several terms, two stages, inverted lists), the IVF probe and the exact re-ranking.
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "check.h"
@@ -52,20 +54,24 @@ void bind_scans(nb::module_& m) {
                                   CArr<const float> centroids, CArr<const float> mult,
                                   CArr<const float> add, CArr<const float> add1, int64_t k1,
                                   int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
-                                  int nthreads) {
+                                  int nthreads, std::optional<CArr<const float>> mult1) {
     const char* op = "fast_scan_two_stage";
     check_shape(qr, {kAny, kAny}, op, "qr");
     const int64_t nq = dim(qr, 0), d = dim(qr, 1);
     const CodeTable full = packed_table(packed, d, b, centroids, mult, add, op);
     require(full.n == n, op, ": packed must hold the n rows");
-    const CodeTable first =
-        blocked_table(signs, n, sign_plane_dims(signs, d, op), 1, c1, mult, add1, op);
+    // the first pass's multipliers: its own (mult1), or the full codes'
+    const CodeTable first = blocked_table(signs, n, sign_plane_dims(signs, d, op), 1, c1,
+                                          mult1 ? *mult1 : mult, add1, op);
     require(k1 >= 1, op, ": k1 must be >= 1");
     const TopKOut out = topk_out(out_vals, out_idx, nq, k, op);
     k1 = std::min(k1, n);  // more candidates than rows: every row
     nb::gil_scoped_release rel;
     fast_scan_two_stage(qr.data(), nq, first, full, k1, out, nthreads);
-  });
+  }, nb::arg("qr"), nb::arg("signs"), nb::arg("n"), nb::arg("c1"), nb::arg("packed"),
+     nb::arg("b"), nb::arg("centroids"), nb::arg("mult"), nb::arg("add"), nb::arg("add1"),
+     nb::arg("k1"), nb::arg("k"), nb::arg("out_vals"), nb::arg("out_idx"),
+     nb::arg("nthreads"), nb::arg("mult1").none() = nb::none());
 
   m.def("fast_scan_terms", [](std::vector<CArr<const float>> qrs,
                               std::vector<CArr<const uint8_t>> blocked,

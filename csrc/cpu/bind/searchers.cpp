@@ -23,13 +23,14 @@ struct Rotation {
 };
 
 // A flat index's prefilter: keep * k rows of the first pass over the sign plane (with row
-// offsets first_add) re-scored by the full codes (packed, bits, centroids; the scan's mult and
-// add).
+// offsets first_add and multipliers first_mult, or the scan's mult) re-scored by the full codes
+// (packed, bits, centroids; the scan's mult and add).
 struct Prefilter {
   int64_t keep;
   CArr<const uint8_t> packed;
   int bits;
   CArr<const float> centroids, first_add;
+  OptF first_mult;
 };
 
 // A refinement by TurboQuant-mse codes: packed rows, their rotation and table terms.
@@ -117,7 +118,8 @@ void build_flat(FlatSearcher* self, const Rotation& rotation, CArr<const uint8_t
     // the scan is the sign plane of the first d1 <= d coordinates; the full codes re-score
     require(bits == 1 && prefilter->keep >= 1, op,
             ": a prefilter scans 1-bit signs and keeps >= 1 rows per result");
-    a.scan = blocked_table(blocked, n, sign_plane_dims(blocked, d, op), 1, centroids, mult,
+    a.scan = blocked_table(blocked, n, sign_plane_dims(blocked, d, op), 1, centroids,
+                           prefilter->first_mult ? *prefilter->first_mult : mult,
                            prefilter->first_add, op);
     a.full = packed_table(prefilter->packed, d, prefilter->bits, prefilter->centroids, mult, add,
                           op);
@@ -208,10 +210,11 @@ void bind_searchers(nb::module_& m) {
 
   nb::class_<Prefilter>(m, "Prefilter")
       .def("__init__", [](Prefilter* self, int64_t keep, CArr<const uint8_t> packed, int bits,
-                          CArr<const float> centroids, CArr<const float> first_add) {
-        new (self) Prefilter{keep, packed, bits, centroids, first_add};
+                          CArr<const float> centroids, CArr<const float> first_add,
+                          OptF first_mult) {
+        new (self) Prefilter{keep, packed, bits, centroids, first_add, first_mult};
       }, nb::kw_only(), arg("keep"), arg("packed"), arg("bits"), arg("centroids"),
-         arg("first_add"));
+         arg("first_add"), arg("first_mult").none() = nb::none());
 
   nb::class_<CodeRefinement>(m, "CodeRefinement")
       .def("__init__", [](CodeRefinement* self, const Rotation& rotation,

@@ -72,10 +72,10 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
                          const CodeTable& full_t, int64_t k1, const TopKOut& out, int nthreads) {
   const int64_t d = full_t.d, d1 = signs_t.d, n = full_t.n, k = out.k;
   const uint8_t* signs = signs_t.codes;
-  const float *c1 = signs_t.centroids, *mult = full_t.mult, *add1 = signs_t.add;
+  const float *c1 = signs_t.centroids, *mult1 = signs_t.mult, *add1 = signs_t.add;
   // the exact full-code scores of query qi's candidate rows -> its top k (the full codes as
   // the one term of rescore_terms)
-  const ScanTerm full{qr, d, nullptr, full_t.b, full_t.centroids, mult, full_t.codes};
+  const ScanTerm full{qr, d, nullptr, full_t.b, full_t.centroids, full_t.mult, full_t.codes};
   auto second = [&](int64_t qi, const std::vector<int64_t>& rows) {
     rescore_terms(&full, 1, qi, rows, full_t.add, k, out.vals_of(qi), out.idx_of(qi));
   };
@@ -90,14 +90,14 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
       const int64_t tb = std::min<int64_t>(t, nb / kMinBlocksPerSplit), chunk = (nb + tb - 1) / tb;
       run_workers(tb, [&](int64_t w) {
         const int64_t j0 = std::min(nb, w * chunk), j1 = std::min(nb, (w + 1) * chunk);
-        approx_scores_avx2(L, signs, rb1, n, j0, j1, mult, add1, s.data());
+        approx_scores_avx2(L, signs, rb1, n, j0, j1, mult1, add1, s.data());
       });
       rows_reaching_kth(s.data(), n, k1, rows);
       second(qi, rows);
     }
     return;
   }
-  fast_scan_impl(qr, nq, d1, d, signs, n, 1, c1, mult, add1, k1, true, nthreads,
+  fast_scan_impl(qr, nq, d1, d, signs, n, 1, c1, mult1, add1, k1, true, nthreads,
                  [&](int64_t qi, const Lut&, std::vector<Shortlist*> parts) {
                    // the rows of the k1 best approximate sign scores (ties included), then
                    // their exact full-code scores

@@ -1,11 +1,15 @@
-"""tqvec against turbovec (PyPI, Rust + SIMD TurboQuant-style index) and faiss, one run, 1 thread.
+"""tqvec against turbovec (PyPI, Rust + SIMD TurboQuant-style index) and faiss, one run per
+thread count.
 
     pip install turbovec && python bench/vs_turbovec.py [--dataset fashion-mnist-784-euclidean]
+        [--threads 1,2]
 
 turbovec scores inner products only, so the vectors (and queries) are normalized and every
-index ranks by inner product (= cosine); ground truth is the exact inner-product top-100. All
-methods run at 1 thread (turbovec's Rayon pool is fixed at import: RAYON_NUM_THREADS=1 is set
-before importing it; torch and faiss get 1 thread), the setting of the issue's turbovec figures.
+index ranks by inner product (= cosine); ground truth is the exact inner-product top-100.
+Every method runs at the same thread count; turbovec's Rayon pool is fixed at import, so each
+count runs in a process of its own (RAYON_NUM_THREADS, torch's and faiss's threads set before
+any search). Single-query QPS uses the same threads as the batch (what a server answering one
+request at a time gets). The results record the machine: CPU model, SIMD flags, kernel path.
 Bytes per vector: tqvec and faiss report their code size; turbovec its serialized index size / n
 (codes, norms and its per-index tables). turbovec's ``calibrate`` (TQ+) fits a per-coordinate
 calibration on a 1,024-row sample: it is a trained variant and labelled as such.
@@ -22,7 +26,8 @@ import sys
 import time
 from pathlib import Path
 
-os.environ["RAYON_NUM_THREADS"] = "1"  # before turbovec is imported
+THREADS = int(os.environ.get("TQVEC_BENCH_THREADS", "1"))
+os.environ["RAYON_NUM_THREADS"] = str(THREADS)  # before turbovec is imported
 
 import numpy as np  # noqa: E402
 
@@ -83,7 +88,8 @@ def run(kind: str, spec: str, xb, xq, gt, single: int) -> dict:
     I, batch, one = _timed_search(search, xq, 100, single)
     return {"method": f"{kind} {spec}", "bytes": float(nbytes), "build_s": build,
             "recall@10": recall(I, gt, 10), "recall@1@10": recall_1_at_10(I, gt),
-            "recall@100": recall(I, gt, 100), "qps_batch_1t": batch, "qps_single_1t": one}
+            "recall@100": recall(I, gt, 100), "qps_batch": batch, "qps_single": one,
+            "threads": THREADS}
 
 
 def methods(d: int, b: int) -> list[tuple[str, str]]:
@@ -100,21 +106,15 @@ def methods(d: int, b: int) -> list[tuple[str, str]]:
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--dataset", default="fashion-mnist-784-euclidean")
-    ap.add_argument("--bits", default="2,4")
-    ap.add_argument("--nq", type=int, default=1000)
-    ap.add_argument("--single", type=int, default=200)
-    a = ap.parse_args(argv)
+def measure(a) -> list[dict]:
+    """Every method at this process's THREADS."""
     import faiss
     import torch
 
     from tqvec.datasets import load_ann
 
-    torch.set_num_threads(1)
-    faiss.omp_set_num_threads(1)
+    torch.set_num_threads(THREADS)
+    faiss.omp_set_num_threads(THREADS)
     ds = load_ann(a.dataset)
     xb = np.ascontiguousarray(ds["train"], dtype=np.float32)
     xq = np.ascontiguousarray(ds["test"][: a.nq], dtype=np.float32)
@@ -132,29 +132,67 @@ def main(argv=None) -> int:
                 print(f"{kind} {spec}: skipped ({str(e).splitlines()[0][:100]})", flush=True)
                 continue
             r["bits"] = b
+            r["n"], r["nq"] = len(xb), len(xq)
             rows.append(r)
-            print(f"b={b} {r['method']:<26} {r['bytes']:7.1f} B  R@10 {r['recall@10']:.3f}  "
-                  f"batch {r['qps_batch_1t']:8,.0f}  single {r['qps_single_1t']:7,.0f}  "
-                  f"build {r['build_s']:.2f}s", flush=True)
+            print(f"t={THREADS} b={b} {r['method']:<26} {r['bytes']:7.1f} B  "
+                  f"R@10 {r['recall@10']:.3f}  batch {r['qps_batch']:8,.0f}  "
+                  f"single {r['qps_single']:7,.0f}  build {r['build_s']:.2f}s", flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dataset", default="fashion-mnist-784-euclidean")
+    ap.add_argument("--bits", default="2,4")
+    ap.add_argument("--nq", type=int, default=1000)
+    ap.add_argument("--single", type=int, default=200)
+    ap.add_argument("--threads", default="1,2", help="thread counts, one process each")
+    ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # a child process's rows (JSON)
+    a = ap.parse_args(argv)
+    if a.rows_out:
+        Path(a.rows_out).write_text(json.dumps(measure(a)))
+        return 0
+    import subprocess
+    import tempfile
+
+    rows = []
+    counts = [int(t) for t in a.threads.split(",")]
+    for t in counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "rows.json"
+            subprocess.run([sys.executable, __file__, "--dataset", a.dataset, "--bits", a.bits,
+                            "--nq", str(a.nq), "--single", str(a.single), "--rows-out", str(out)],
+                           env={**os.environ, "TQVEC_BENCH_THREADS": str(t)}, check=True)
+            rows += json.loads(out.read_text())
     name = a.dataset.split("-")[0]
     RESULTS.mkdir(exist_ok=True)
-    res = {"dataset": a.dataset, "normalized": True, "metric": "ip", "n": len(xb),
-           "nq": len(xq), "threads": 1, "rows": rows, "machine": machine_info()}
+    from tqvec.ops import simd_path
+
+    res = {"dataset": a.dataset, "normalized": True, "metric": "ip", "n": rows[0]["n"],
+           "nq": rows[0]["nq"], "threads": counts, "simd_path": simd_path(), "rows": rows,
+           "machine": machine_info()}
     (RESULTS / f"turbovec_{name}.json").write_text(json.dumps(res, indent=1))
-    lines = [f"# tqvec vs turbovec vs faiss: {a.dataset}, normalized, inner product, 1 thread",
+    flags = ", ".join(res["machine"].get("simd", []))
+    lines = [f"# tqvec vs turbovec vs faiss: {a.dataset}, normalized, inner product",
              "", f"Command: `python bench/vs_turbovec.py --dataset {a.dataset} --bits {a.bits} "
-             f"--nq {a.nq} --single {a.single}`. Machine: {cpu_label(res['machine'])}. "
-             "Recall from one k = 100 search; QPS at k = 10 (batch: best of up to 3 calls).", "",
-             "| bits/dim | method | bytes/vec | build s | recall@10 | recall@1@10 | recall@100 | "
-             "batch QPS | single QPS | batch vs turbovec | single vs turbovec |",
-             "|---" * 11 + "|"]
+             f"--nq {a.nq} --single {a.single} --threads {a.threads}`. Machine: "
+             f"{cpu_label(res['machine'])}, SIMD flags: {flags}; tqvec kernels: "
+             f"{res['simd_path']}. {res['n']:,} rows, {res['nq']:,} queries. Recall from one "
+             "k = 100 search; QPS at k = 10 (batch: best of up to 3 calls; single: one query "
+             "per call, the same threads).", "",
+             "| threads | bits/dim | method | bytes/vec | build s | recall@10 | recall@1@10 | "
+             "recall@100 | batch QPS | single QPS | batch vs turbovec | single vs turbovec |",
+             "|---" * 12 + "|"]
     for r in rows:
-        tv = next((t for t in rows if t["method"] == f"turbovec {r['bits']}"), None)
-        rb = f"{r['qps_batch_1t'] / tv['qps_batch_1t']:.2f}x" if tv else "-"
-        rs = f"{r['qps_single_1t'] / tv['qps_single_1t']:.2f}x" if tv else "-"
-        lines.append(f"| {r['bits']} | {r['method']} | {r['bytes']:.1f} | {r['build_s']:.2f} | "
-                     f"{r['recall@10']:.3f} | {r['recall@1@10']:.3f} | {r['recall@100']:.3f} | "
-                     f"{r['qps_batch_1t']:,.0f} | {r['qps_single_1t']:,.0f} | {rb} | {rs} |")
+        tv = next((t for t in rows if t["method"] == f"turbovec {r['bits']}"
+                   and t["threads"] == r["threads"]), None)
+        rb = f"{r['qps_batch'] / tv['qps_batch']:.2f}x" if tv else "-"
+        rs = f"{r['qps_single'] / tv['qps_single']:.2f}x" if tv else "-"
+        lines.append(f"| {r['threads']} | {r['bits']} | {r['method']} | {r['bytes']:.1f} | "
+                     f"{r['build_s']:.2f} | {r['recall@10']:.3f} | {r['recall@1@10']:.3f} | "
+                     f"{r['recall@100']:.3f} | {r['qps_batch']:,.0f} | {r['qps_single']:,.0f} | "
+                     f"{rb} | {rs} |")
     (RESULTS / f"turbovec_{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

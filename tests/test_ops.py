@@ -507,7 +507,8 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
-    """The portable loops (TQVEC_SIMD=scalar, chosen once per process) give the same results:
+    """Every vector path this CPU has (AVX2 by default, AVX-512 with TQVEC_SIMD=avx512, the
+    portable loops with TQVEC_SIMD=scalar; chosen once per process) gives the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
     ||q||^2 and <q, v>."""
@@ -561,16 +562,41 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    qs = torch.from_numpy(rng.standard_normal((10, d)).astype(np.float32))\n"
         "    cs = torch.from_numpy(rng.standard_normal((11, d)).astype(np.float32))\n"
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
+        "for b, d, n in [(1, 100, 1000), (2, 96, 777), (4, 786, 1100)]:\n"
+        "    # 13 queries: groups of several queries per pass and a remainder; 786 4-bit\n"
+        "    # coordinates: an odd byte count past a 16-bit flush\n"
+        "    qr = torch.from_numpy(rng.standard_normal((13, d)).astype(np.float32))\n"
+        "    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))\n"
+        "    bl = ops.block_codes(ops.pack_bits(idx, b), d, b)\n"
+        "    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))\n"
+        "    mult = torch.from_numpy(rng.uniform(0.5, 2, n).astype(np.float32))\n"
+        "    add = torch.from_numpy(rng.standard_normal(n).astype(np.float32))\n"
+        "    out += [t.numpy() for t in ops.fast_scan(qr, bl, n, c, mult, add, b, 10)]\n"
+        "    nb = bl.shape[0]\n"
+        "    lb = torch.tensor([0, nb // 4, nb // 2, nb // 2 + 1, nb])\n"
+        "    probes = torch.from_numpy(np.stack([rng.permutation(4)[:2] for _ in range(13)]))\n"
+        "    off = torch.from_numpy(rng.standard_normal((13, 2)).astype(np.float32))\n"
+        "    pad = torch.full((32 * nb - n,), -float('inf'))\n"
+        "    m2, a2 = torch.cat([mult, torch.ones_like(pad)]), torch.cat([add, pad])\n"
+        "    out += [t.numpy() for t in ops.ivf_fast_scan(qr, bl, c, m2, a2, lb, probes, off,\n"
+        "                                                 b, 10)]\n"
+        "out.append(np.array([ops.simd_path()]))\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}
-    for mode in ("auto", "scalar"):
+    for mode in ("auto", "avx512", "scalar"):
         env["TQVEC_SIMD"] = mode
         path = tmp_path / f"{mode}.npz"
         subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
-        res[mode] = np.load(path)
-    for key in res["auto"].files:
-        np.testing.assert_array_equal(res["auto"][key], res["scalar"][key])
+        res[mode] = dict(np.load(path))
+    last = f"arr_{len(res['auto']) - 1}"
+    paths = {mode: str(r.pop(last)[0]) for mode, r in res.items()}
+    assert paths["scalar"] == "scalar" and paths["auto"] in ("avx2", "scalar")
+    assert paths["avx512"] in ("avx512", "avx2", "scalar")  # what the CPU has of it
+    for mode in ("avx512", "scalar"):
+        for key in res["auto"]:
+            np.testing.assert_array_equal(res["auto"][key], res[mode][key], err_msg=(
+                f"{paths['auto']} vs {paths[mode]}, {key}"))
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 4])

@@ -33,7 +33,10 @@ def machine_info() -> dict:
                     break  # the first processor's block is read
             f.seek(0)
             flags = next((ln for ln in f if ln.startswith("flags")), "")
-            info["simd"] = [s for s in ("avx2", "avx512f", "fma") if f" {s}" in flags]
+            have = set(flags.partition(":")[2].split())
+            info["simd"] = [s for s in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
+                                        "avx512vbmi", "avx512ifma", "asimd", "sve")
+                            if s in have]
     except OSError:
         pass
     try:
@@ -50,6 +53,8 @@ def machine_info() -> dict:
     except ImportError:
         pass
     import tqvec
+    from tqvec import ops
 
     info["tqvec"] = tqvec.__version__
+    info["tqvec_simd_path"] = ops.simd_path()  # the path the kernels took (TQVEC_SIMD applies)
     return info

@@ -25,7 +25,7 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
            "row_sqnorms", "row_dots", "decode_attention", "row_bytes", "fast_scan_row_bytes",
            "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS", "compiled_flat_searcher",
-           "compiled_ivf_searcher", "threads", "has_cpu_kernels"]
+           "compiled_ivf_searcher", "threads", "simd_path", "has_cpu_kernels"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
@@ -434,6 +434,14 @@ def has_cpu_kernels() -> bool:
 def threads() -> int:
     """Threads the compiled kernels run on (torch's setting)."""
     return _cpu.threads()
+
+
+def simd_path() -> str:
+    """The compiled fast scans' vector path on this CPU: "avx2" (the default where the CPU has
+    it), "avx512" (opt-in with ``TQVEC_SIMD=avx512`` on a CPU with AVX-512 F and BW: the 1, 2
+    and 4-bit flat and IVF scans, the rest on AVX2), "scalar" (``TQVEC_SIMD=scalar``, or no
+    AVX2), or "none" (kernels not built). The variable is read once per process."""
+    return _cpu.simd_path()
 
 
 def compiled_flat_searcher(**args: Any) -> Any | None:

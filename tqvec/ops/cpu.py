@@ -15,7 +15,8 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
 else:
     IMPORT_ERROR = None
 
-__all__ = ["available", "threads", "host_views", "flat_searcher", "ivf_searcher",
+__all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
+           "ivf_searcher",
            "RESCORE_METRIC_CODES", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "centroid_stats_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
@@ -42,6 +43,12 @@ _np = host_views  # the short local name
 def threads() -> int:
     """The threads the kernels use: torch's setting."""
     return max(1, torch.get_num_threads())
+
+
+def simd_path() -> str:
+    """The fast scans' vector path on this CPU ("avx512", "avx2" or "scalar"); "none" without
+    the compiled kernels."""
+    return _C.simd_path() if _C is not None else "none"
 
 
 def pack_bits_cpu(idx: torch.Tensor, b: int) -> torch.Tensor:

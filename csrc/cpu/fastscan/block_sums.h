@@ -54,20 +54,21 @@ inline void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb,
   }
 }
 
-// 16-bit lane sums (all = even row + 256 odd row, odd) -> the u32 totals tt.
+// 16-bit lane sums (all = even row + 256 odd row, odd) of one block -> its u32 totals t[4].
+__attribute__((target("avx2"), always_inline)) inline void flush_one(__m256i all, __m256i o,
+                                                                      __m256i* t) {
+  const __m256i even = _mm256_sub_epi16(all, _mm256_slli_epi16(o, 8));
+  t[0] = _mm256_add_epi32(t[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(even)));
+  t[1] = _mm256_add_epi32(t[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(even, 1)));
+  t[2] = _mm256_add_epi32(t[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(o)));
+  t[3] = _mm256_add_epi32(t[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(o, 1)));
+}
+
 template <int NB, int NQ>
 __attribute__((target("avx2"), always_inline)) inline void flush_u16(
     __m256i (&all)[NQ][NB], __m256i (&odd)[NQ][NB], __m256i (&tt)[NQ][NB][4]) {
   for (int q = 0; q < NQ; ++q)
-    for (int j = 0; j < NB; ++j) {
-      const __m256i o = odd[q][j];
-      const __m256i even = _mm256_sub_epi16(all[q][j], _mm256_slli_epi16(o, 8));
-      __m256i* t = tt[q][j];
-      t[0] = _mm256_add_epi32(t[0], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(even)));
-      t[1] = _mm256_add_epi32(t[1], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(even, 1)));
-      t[2] = _mm256_add_epi32(t[2], _mm256_cvtepu16_epi32(_mm256_castsi256_si128(o)));
-      t[3] = _mm256_add_epi32(t[3], _mm256_cvtepu16_epi32(_mm256_extracti128_si256(o, 1)));
-    }
+    for (int j = 0; j < NB; ++j) flush_one(all[q][j], odd[q][j], tt[q][j]);
 }
 
 // 16-bit lane i held rows 2i and 2i+1: interleave back to row order; rows of block j for
@@ -348,31 +349,6 @@ __attribute__((target("avx2"))) void scan_blocksq_avx2(const Lut* const* L, cons
     for (int q = 0; q < NQ; ++q)
       admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
   }
-}
-
-// Queries per pass of the multi-query scan: 3 (four queries' accumulators, tables and
-// temporaries overflow the 16 registers), 2 for b = 3 (its pair tables take more registers).
-inline int queries_per_pass(int b) { return b == 3 ? 2 : 3; }
-
-// Scans the first count queries of the lut/shortlist arrays (count a multiple of nq, which is
-// queries_per_pass: 2 or 3) over blocks [j0, j1), nq at a time, with per-query offsets off.
-inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl, int64_t count,
-                       const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
-                       const float* mult, const float* add, const float* off) {
-  for (int64_t g = 0; g + nq <= count; g += nq) {
-    if (nq == 2)
-      scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
-    else
-      scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
-  }
-}
-
-inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
-                 int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {
-  if (simd_avx2())
-    scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
-  else
-    scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, off, sl);
 }
 
 // <q, c[idx]> of row i in float32, summed per nibble as the table would (low, high nibble in

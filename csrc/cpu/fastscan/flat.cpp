@@ -19,12 +19,22 @@
 
 namespace tqvec {
 
+namespace {
+std::string simd_request() {
+  const char* v = std::getenv("TQVEC_SIMD");
+  return v != nullptr ? std::string(v) : std::string();
+}
+}  // namespace
+
 bool simd_avx2() {
-  static const bool avx2 = [] {
-    const char* v = std::getenv("TQVEC_SIMD");
-    return __builtin_cpu_supports("avx2") && !(v != nullptr && std::string(v) == "scalar");
-  }();
+  static const bool avx2 = __builtin_cpu_supports("avx2") && simd_request() != "scalar";
   return avx2;
+}
+
+bool simd_avx512() {
+  static const bool avx512 = simd_avx2() && __builtin_cpu_supports("avx512f") &&
+                             __builtin_cpu_supports("avx512bw") && simd_request() == "avx512";
+  return avx512;
 }
 
 using namespace fastscan;  // NOLINT: the kernel's own internals

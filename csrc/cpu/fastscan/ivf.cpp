@@ -12,7 +12,7 @@
 
 #include "../kernels.h"
 #include "../parallel.h"
-#include "block_sums.h"
+#include "scan_blocks.h"
 #include "shortlist.h"
 #include "tables.h"
 

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "../parallel.h"
-#include "block_sums.h"
+#include "scan_blocks.h"
 #include "shortlist.h"
 #include "tables.h"
 

@@ -201,6 +201,15 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
       }
     }
   }
+  if (b != 3 && simd_avx512()) {
+    const int64_t rb = L.M / 2, pairs = (rb + 1) / 2;
+    L.q8x.assign(static_cast<size_t>(pairs * 128), 0);
+    for (int64_t p = 0; p < rb; ++p)
+      for (int h = 0; h < 2; ++h)  // h = 0: the low-nibble table, 1: the high-nibble one
+        for (int u = 0; u < 2; ++u)
+          std::memcpy(L.q8x.data() + (p / 2) * 128 + h * 64 + (p % 2) * 32 + u * 16,
+                      L.q8.data() + (2 * p + h) * 16, 16);
+  }
   L.bias = static_cast<float>(bias);
   // Rounding moves each entry by at most delta/2, so a row's error is a sum of M bounded terms
   // that depend on its codes. The worst case (M * delta / 2) is far too loose to prune with at

@@ -18,6 +18,12 @@ struct Lut {
   int64_t E = 16;                // entries per position: 16, or 64 for b = 3 ((lo, hi) order)
   std::vector<uint8_t> q8;       // (M, E) quantized: T ~ delta * q8 + offset[m]
   std::vector<float> f;          // (M, E) the float table, or empty
+  // q8 as the AVX-512 scans read it (b in {1, 2, 4} where they run, else empty): per pair of
+  // code bytes p, p + 1 (nibble positions 2p .. 2p + 3), 128 bytes = the 16-entry tables
+  // lo_p, lo_p, lo_p+1, lo_p+1, hi_p, hi_p, hi_p+1, hi_p+1 (lo_p = q8 row 2p, hi_p = 2p + 1),
+  // so that two plain loads fill the lookup registers; a last unpaired byte's p + 1 tables
+  // are zero.
+  std::vector<uint8_t> q8x;
   float delta = 1.0f, bias = 0.0f, err = 0.0f;  // S ~ delta * sum q8 + bias, |error| <= err
   const float* q = nullptr;      // (d) the query, rotated
   const float* c = nullptr;      // (2^b) centroids

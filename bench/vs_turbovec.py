@@ -7,9 +7,11 @@ thread count.
 turbovec scores inner products only, so the vectors (and queries) are normalized and every
 index ranks by inner product (= cosine); ground truth is the exact inner-product top-100.
 Every method runs at the same thread count; turbovec's Rayon pool is fixed at import, so each
-count runs in a process of its own (RAYON_NUM_THREADS, torch's and faiss's threads set before
-any search). Single-query QPS uses the same threads as the batch (what a server answering one
-request at a time gets). The results record the machine: CPU model, SIMD flags, kernel path.
+count runs in processes of its own (RAYON_NUM_THREADS, torch's and faiss's threads set before
+any search), one per library: another library's idle pool (OpenMP and Rayon workers spin after
+their runs) would take the second core from the one being timed. Single-query QPS uses the
+same threads as the batch (what a server answering one request at a time gets). The results
+record the machine: CPU model, SIMD flags, kernel path.
 Bytes per vector: tqvec and faiss report their code size; turbovec its serialized index size / n
 (codes, norms and its per-index tables). turbovec's ``calibrate`` (TQ+) fits a per-coordinate
 calibration on a 1,024-row sample: it is a trained variant and labelled as such.
@@ -126,13 +128,15 @@ def measure(a) -> list[dict]:
     rows = []
     for b in (int(s) for s in a.bits.split(",")):
         for kind, spec in methods(xb.shape[1], b):
+            if kind != a.kind:
+                continue
             try:
                 r = run(kind, spec, xb, xq, gt, a.single)
             except Exception as e:  # e.g. a bit width turbovec does not support
                 print(f"{kind} {spec}: skipped ({str(e).splitlines()[0][:100]})", flush=True)
                 continue
             r["bits"] = b
-            r["n"], r["nq"] = len(xb), len(xq)
+            r["n"], r["nq"], r["d"] = len(xb), len(xq), xb.shape[1]
             rows.append(r)
             print(f"t={THREADS} b={b} {r['method']:<26} {r['bytes']:7.1f} B  "
                   f"R@10 {r['recall@10']:.3f}  batch {r['qps_batch']:8,.0f}  "
@@ -149,6 +153,7 @@ def main(argv=None) -> int:
     ap.add_argument("--single", type=int, default=200)
     ap.add_argument("--threads", default="1,2", help="thread counts, one process each")
     ap.add_argument("--rows-out", help=argparse.SUPPRESS)  # a child process's rows (JSON)
+    ap.add_argument("--kind", help=argparse.SUPPRESS)  # the library a child process times
     a = ap.parse_args(argv)
     if a.rows_out:
         Path(a.rows_out).write_text(json.dumps(measure(a)))
@@ -159,12 +164,19 @@ def main(argv=None) -> int:
     rows = []
     counts = [int(t) for t in a.threads.split(",")]
     for t in counts:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "rows.json"
-            subprocess.run([sys.executable, __file__, "--dataset", a.dataset, "--bits", a.bits,
-                            "--nq", str(a.nq), "--single", str(a.single), "--rows-out", str(out)],
-                           env={**os.environ, "TQVEC_BENCH_THREADS": str(t)}, check=True)
-            rows += json.loads(out.read_text())
+        for kind in ("tqvec", "turbovec", "faiss"):
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "rows.json"
+                subprocess.run([sys.executable, __file__, "--dataset", a.dataset, "--bits",
+                                a.bits, "--nq", str(a.nq), "--single", str(a.single), "--kind",
+                                kind, "--rows-out", str(out)],
+                               env={**os.environ, "TQVEC_BENCH_THREADS": str(t),
+                                    "OMP_WAIT_POLICY": "PASSIVE"}, check=True)
+                rows += json.loads(out.read_text())
+    order = {(k, s): i for i, (k, s) in enumerate(methods(rows[0]["d"], 2) + methods(
+        rows[0]["d"], 4))}
+    rows.sort(key=lambda r: (r["threads"], r["bits"], order.get(tuple(
+        r["method"].split(" ", 1)), 99)))
     name = a.dataset.split("-")[0]
     RESULTS.mkdir(exist_ok=True)
     from tqvec.ops import simd_path
@@ -180,7 +192,7 @@ def main(argv=None) -> int:
              f"{cpu_label(res['machine'])}, SIMD flags: {flags}; tqvec kernels: "
              f"{res['simd_path']}. {res['n']:,} rows, {res['nq']:,} queries. Recall from one "
              "k = 100 search; QPS at k = 10 (batch: best of up to 3 calls; single: one query "
-             "per call, the same threads).", "",
+             "per call, the same threads); one process per library and thread count.", "",
              "| threads | bits/dim | method | bytes/vec | build s | recall@10 | recall@1@10 | "
              "recall@100 | batch QPS | single QPS | batch vs turbovec | single vs turbovec |",
              "|---" * 12 + "|"]

@@ -33,12 +33,15 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from ._argtypes import bit_list, positive_int
+
 __all__ = ["main", "build_parser", "run_method", "faiss_specs", "tqvec_specs", "recall",
            "recall_1_at_10", "timed_qps", "best_time", "default_out", "recommend"]
 
 DEFAULT_BITS = "1,2,4"
 # faiss methods within this factor of a tqvec index's bytes count as "equal bytes"
 EQUAL_BYTES = 1.25
+_BITS = bit_list(range(1, 9))
 
 
 def default_out() -> str:
@@ -235,27 +238,6 @@ def load(name: str, nq: int):
     return ds["train"], xq, ds["neighbors"][:nq], metric
 
 
-def _bits(text: str) -> list[int]:
-    try:
-        bits = [int(s) for s in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") \
-            from None
-    if not bits or any(b < 1 or b > 8 for b in bits):
-        raise argparse.ArgumentTypeError(f"every bit budget must be in 1..8, got {text!r}")
-    return bits
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
-
-
 def _seconds(text: str) -> float:
     try:
         v = float(text)
@@ -280,13 +262,13 @@ def build_parser(prog: str = "tqvec bench", datasets: tuple[str, ...] = ("digits
     ap.add_argument("--dataset", nargs="+", default=list(datasets),
                     help="'digits' (ships with scikit-learn), an ann-benchmarks .hdf5 path, or "
                          "a name under $TQVEC_DATA / ~/.cache/tqvec (default: %(default)s)")
-    ap.add_argument("--nq", type=_positive, default=1000,
+    ap.add_argument("--nq", type=positive_int, default=1000,
                     help="queries (digits holds out at most 200) (default: %(default)s)")
-    ap.add_argument("--bits", type=_bits, default=_bits(DEFAULT_BITS),
+    ap.add_argument("--bits", type=_BITS, default=_BITS(DEFAULT_BITS),
                     help=f"bit budgets per dimension, comma-separated (default: {DEFAULT_BITS})")
-    ap.add_argument("--single", type=_positive, default=100,
+    ap.add_argument("--single", type=positive_int, default=100,
                     help="distinct queries in the single-query timing (default: %(default)s)")
-    ap.add_argument("--threads", type=_positive, default=os.cpu_count() or 1,
+    ap.add_argument("--threads", type=positive_int, default=os.cpu_count() or 1,
                     help="threads of the multi-threaded batch timing (default: all, "
                          "%(default)s here)")
     ap.add_argument("--min-time", type=_seconds, default=0.25,

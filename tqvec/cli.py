@@ -9,6 +9,8 @@ import sys
 
 import numpy as np
 
+from ._argtypes import bit_list, positive_int
+
 __all__ = ["main", "build_parser"]
 
 _CHUNK = 65536
@@ -28,31 +30,6 @@ class _Help(argparse.RawDescriptionHelpFormatter):
                 default = ",".join(str(v) for v in default)
             text += f" (default: {default})"
         return text
-
-
-def _positive(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {v}")
-    return v
-
-
-def _bit_list(allowed: range):
-    def parse(text: str) -> list[int]:
-        try:
-            bits = [int(s) for s in text.split(",")]
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"must be comma-separated integers, e.g. 1,2,4, got {text!r}") from None
-        bad = [b for b in bits if b not in allowed]
-        if bad:
-            raise argparse.ArgumentTypeError(
-                f"must be in {allowed.start}..{allowed.stop - 1}, got {bad}")
-        return bits
-    return parse
 
 
 def _codec_from_args(a: argparse.Namespace, d: int):
@@ -239,10 +216,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--dataset", choices=["digits", "random"], default="digits",
                    help="digits: scikit-learn's bundled 1,797 x 64 (no download); random: "
                         "Gaussian n x dim")
-    m.add_argument("--bits", type=_bit_list(range(1, 5)), default=[1, 2, 3, 4],
+    m.add_argument("--bits", type=bit_list(range(1, 5)), default=[1, 2, 3, 4],
                    help="bit widths per coordinate, comma-separated")
-    m.add_argument("--n", type=_positive, default=20000, help="rows for --dataset random")
-    m.add_argument("--dim", type=_positive, default=384, help="dim for --dataset random")
+    m.add_argument("--n", type=positive_int, default=20000, help="rows for --dataset random")
+    m.add_argument("--dim", type=positive_int, default=384, help="dim for --dataset random")
     m.add_argument("--no-faiss", action="store_true", help="leave out faiss's rows")
     m.add_argument("--json", default=None, help="also write the results as JSON to this path")
     m.add_argument("--quiet", action="store_true", help="no progress bar")

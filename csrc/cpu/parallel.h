@@ -17,7 +17,8 @@
 
 namespace tqvec {
 
-// Rows below this count per thread are not worth a thread start (~20 us).
+// Rows below this count per thread are not worth a second worker (waking one, sharing the
+// output cache lines).
 constexpr int64_t kMinRowsPerThread = 512;
 
 namespace pool {

@@ -20,6 +20,8 @@ _NEEDS = {
     "nvcc": (lambda: shutil.which("nvcc") is not None, "nvcc not found"),
     "hf": (lambda: importlib.util.find_spec("transformers") is not None,
            "transformers not installed"),
+    "arm": (lambda: all(shutil.which(t) for t in ("aarch64-linux-gnu-g++", "qemu-aarch64", "g++")),
+            "no aarch64 cross compiler or qemu-aarch64 (Debian: g++-aarch64-linux-gnu qemu-user)"),
 }
 
 

@@ -8,7 +8,7 @@
 // whole lane vectors. Each lane performs exactly the reference's scalar float32 operations in
 // the reference's order (stage h = 1, 2, 4, ...; pairs (j, j+h)); only + and - and one multiply
 // are rounded, so the result is bit-identical to the torch reference.
-#include <immintrin.h>
+#include "arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -40,6 +40,7 @@ void fwht_lanes_portable(float* __restrict w, int64_t p, float inv_sqrt_p) {
   for (int64_t k = 0; k < p * kLanes; ++k) w[k] *= inv_sqrt_p;
 }
 
+#ifdef TQVEC_X86
 // fwht_lanes with AVX2, three stages per pass over the block (h, 2h, 4h on the 8 lane vectors
 // j + t h, t = 0..7, held in registers; then one or two stages for what log2 p leaves), the
 // 1/sqrt(p) multiply fused into the last pass. Each element sees the portable loop's additions
@@ -86,15 +87,16 @@ __attribute__((target("avx2"))) void fwht_lanes_avx2(float* __restrict w, int64_
     done += take;
   }
 }
+#endif
 
 void fwht_lanes(float* __restrict w, int64_t p, float inv_sqrt_p) {
-  if (simd_avx2())
-    fwht_lanes_avx2(w, p, inv_sqrt_p);
-  else
-    fwht_lanes_portable(w, p, inv_sqrt_p);
+#ifdef TQVEC_X86
+  if (simd_avx2()) return fwht_lanes_avx2(w, p, inv_sqrt_p);
+#endif
+  fwht_lanes_portable(w, p, inv_sqrt_p);
 }
 
-__attribute__((target_clones("avx2", "default")))
+TQVEC_CLONES_AVX2
 void permute_sign_lanes(const float* __restrict z, const int64_t* __restrict perm,
                         const float* __restrict sg, int64_t d, float* __restrict w) {
   for (int64_t j = 0; j < d; ++j) {
@@ -105,7 +107,7 @@ void permute_sign_lanes(const float* __restrict z, const int64_t* __restrict per
   }
 }
 
-__attribute__((target_clones("avx2", "default")))
+TQVEC_CLONES_AVX2
 void sign_unpermute_lanes(const float* __restrict z, const int64_t* __restrict perm,
                           const float* __restrict sg, int64_t d, float* __restrict w) {
   for (int64_t j = 0; j < d; ++j) {
@@ -133,6 +135,7 @@ void fwht_row_portable(float* __restrict w, int64_t p, float inv_sqrt_p) {
   for (int64_t k = 0; k < p; ++k) w[k] *= inv_sqrt_p;
 }
 
+#ifdef TQVEC_X86
 // AVX2: the stages h = 1, 2, 4 inside each group of 8 floats, in registers (a swap of pairs,
 // of pairs of pairs, of halves, then u + v in the first and u - v in the second element of
 // each pair - the same two float operations per pair as the portable loop, so the same bits),
@@ -165,12 +168,13 @@ __attribute__((target("avx2"))) void fwht_row_avx2(float* __restrict w, int64_t 
   for (int64_t k = 0; k < p; k += 8)
     _mm256_storeu_ps(w + k, _mm256_mul_ps(_mm256_loadu_ps(w + k), s));
 }
+#endif
 
 void fwht_row(float* w, int64_t p, float inv_sqrt_p) {
-  if (simd_avx2())
-    fwht_row_avx2(w, p, inv_sqrt_p);
-  else
-    fwht_row_portable(w, p, inv_sqrt_p);
+#ifdef TQVEC_X86
+  if (simd_avx2()) return fwht_row_avx2(w, p, inv_sqrt_p);
+#endif
+  fwht_row_portable(w, p, inv_sqrt_p);
 }
 
 void rotate_row(const float* x, int64_t d, const int64_t* perms, const float* signs, int rounds,

@@ -11,11 +11,16 @@
 #pragma once
 #include <cstdint>
 
+#include "arch.h"
+
 namespace tqvec {
 
 // Whether the AVX2 loops run: the CPU has AVX2 and TQVEC_SIMD is not "scalar" (which forces the
-// portable loops; the tests compare the paths). Read once per process.
+// portable loops; the tests compare the paths). Read once per process. False off x86.
 bool simd_avx2();
+// Whether the NEON block scans run (aarch64 builds, TQVEC_SIMD not "scalar"); the rest of an
+// aarch64 build runs the portable loops as the compiler vectorizes them.
+bool simd_neon();
 // Whether the AVX-512 (F + BW) block sums run where they exist (the fast scans of 1, 2 and
 // 4-bit codes; the rest stays on AVX2): the CPU has them and TQVEC_SIMD is "avx512". Opt-in:
 // on Zen 4 (512-bit ops split in two 256-bit halves) the lookups are bound by the shuffle

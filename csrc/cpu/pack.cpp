@@ -84,7 +84,7 @@ void with_bits(int b, F&& f) {
 }
 
 template <int B>
-__attribute__((target_clones("avx2", "default")))
+TQVEC_CLONES_AVX2
 void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, int64_t d,
                    const float* thr, float* vbuf, uint8_t* idx_buf, uint8_t* out, int64_t rb) {
   constexpr int K = 1 << B;

@@ -8,7 +8,7 @@
 // re-reads kk * d * 4 bytes per query; here each candidate row is read once, both sums from the
 // same load, and the next candidate's row is prefetched while this one is summed. The metric and
 // the top-k run here too: the same dozen steps in numpy cost ~40 us per query, 3x the sums.
-#include <immintrin.h>
+#include "arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -25,6 +25,7 @@ namespace {
 // Lane l of each accumulator sums the terms j = l (mod 8), then the tail and the lanes are added
 // in order: the same float operations in the AVX2 and the portable version. (GCC left the
 // portable loop scalar even in an AVX2 clone: 40 ms for 1,000 x 40 rows at d = 784, 10 ms here.)
+#ifdef TQVEC_X86
 __attribute__((target("avx2"))) void dot_and_sqnorm_avx2(const float* __restrict q,
                                                          const float* __restrict x, int64_t d,
                                                          float* dot, float* sqn) {
@@ -50,6 +51,7 @@ __attribute__((target("avx2"))) void dot_and_sqnorm_avx2(const float* __restrict
   *dot = sa;
   *sqn = sb;
 }
+#endif
 
 void dot_and_sqnorm_portable(const float* __restrict q, const float* __restrict x, int64_t d,
                              float* dot, float* sqn) {
@@ -77,6 +79,7 @@ void dot_and_sqnorm_portable(const float* __restrict q, const float* __restrict 
 // terms j = 8u + l (mod 32); the 8-wide blocks past the last 32 go to accumulator 0, the tail
 // to a scalar; then the tail and the lanes, u-major, in order): one accumulator is an add
 // latency per 8 terms, which made a probe of 256 x 784 centroids compute-bound (~25 us).
+#ifdef TQVEC_X86
 __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
                                                const float* __restrict x, int64_t d) {
   __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
@@ -96,6 +99,7 @@ __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
     for (int l = 0; l < 8; ++l) s += la[u][l];
   return s;
 }
+#endif
 
 // The probe's product <q, c_l>: one 8-lane accumulator per (query, list) pair, updated by a
 // fused multiply-add per 8-wide block (lane l sums the terms j = l (mod 8)), then the scalar
@@ -108,6 +112,7 @@ __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
 // folded into the multiplies, 13 loads per step); the former 3 x 3 tile, which formed four
 // accumulators per pair one after another (stride-32 passes over the rows), reached 22.
 // out[a * ldo + c] = <q_a, x_c>.
+#ifdef TQVEC_X86
 template <int Q, int C>
 __attribute__((target("avx2,fma"))) void dot_tile_avx2(const float* q, const float* x, int64_t d,
                                                        float* out, int64_t ldo) {
@@ -133,6 +138,7 @@ __attribute__((target("avx2,fma"))) void dot_tile_avx2(const float* q, const flo
       out[a * ldo + c] = s;
     }
 }
+#endif
 
 // dot_tile_avx2's float operations without SIMD (std::fmaf: one rounding per multiply-add, as
 // the fused instruction; a library call where the CPU lacks FMA, which only the portable build
@@ -163,28 +169,44 @@ float dot_portable(const float* __restrict q, const float* __restrict x, int64_t
   return s;
 }
 
+// The AVX2 versions where they run, else the portable ones (the same float operations).
+using DotFn = float (*)(const float*, const float*, int64_t);
+using DotSqnFn = void (*)(const float*, const float*, int64_t, float*, float*);
+DotFn pick_dot() {
+#ifdef TQVEC_X86
+  if (simd_avx2()) return dot_avx2;
+#endif
+  return dot_portable;
+}
+DotSqnFn pick_dot_and_sqnorm() {
+#ifdef TQVEC_X86
+  if (simd_avx2()) return dot_and_sqnorm_avx2;
+#endif
+  return dot_and_sqnorm_portable;
+}
+
 }  // namespace
 
 void row_sqnorms(const float* x, int64_t n, int64_t d, float* out) {
-  const auto dot = simd_avx2() ? dot_avx2 : dot_portable;
+  const DotFn dot = pick_dot();
   for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, x + i * d, d);
 }
 
 void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out) {
-  const auto dot = simd_avx2() ? dot_avx2 : dot_portable;
+  const DotFn dot = pick_dot();
   for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, v, d);
 }
 
 void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, int metric, int64_t k, float* vals, int64_t* idx, int nthreads) {
-  const bool avx2 = simd_avx2();
-  const auto dot_sqn = avx2 ? dot_and_sqnorm_avx2 : dot_and_sqnorm_portable;
+  const DotFn dot = pick_dot();
+  const DotSqnFn dot_sqn = pick_dot_and_sqnorm();
   auto work = [&](int64_t lo, int64_t hi) {
     std::vector<Hit> hits;
     hits.reserve(static_cast<size_t>(kk));
     for (int64_t i = lo; i < hi; ++i) {
       const float* qi = q + i * d;
-      const float qsq = metric == kRescoreL2 ? (avx2 ? dot_avx2 : dot_portable)(qi, qi, d) : 0.f;
+      const float qsq = metric == kRescoreL2 ? dot(qi, qi, d) : 0.f;
       hits.clear();
       for (int64_t r = 0; r < kk; ++r) {
         const int64_t j = rows[i * kk + r];
@@ -225,18 +247,25 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
 void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nlist,
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
                int nthreads) {
-  const bool avx2 = simd_avx2(), fma = avx2 && __builtin_cpu_supports("fma");
-  const auto dot = avx2 ? dot_avx2 : dot_portable;
-  constexpr int64_t kQ = 4, kC = 3, kBlockC = 16 * kC;  // tile: kQ queries x kC lists
+#ifdef TQVEC_X86
+  const bool fma = simd_avx2() && __builtin_cpu_supports("fma");
+#else
+  const bool fma = false;
+#endif
+  const DotFn dot = pick_dot();
+  constexpr int64_t kQ = 4, kC = 3;  // tile: kQ queries x kC lists
+  [[maybe_unused]] constexpr int64_t kBlockC = 16 * kC;
   // queries [lo, hi): <q, c_l> for every list — 4 x 3 register tiles over blocks of kBlockC
   // lists that stay in L2 while all the queries pass (reading all 800 KB of centroids from L3
   // per tile of queries bound the tiles by L3 bandwidth: 8.6 ms for 1,000 queries); queries past
   // the last whole tile 8 lists at a time, leftover lists pair by pair (the same bits) — then
   // each query's scores and top nprobe
   auto work = [&](int64_t lo, int64_t hi) {
-    const int64_t m = hi - lo, m_tiled = fma ? m / kQ * kQ : 0;
+    const int64_t m = hi - lo;
+    [[maybe_unused]] const int64_t m_tiled = fma ? m / kQ * kQ : 0;
     std::vector<float> ip(static_cast<size_t>(m * nlist));
     const float* qs = q + lo * d;
+#ifdef TQVEC_X86
     if (fma) {
       const int64_t l3 = nlist / kC * kC, l8 = nlist / 8 * 8;
       for (int64_t b0 = 0; b0 < l3; b0 += kBlockC)
@@ -251,7 +280,9 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
         for (; l < nlist; ++l)
           dot_tile_avx2<1, 1>(qs + a * d, c + l * d, d, ip.data() + a * nlist + l, nlist);
       }
-    } else {
+    } else
+#endif
+    {
       for (int64_t a = 0; a < m; ++a)
         for (int64_t l = 0; l < nlist; ++l)
           ip[static_cast<size_t>(a * nlist + l)] = dot1_portable(qs + a * d, c + l * d, d);

@@ -3,7 +3,7 @@
 // entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build) — and none for b >= 3,
 // where a grid codebook needs no gather either (grid_half_step: a call's one test).
 #pragma once
-#include <immintrin.h>
+#include "arch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -83,6 +83,7 @@ inline void row_lanes_portable(float* a, const float* q, const uint8_t* row, int
   }
 }
 
+#ifdef TQVEC_X86
 // The 8 products q_j v_j of coordinates j .. j + 7 (row_lanes' terms).
 template <bool Grid>
 __attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, const uint8_t* row,
@@ -129,6 +130,7 @@ __attribute__((target("avx2"))) inline void row_lanes_avx2(float* a, const float
   _mm256_storeu_ps(a, acc0);
   _mm256_storeu_ps(a + 8, acc1);
 }
+#endif
 
 // <q, c[idx]> of one packed row (rb = ceil(d b / 8) bytes). b = 1, 2: through the nibble table of
 // rescore_table, in eight independent partial sums (byte p mod 4, low and high nibble) added in
@@ -160,12 +162,14 @@ inline float rescore_row(const float* q, const float* T, const uint8_t* row, int
   const bool grid = hs > 0.0f;
   float a[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   const int64_t d8 = d / 8 * 8;
-  if (!simd_avx2())
-    row_lanes_portable(a, q, row, rb, d8, b, c, grid);
-  else if (grid)
+#ifdef TQVEC_X86
+  if (simd_avx2() && grid)
     row_lanes_avx2<true>(a, q, row, rb, d8, b, c);
-  else
+  else if (simd_avx2())
     row_lanes_avx2<false>(a, q, row, rb, d8, b, c);
+  else
+#endif
+    row_lanes_portable(a, q, row, rb, d8, b, c, grid);
   const int km1 = (1 << b) - 1;
   float s = 0.f;
   for (int64_t j = d8; j < d; ++j) {

@@ -1,7 +1,7 @@
 // Table sums of 32-row blocks and the scans that admit rows into shortlists, portable and
-// AVX2 (layouts: ../fastscan.h); the exact score and the re-score of a query's candidates.
+// AVX2 (NEON: block_sums_neon.h; layouts: ../fastscan.h); the exact score and the re-score of a query's candidates.
 #pragma once
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -54,6 +54,7 @@ inline void scan_blocks_scalar(const Lut& L, const uint8_t* blocked, int64_t rb,
   }
 }
 
+#ifdef TQVEC_X86
 // 16-bit lane sums (all = even row + 256 odd row, odd) of one block -> its u32 totals t[4].
 __attribute__((target("avx2"), always_inline)) inline void flush_one(__m256i all, __m256i o,
                                                                       __m256i* t) {
@@ -350,6 +351,14 @@ __attribute__((target("avx2"))) void scan_blocksq_avx2(const Lut* const* L, cons
       admit_block_avx2(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
   }
 }
+
+// The 32 row totals of one block, callable from code compiled for the baseline ISA.
+__attribute__((target("avx2"))) inline void block_sums1_avx2(const Lut& L, const uint8_t* blk,
+                                                             int64_t rb, uint32_t* tot) {
+  const uint8_t* q8[1] = {L.q8.data()};
+  block_sums<1, 1>(L.b, blk, rb, q8, tot);
+}
+#endif  // TQVEC_X86
 
 // <q, c[idx]> of row i in float32, summed per nibble as the table would (low, high nibble in
 // two accumulators).

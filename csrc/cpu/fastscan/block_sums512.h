@@ -5,7 +5,7 @@
 // per flush between them, as in the AVX2 loop) and flushed by the AVX2 code: the totals are
 // the AVX2 path's, bit for bit.
 #pragma once
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -14,6 +14,7 @@
 #include "shortlist.h"
 #include "tables.h"
 
+#ifdef TQVEC_X86
 namespace tqvec::fastscan {
 
 #define TQVEC_AVX512 __attribute__((target("avx2,avx512f,avx512bw"), always_inline)) inline
@@ -106,3 +107,4 @@ __attribute__((target("avx2,avx512f,avx512bw"))) void scan_blocksq_avx512(
 #undef TQVEC_AVX512
 
 }  // namespace tqvec::fastscan
+#endif  // TQVEC_X86

@@ -1,6 +1,4 @@
 // fast_scan over every row and the blocked layout (layouts and method: ../fastscan.h).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -27,14 +25,31 @@ std::string simd_request() {
 }  // namespace
 
 bool simd_avx2() {
+#ifdef TQVEC_X86
   static const bool avx2 = __builtin_cpu_supports("avx2") && simd_request() != "scalar";
   return avx2;
+#else
+  return false;
+#endif
 }
 
 bool simd_avx512() {
+#ifdef TQVEC_X86
   static const bool avx512 = simd_avx2() && __builtin_cpu_supports("avx512f") &&
                              __builtin_cpu_supports("avx512bw") && simd_request() == "avx512";
   return avx512;
+#else
+  return false;
+#endif
+}
+
+bool simd_neon() {
+#ifdef TQVEC_NEON
+  static const bool neon = simd_request() != "scalar";
+  return neon;
+#else
+  return false;
+#endif
 }
 
 using namespace fastscan;  // NOLINT: the kernel's own internals

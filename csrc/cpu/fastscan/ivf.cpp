@@ -1,6 +1,4 @@
 // ivf_fast_scan: the fast scan over inverted lists (layouts: ../fastscan.h).
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -100,7 +98,7 @@ void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_
         const auto& qs = by_list[static_cast<size_t>(l)];
         const int64_t j0 = list_blocks[l], j1 = list_blocks[l + 1];
         const int qpp = queries_per_pass(b);
-        const size_t grouped = simd_avx2() ? qs.size() / qpp * qpp : 0;
+        const size_t grouped = qpp > 0 ? qs.size() / qpp * qpp : 0;
         lp.clear(), sp.clear(), off.clear();
         for (size_t g = 0; g < grouped; ++g) {
           lp.push_back(&luts[static_cast<size_t>(qs[g].first)]);

@@ -1,20 +1,25 @@
-// The block scans' vector path, chosen per CPU and TQVEC_SIMD (../kernels.h): AVX2 by default,
-// AVX-512 (b in {1, 2, 4}) on request, or the portable loops. Every path gives the same bits.
+// The block scans' vector path, chosen per CPU and TQVEC_SIMD (../kernels.h): AVX2 by default
+// on x86 (AVX-512 for b in {1, 2, 4} on request), NEON on aarch64, or the portable loops. Every
+// path gives the same bits.
 #pragma once
 #include <cstdint>
 
 #include "../kernels.h"
 #include "block_sums.h"
 #include "block_sums512.h"
+#include "block_sums_neon.h"
 #include "shortlist.h"
 #include "tables.h"
 
 namespace tqvec::fastscan {
 
-// Queries per pass of the multi-query scan: AVX2 3 (four queries' accumulators, tables and
-// temporaries overflow the 16 registers), 2 for b = 3 (its pair tables take more registers);
-// AVX-512 4 (32 registers).
+// Queries per pass of the multi-query scan, 0 where there is none (the portable build scans
+// query by query): AVX2 3 (four queries' accumulators, tables and temporaries overflow the 16
+// registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers);
+// NEON 4, 2 for b = 3 (32 registers; the totals stay in memory between flushes).
 inline int queries_per_pass(int b) {
+  if (simd_neon()) return b == 3 ? 2 : 4;
+  if (!simd_avx2()) return 0;
   if (b == 3) return 2;
   return simd_avx512() ? 4 : 3;
 }
@@ -25,25 +30,51 @@ inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl,
                               const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                               int64_t j1, const float* mult, const float* add,
                               const float* off) {
+  if (nq <= 0) return;
   for (int64_t g = 0; g + nq <= count; g += nq) {
+#ifdef TQVEC_X86
     if (nq == 4)
       scan_blocksq_avx512<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else if (nq == 2)
       scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else
       scan_blocksq_avx2<3>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+#elif defined(TQVEC_NEON)
+    if (nq == 4)
+      scan_blocksq_neon<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else
+      scan_blocksq_neon<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+#else
+    (void)L, (void)sl, (void)blocked, (void)rb, (void)n, (void)j0, (void)j1, (void)mult,
+        (void)add, (void)off;
+#endif
   }
 }
 
 inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                         int64_t j1, const float* mult, const float* add, float off,
                         Shortlist& sl) {
+#ifdef TQVEC_X86
   if (L.b != 3 && simd_avx512())
-    scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
-  else if (simd_avx2())
-    scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
-  else
-    scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+    return scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+  if (simd_avx2()) return scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+#endif
+#ifdef TQVEC_NEON
+  if (simd_neon()) return scan_blocks_neon(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+#endif
+  scan_blocks_scalar(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+}
+
+// The 32 row totals of one block (tot[0, 32)) by the vector path present.
+inline void block_sums_one(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* tot) {
+#ifdef TQVEC_X86
+  if (simd_avx2()) return block_sums1_avx2(L, blk, rb, tot);
+#endif
+#ifdef TQVEC_NEON
+  const uint8_t* q8[1] = {L.q8.data()};
+  if (simd_neon()) return block_sums_neon_any<1>(L.b, blk, rb, q8, tot);
+#endif
+  block_sums_scalar(L, blk, rb, tot);
 }
 
 }  // namespace tqvec::fastscan

@@ -2,8 +2,6 @@
 // threads when there are enough of them (or too few blocks to split), else splits each query's
 // blocks between the threads and merges their shortlists (``threads_over_queries``).
 #pragma once
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -93,7 +91,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
         for (size_t g = 0; g < ng; ++g) lp.push_back(&luts[g]), sp.push_back(&sls[g]);
         const std::vector<float> zero(ng, 0.0f);
         const int qpp = queries_per_pass(b);
-        const size_t grouped = simd_avx2() ? ng / qpp * qpp : 0;
+        const size_t grouped = qpp > 0 ? ng / qpp * qpp : 0;
         for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks) {
           const int64_t c1 = std::min(nb, c0 + chunk_blocks);
           scan_query_groups(qpp, lp.data(), sp.data(), static_cast<int64_t>(grouped), blocked,

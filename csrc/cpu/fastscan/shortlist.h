@@ -1,7 +1,7 @@
 // The fast scan's candidates: a query's shortlist of rows that can still reach its top k, and
 // the selections over them (layouts: ../fastscan.h).
 #pragma once
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <limits>
 #include <vector>
 
+#include "../kernels.h"
 #include "../topk.h"
 #include "tables.h"
 
@@ -125,12 +126,12 @@ inline void finish_approx(const std::vector<Shortlist*>& parts, int64_t k, float
   write_topk(hits, k, vals, idx);
 }
 
-// ---- several terms per row (fast_scan_terms) ------------------------------------------------
-// score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>: each term has its own codes, width,
-
-__attribute__((target("avx2"))) inline void rows_at_least(const float* s, int64_t n, float t,
-                                                   std::vector<int64_t>& rows) {
-  rows.clear();
+// The rows i with s[i] >= t and s[i] > -inf, in order, of s[0, n) (AVX2: 8 at a time, a
+// compare and a mask; the portable loop the tail and all of it elsewhere).
+#ifdef TQVEC_X86
+__attribute__((target("avx2"))) inline int64_t rows_at_least_avx2(const float* s, int64_t n,
+                                                                  float t,
+                                                                  std::vector<int64_t>& rows) {
   const __m256 vt = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
@@ -142,6 +143,16 @@ __attribute__((target("avx2"))) inline void rows_at_least(const float* s, int64_
       bits &= bits - 1;
     }
   }
+  return i;
+}
+#endif
+
+inline void rows_at_least(const float* s, int64_t n, float t, std::vector<int64_t>& rows) {
+  rows.clear();
+  int64_t i = 0;
+#ifdef TQVEC_X86
+  if (simd_avx2()) i = rows_at_least_avx2(s, n, t, rows);
+#endif
   for (; i < n; ++i)
     if (s[i] >= t && s[i] > -std::numeric_limits<float>::infinity()) rows.push_back(i);
 }

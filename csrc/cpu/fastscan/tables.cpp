@@ -3,7 +3,7 @@
 
 #include "../kernels.h"
 
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -32,6 +32,7 @@ void fill_rows(const float* q, int64_t d, const float* cv, int64_t M, float* f) 
   }
 }
 
+#ifdef TQVEC_X86
 // fill_rows with AVX2 intrinsics: each table row is two 8-float vectors, summed over t in the
 // same order with the same operations (multiply, then add; no FMA) as the portable loop.
 // (A template called from build_lut's target_clones is compiled for the baseline ISA only.)
@@ -51,6 +52,15 @@ __attribute__((target("avx2"))) void fill_rows_avx2(const float* q, int64_t d, c
     _mm256_storeu_ps(f + m * 16 + 8, hi);
   }
 }
+#endif
+
+template <int PER>
+void fill_rows_best(const float* q, int64_t d, const float* cv, int64_t M, float* f) {
+#ifdef TQVEC_X86
+  if (simd_avx2()) return fill_rows_avx2<PER>(q, d, cv, M, f);
+#endif
+  fill_rows<PER>(q, d, cv, M, f);
+}
 
 // b = 3: T[p][lo][hi] = q[2p] c[idx0] + q[2p+1] c[idx1] for the pair layout above.
 void fill_pairs3(const float* q, int64_t d, const float* c, int64_t M, float* f) {
@@ -64,6 +74,7 @@ void fill_pairs3(const float* q, int64_t d, const float* c, int64_t M, float* f)
   }
 }
 
+#ifdef TQVEC_X86
 // 16-entry tables (b = 1, 2, 4) with AVX2 intrinsics: the per-row min and max (exact, so any
 // reduction order gives the bits of the portable loop) and the rounding below, 16 entries as two
 // vectors (the compiler leaves build_lut's loops scalar or 4 wide even in its AVX2 clone).
@@ -106,12 +117,13 @@ __attribute__((target("avx2"))) void quantize_rows16_avx2(const float* table, in
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q8 + m * 16), b8);
   }
 }
+#endif
 
 }  // namespace
 
 // rb: bytes per row of the blocked layout (fs_row_bytes). The AVX2 clone vectorizes the fill,
 // min/max and rounding loops 8 wide.
-__attribute__((target_clones("avx2", "default")))
+TQVEC_CLONES_AVX2
 Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool keep_float) {
   Lut L;
   L.M = b == 3 ? 4 * (rb / 3) : 2 * rb;
@@ -134,17 +146,17 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
     float cv[4 * 16];
     for (int t = 0; t < per; ++t)
       for (int v = 0; v < 16; ++v) cv[t * 16 + v] = c[(v >> (t * b)) & mask];
-    const bool avx2 = simd_avx2();
     if (per == 1)
-      (avx2 ? fill_rows_avx2<1> : fill_rows<1>)(q, d, cv, L.M, table.data());
+      fill_rows_best<1>(q, d, cv, L.M, table.data());
     else if (per == 2)
-      (avx2 ? fill_rows_avx2<2> : fill_rows<2>)(q, d, cv, L.M, table.data());
+      fill_rows_best<2>(q, d, cv, L.M, table.data());
     else
-      (avx2 ? fill_rows_avx2<4> : fill_rows<4>)(q, d, cv, L.M, table.data());
+      fill_rows_best<4>(q, d, cv, L.M, table.data());
   }
   std::vector<float> lo(static_cast<size_t>(L.M));
   float span = 0.0f;
   double bias = 0.0, absmax = 0.0;
+#ifdef TQVEC_X86
   const bool rows16 = L.E == 16 && simd_avx2();
   if (rows16) {
     std::vector<float> hi(static_cast<size_t>(L.M));
@@ -156,6 +168,9 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
       absmax += std::max(std::fabs(mn), std::fabs(mx));
     }
   }
+#else
+  constexpr bool rows16 = false;
+#endif
   for (int64_t m = 0; !rows16 && m < L.M; ++m) {
     const float* row = &table[static_cast<size_t>(m * L.E)];
     // 8 independent lanes (E is 16 or 64): element-wise min/max vectorize, a scalar
@@ -184,9 +199,12 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
   // batched IVF search (~100 us per query at d = 784, b = 4).
   // Local restrict pointers and counts: a uint8_t store may alias anything, so through L the
   // compiler reloaded the table pointers after every store and left the loop scalar.
+#ifdef TQVEC_X86
   if (rows16) {
     quantize_rows16_avx2(table.data(), L.M, lo.data(), inv, L.q8.data());
-  } else {
+  } else
+#endif
+  {
     const int64_t M = L.M, E = L.E;
     const float* __restrict tf = table.data();
     const float* __restrict lop = lo.data();

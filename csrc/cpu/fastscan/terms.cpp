@@ -1,5 +1,5 @@
 // fast_scan_terms: several codes per row (layouts: ../fastscan.h, terms.h).
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -42,6 +42,7 @@ void admit_terms_scalar(const std::vector<TermScan>& ts, uint32_t (*tot)[4 * kRo
   }
 }
 
+#ifdef TQVEC_X86
 __attribute__((target("avx2"))) void admit_terms_avx2(const std::vector<TermScan>& ts,
                                                       uint32_t (*tot)[4 * kRows], int u,
                                                       int64_t j, int64_t n, const float* add,
@@ -100,15 +101,21 @@ __attribute__((target("avx2"))) void term_sums_avx2(const TermScan& T, int64_t j
   }
 }
 
-// Table sums of the terms [0, nt) over blocks j .. j + nb - 1 (nb = 4 where SIMD and 4 blocks
+#endif
+
+// Table sums of the terms [0, nt) over blocks j .. j + nb - 1 (nb = 4 where AVX2 and 4 blocks
 // remain, else 1) into tot[x].
-void term_sums(const std::vector<TermScan>& ts, size_t nt, int64_t j, int nb, bool simd,
+void term_sums(const std::vector<TermScan>& ts, size_t nt, int64_t j, [[maybe_unused]] int nb,
+               [[maybe_unused]] bool simd,
                uint32_t (*tot)[4 * kRows]) {
   for (size_t x = 0; x < nt; ++x) {
-    if (simd)
+#ifdef TQVEC_X86
+    if (simd) {
       term_sums_avx2(ts[x], j, nb, tot[x]);
-    else
-      block_sums_scalar(ts[x].L, ts[x].blocked + j * ts[x].rb * kRows, ts[x].rb, tot[x]);
+      continue;
+    }
+#endif
+    block_sums_one(ts[x].L, ts[x].blocked + j * ts[x].rb * kRows, ts[x].rb, tot[x]);
   }
 }
 
@@ -120,10 +127,13 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
     const int nb = simd && j + 3 < j1 ? 4 : 1;
     term_sums(ts, ts.size(), j, nb, simd, tot);
     for (int u = 0; u < nb; ++u, ++j) {
-      if (simd)
+#ifdef TQVEC_X86
+      if (simd) {
         admit_terms_avx2(ts, tot, u, j, n, add, sl);
-      else
-        admit_terms_scalar(ts, tot, u, j, n, add, sl);
+        continue;
+      }
+#endif
+      admit_terms_scalar(ts, tot, u, j, n, add, sl);
     }
   }
 }
@@ -131,7 +141,7 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
 // The first pass of a two-stage scan over several terms: the approximate (8-bit table) scores
 // of rows [32 j0, 32 j1) from the leading nfirst terms only, s_i = add_i + sum_{t < nfirst}
 // mult_t[i] (delta_t tot_t + bias_t) - no bound: the second pass re-scores what it keeps.
-__attribute__((target_clones("avx2", "default")))
+TQVEC_CLONES_AVX2
 void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t n, int64_t j0,
                         int64_t j1, const float* add, float* s) {
   alignas(32) uint32_t tot[kMaxTerms][4 * kRows];

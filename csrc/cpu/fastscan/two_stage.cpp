@@ -1,6 +1,6 @@
 // fast_scan_two_stage: a first pass over the sign plane (or a prefix of 1-bit codes), then the
 // full codes of its best rows (layouts: ../fastscan.h).
-#include <immintrin.h>
+#include "../arch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -26,6 +26,7 @@ namespace {
 // [j0, j1), written to s[row]: a two-stage scan's first pass at a few queries, which then keeps
 // the k1 best of them by one selection (a shortlist of k1 rows would compact itself every k1
 // admissions; a store per 8 rows and one pass over n floats cost less).
+#ifdef TQVEC_X86
 __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint8_t* blocked,
                                                         int64_t rb, int64_t n, int64_t j0,
                                                         int64_t j1, const float* mult,
@@ -60,8 +61,22 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
     }
   }
 }
+#endif
 
-// The rows i with s[i] >= t and s[i] > -inf, in order: 8 at a time, a compare and a mask
+// approx_scores_avx2's values through block_sums_one (NEON and portable builds).
+void approx_scores_any(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
+                       int64_t j1, const float* mult, const float* add, float* s) {
+#ifdef TQVEC_X86
+  if (simd_avx2()) return approx_scores_avx2(L, blocked, rb, n, j0, j1, mult, add, s);
+#endif
+  alignas(32) uint32_t tot[kRows];
+  for (int64_t j = j0; j < j1; ++j) {
+    block_sums_one(L, blocked + j * rb * kRows, rb, tot);
+    const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+    for (int64_t t = 0; t < rows; ++t)
+      s[base + t] = mult[base + t] * (L.delta * static_cast<float>(tot[t]) + L.bias) + add[base + t];
+  }
+}
 
 }  // namespace
 }  // namespace fastscan
@@ -80,7 +95,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
     rescore_terms(&full, 1, qi, rows, full_t.add, k, out.vals_of(qi), out.idx_of(qi));
   };
   const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
-  if (simd_avx2() && nq < 3 * t && nb >= kMinBlocksPerSplit) {
+  if ((simd_avx2() || simd_neon()) && nq < 3 * t && nb >= kMinBlocksPerSplit) {
     // A few queries: every first-pass score stored (threads over blocks), one select
     const int64_t rb1 = fs_row_bytes(d1, 1);
     std::vector<float> s(static_cast<size_t>(n));
@@ -90,7 +105,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
       const int64_t tb = std::min<int64_t>(t, nb / kMinBlocksPerSplit), chunk = (nb + tb - 1) / tb;
       run_workers(tb, [&](int64_t w) {
         const int64_t j0 = std::min(nb, w * chunk), j1 = std::min(nb, (w + 1) * chunk);
-        approx_scores_avx2(L, signs, rb1, n, j0, j1, mult1, add1, s.data());
+        approx_scores_any(L, signs, rb1, n, j0, j1, mult1, add1, s.data());
       });
       rows_reaching_kth(s.data(), n, k1, rows);
       second(qi, rows);

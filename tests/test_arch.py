@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ["pack.cpp", "hadamard.cpp", "scan.cpp", "rescore.cpp", "search.cpp", "attention.cpp",
+           "graph.cpp",
            "fastscan/tables.cpp", "fastscan/flat.cpp", "fastscan/terms.cpp",
            "fastscan/two_stage.cpp", "fastscan/ivf.cpp"]
 # the extension's own flags (CMakeLists.txt): -O3, no contraction of multiplies and adds

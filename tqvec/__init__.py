@@ -21,7 +21,15 @@ from .codecs import (
 )
 from .codecs.storage import load_codes, save_codes
 from .errors import BackendUnavailable, FormatError
-from .index import FlatIndex, IVFIndex, PCAIndex, index_factory, read_index, write_index
+from .index import (
+    FlatIndex,
+    GraphIndex,
+    IVFIndex,
+    PCAIndex,
+    index_factory,
+    read_index,
+    write_index,
+)
 from .ops import available_backends
 
 __all__ = [
@@ -41,6 +49,7 @@ __all__ = [
     "BackendUnavailable",
     "available_backends",
     "FlatIndex",
+    "GraphIndex",
     "IVFIndex",
     "PCAIndex",
     "index_factory",

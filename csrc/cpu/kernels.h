@@ -9,6 +9,8 @@
 //   signs   (R, d)          float32 +-1 of round r
 // Every kernel takes `nthreads` and splits rows across std::threads; none keeps global state.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "arch.h"
@@ -128,6 +130,39 @@ void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_
                    int64_t nlist, const Probes& probes, bool approx, const TopKOut& out,
                    int nthreads);
 
+// A proximity graph over b-bit codes (graph.cpp): per layer, each node's R neighbours (R a
+// multiple of 32; -1 pads) with their codes in fast-scan blocks, so that one expansion scores
+// all R with R / 32 block passes. Layer 0 holds every row (slot == nullptr: node = row); an
+// upper layer holds some rows, slot[row] their node (-1 absent).
+struct GraphLayer {
+  int64_t nodes, degree;
+  const int32_t* nbr;     // (nodes, R) neighbour rows
+  const uint8_t* codes;   // (nodes, R / 32, fs_row_bytes(d, b), 32) their blocked codes
+  const float* mult;      // (nodes, R) their score multipliers and offsets (the flat scan's
+  const float* add;       // terms; add = -inf for padding)
+  const int32_t* slot;    // (n) or nullptr
+};
+struct GraphArgs {
+  const GraphLayer* layers;  // [0] the base layer, then upwards
+  int nlayers;
+  int64_t n, d;
+  int b;
+  const float* centroids;    // (2^b)
+  int64_t entry;             // the row the search starts from, in the top layer
+  const uint8_t* allowed;    // (n) 0 / 1: rows a result may be, or nullptr for all
+  // (n, d) exact vectors, or nullptr: each expanded node is scored exactly by them
+  // (rescore_similarity of exact_metric; its vector is read beside its neighbours' codes)
+  const float* exact_x;
+  int exact_metric;
+};
+// Per query qr (nq, d), rotated: greedy descent of the upper layers, then best-first search of
+// layer 0 keeping the ef best estimates (8-bit table sums). out gets, best first (ties: the
+// lower row), padded with -inf / -1: with exact_x the best out.k expanded nodes by their exact
+// similarity to q (nq, d; the unrotated queries, and qsq (nq) their ||q||^2 for L2), else the
+// best out.k (<= ef) estimates.
+void graph_search(const GraphArgs& g, const float* qr, const float* q, const float* qsq,
+                  int64_t nq, int64_t ef, const TopKOut& out, int nthreads);
+
 // Decode attention over TurboQuant-mse key/value codes (attention.cpp; decode_attention_ref):
 // softmax state (m, l, acc) per (KV head, query row), tokens [lo, hi) of T per head.
 void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
@@ -149,6 +184,14 @@ void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out);
 // kRescoreCosine <q, x_j> / max(||x_j||, 1e-30); the best k first (ties: the earlier candidate)
 // as (vals, idx = the rows), padded with -inf / -1.
 enum RescoreMetric { kRescoreIP = 0, kRescoreL2 = 1, kRescoreCosine = 2 };
+// <q, x> and ||x||^2 of one row (rescore_topk's float operations and vector path), and the
+// metric's similarity from them (the reference's float operations, in its order).
+void dot_and_sqnorm(const float* q, const float* x, int64_t d, float* dot, float* sqn);
+inline float rescore_similarity(float dot, float sqn, float qsq, int metric) {
+  return metric == kRescoreL2       ? 2.f * dot - sqn - qsq
+         : metric == kRescoreCosine ? dot / std::max(std::sqrt(sqn), 1e-30f)
+                                    : dot;
+}
 void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,
                   int64_t kk, int metric, int64_t k, float* vals, int64_t* idx, int nthreads);
 // The nprobe best lists per query: <q, c_l> (l2: 2 <q, c_l> - csq_l - ||q||^2), best first.
@@ -225,5 +268,20 @@ struct IvfSearchArgs {
 };
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                 int64_t* I, int nthreads);
+
+// A whole graph index search (search.cpp): unit rows for cosine, rotate the queries (rot),
+// graph_search with a pool of ef - with exact vectors ref_x (n, d) the best kk expanded rows
+// by their exact similarity, else the best kk estimates (L2: minus ||q||^2) -; D, I (nq, k)
+// as faiss returns them (padded past kk).
+struct GraphSearchArgs {
+  GraphArgs graph;
+  RotationArgs rot;
+  const int64_t* ids;   // (n)
+  int metric;           // RescoreMetric of the index's scores
+  bool normalize;
+  const float* ref_x;   // (n, d) or nullptr
+};
+void graph_index_search(const GraphSearchArgs& a, const float* q, int64_t nq, int64_t k,
+                        int64_t kk, int64_t ef, float* D, int64_t* I, int nthreads);
 
 }  // namespace tqvec

@@ -7,4 +7,5 @@ NB_MODULE(_C, m) {
   tqvec::bind::bind_scans(m);
   tqvec::bind::bind_attention(m);
   tqvec::bind::bind_searchers(m);
+  tqvec::bind::bind_graph(m);
 }

@@ -187,6 +187,11 @@ DotSqnFn pick_dot_and_sqnorm() {
 
 }  // namespace
 
+void dot_and_sqnorm(const float* q, const float* x, int64_t d, float* dot, float* sqn) {
+  static const DotSqnFn fn = pick_dot_and_sqnorm();
+  fn(q, x, d, dot, sqn);
+}
+
 void row_sqnorms(const float* x, int64_t n, int64_t d, float* out) {
   const DotFn dot = pick_dot();
   for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, x + i * d, d);
@@ -222,9 +227,7 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
         float dot, sqn;
         dot_sqn(qi, x + j * d, d, &dot, &sqn);
         // the float operations of the reference, in its order
-        const float s = metric == kRescoreL2 ? 2.f * dot - sqn - qsq
-                        : metric == kRescoreCosine ? dot / std::max(std::sqrt(sqn), 1e-30f)
-                                                   : dot;
+        const float s = rescore_similarity(dot, sqn, qsq, metric);
         hits.emplace_back(s, r);  // ties: the earlier candidate (the first stage's order)
       }
       float* vi = vals + i * k;

@@ -171,4 +171,40 @@ void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, f
                 I);
 }
 
+void graph_index_search(const GraphSearchArgs& a, const float* q, int64_t nq, int64_t k,
+                        int64_t kk, int64_t ef, float* D, int64_t* I, int nthreads) {
+  const int64_t d = a.graph.d;
+  const size_t nqs = static_cast<size_t>(nq);
+  std::vector<float> qr(nqs * d), qc, qsq;
+  const bool l2 = a.metric == kRescoreL2;
+  if (a.normalize) {  // unit rows, as flat_search
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+    qc.resize(nqs * d);
+    for (size_t i = 0; i < nqs; ++i) {
+      const float s = std::max(std::sqrt(qsq[i]), 1e-30f);
+      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] / s;
+    }
+    q = qc.data();
+  }
+  if (l2) {
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+  }
+  hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
+                  nthreads);
+  std::vector<float> cv(nqs * kk);
+  std::vector<int64_t> ci(nqs * kk);
+  // with exact vectors the graph search scores what it expands exactly (no re-rank pass)
+  GraphArgs g = a.graph;
+  g.exact_x = a.ref_x;
+  g.exact_metric = a.metric;
+  graph_search(g, qr.data(), q, l2 ? qsq.data() : nullptr, nq, ef, {kk, cv.data(), ci.data()},
+               nthreads);
+  if (l2 && a.ref_x == nullptr)  // the estimates: minus ||q||^2 as the flat scan's
+    for (size_t i = 0; i < nqs; ++i)
+      for (int64_t r = 0; r < kk; ++r) cv[i * kk + r] = cv[i * kk + r] - qsq[i];
+  write_results(cv.data(), ci.data(), nq, kk, k, l2, nullptr, a.ids, D, I);
+}
+
 }  // namespace tqvec

@@ -169,6 +169,51 @@ void run(int nthreads) {
                      po.data(), nthreads);
     emit(tag + "probe.i", pr);
     emit(tag + "probe.v", po);
+    // a graph over these rows: 32 random neighbours each (a few missing), one upper layer of
+    // every 8th row, searched by estimates and with exact vectors
+    if (cs.b != 3) {
+      const int64_t R = 32, rbb = tqvec::fs_row_bytes(d, cs.b), rbp = (d * cs.b + 7) / 8;
+      auto layer = [&](int64_t nodes, auto row_of, std::vector<int32_t>& nbr,
+                       std::vector<uint8_t>& codes, std::vector<float>& em,
+                       std::vector<float>& ea) {
+        nbr.assign(static_cast<size_t>(nodes * R), -1);
+        for (int64_t v = 0; v < nodes; ++v)
+          for (int64_t e = 0; e < R; ++e)
+            if (r.below(8) != 0) nbr[v * R + e] = static_cast<int32_t>(row_of(r.below(nodes)));
+        std::vector<uint8_t> gathered(static_cast<size_t>(nodes * R * rbp), 0);
+        em.assign(static_cast<size_t>(nodes * R), 0.0f);
+        ea.assign(static_cast<size_t>(nodes * R), -INFINITY);
+        for (int64_t e = 0; e < nodes * R; ++e)
+          if (nbr[e] >= 0) {
+            std::memcpy(&gathered[e * rbp], &K.packed[nbr[e] * rbp], rbp);
+            em[e] = mult[nbr[e]];
+            ea[e] = std::isfinite(add[nbr[e]]) ? add[nbr[e]] : 0.0f;
+          }
+        codes.resize(static_cast<size_t>(nodes * R * rbb));
+        tqvec::block_codes(gathered.data(), nodes * R, d, cs.b, codes.data(), nthreads);
+      };
+      std::vector<int32_t> nb0, nb1, slot(static_cast<size_t>(n), -1);
+      std::vector<uint8_t> c0, c1;
+      std::vector<float> m0, a0, m1, a1;
+      layer(n, [](int64_t v) { return v; }, nb0, c0, m0, a0);
+      const int64_t up = (n + 7) / 8;
+      for (int64_t v = 0; v < up; ++v) slot[8 * v] = static_cast<int32_t>(v);
+      layer(up, [](int64_t v) { return 8 * v; }, nb1, c1, m1, a1);
+      const tqvec::GraphLayer layers[2] = {
+          {n, R, nb0.data(), c0.data(), m0.data(), a0.data(), nullptr},
+          {up, R, nb1.data(), c1.data(), m1.data(), a1.data(), slot.data()}};
+      tqvec::GraphArgs ga{layers, 2, n, d, cs.b, K.c.data(), 0, nullptr, nullptr, 0};
+      tqvec::graph_search(ga, qr.data(), nullptr, nullptr, nq, 40, out, nthreads);
+      emit(tag + "graph.v", vals);
+      emit(tag + "graph.i", idx);
+      std::vector<float> qsq(static_cast<size_t>(nq));
+      tqvec::row_sqnorms(qr.data(), nq, d, qsq.data());
+      ga.exact_x = x.data();
+      ga.exact_metric = tqvec::kRescoreL2;
+      tqvec::graph_search(ga, qr.data(), qr.data(), qsq.data(), nq, 40, out, nthreads);
+      emit(tag + "graph_exact.v", vals);
+      emit(tag + "graph_exact.i", idx);
+    }
     // a Hadamard rotation, forward and inverse
     int64_t p = 1;  // the largest power of two <= d
     while (2 * p <= d) p <<= 1;

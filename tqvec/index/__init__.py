@@ -2,9 +2,11 @@
 
 from .factory import index_factory
 from .flat import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, FlatIndex
+from .graph import GraphIndex
 from .io import read_index, write_index
 from .ivf import IVFIndex
 from .pca import PCAIndex, allocate_widths
 
-__all__ = ["FlatIndex", "IVFIndex", "PCAIndex", "allocate_widths", "index_factory", "read_index",
+__all__ = ["FlatIndex", "GraphIndex", "IVFIndex", "PCAIndex", "allocate_widths", "index_factory",
+           "read_index",
            "write_index", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE"]

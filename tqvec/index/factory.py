@@ -32,6 +32,10 @@ mixed widths (0-4 or 8 bits per component, chosen by the components' variances) 
 of ``TQ{b}`` (ip / cosine included: their 4-byte centring term is counted);
 ``PCA,TQ2,Prefilter(10)`` scores the leading runs (90 % of the variance) first and re-scores
 their best 10k rows with the whole codes.
+``HNSW{M},`` in front (``HNSW16,TQ1,Refine(Flat)``, ``HNSW32,TQ2``) builds a ``GraphIndex``:
+faiss's HNSW graph with each node's neighbours' TurboQuant-mse codes (1-4 bits) beside it,
+searched best-first with ``efSearch`` candidates; ``Refine(Flat)`` scores each expanded node
+exactly. Its layout adds 2 M (code bytes + 12) bytes per vector (see ``tqvec.index.graph``).
 ``IVF{nlist},`` in front (``IVF256,TQ4``, ``IVF256,TQ2,Refine(Flat)``) builds an ``IVFIndex``:
 k-means lists (``train`` first), residual codes, ``nprobe`` lists searched; the bytes per vector
 are those of the codes (plus nlist * d * 4 bytes of centroids per index; ip: 4 more bytes per
@@ -46,6 +50,7 @@ from typing import Any
 from ..codecs import QJL, PolarQuant, TurboQuant
 from ..codecs.base import Codec
 from .flat import FlatIndex
+from .graph import GraphIndex
 from .ivf import IVFIndex
 from .pca import PCAIndex
 
@@ -88,8 +93,11 @@ _FAISS_ONLY = [
     (r"(IVF\d+(_HNSW\d+)?,)?(PQ|OPQ|IVFPQ|RQ|LSQ|PRQ|PLSQ|ITQ).*", "product and additive "
      "quantizers are trained; at the same bytes use 'TQ{b}' (no training), 'Center,TQ{b}f' (one "
      "fitted mean) or 'PCA,TQ{b}' (a fitted basis, the best recall here)"),
-    (r"HNSW.*|NSG.*|NNDescent.*", "graph indexes are not built by tqvec yet; for sub-linear "
-     "search use 'IVF{nlist},TQ{b}' (e.g. 'IVF1024,TQ4') with index.nprobe"),
+    (r"HNSW\d+,(Flat|SQ.*|PQ.*)|HNSW\d+|HNSW\d+_.*", "the graph index here is "
+     "'HNSW{M},TQ{b},Refine(Flat)' (TurboQuant codes at 1-4 bits navigate, exact vectors "
+     "re-rank), e.g. 'HNSW16,TQ1,Refine(Flat)'"),
+    (r"NSG.*|NNDescent.*", "the graph index here is 'HNSW{M},TQ{b},Refine(Flat)'; for search "
+     "without a graph, 'IVF{nlist},TQ{b}' with index.nprobe"),
     (r"RR,.*|HR,.*", "tqvec's codecs already apply a seeded random rotation: drop the 'RR,' "
      "('RR,TQ4' is 'TQ4')"),
     (r"L2norm,.*", "normalise through the metric instead: index_factory(d, 'TQ4', 'cosine')"),
@@ -110,7 +118,8 @@ def _faiss_only(body: str) -> str | None:
 
 
 def index_factory(d: int, spec: str, metric: Any = "l2", *, seed: int = 0,
-                  k_factor: int = 4, device: Any = None) -> FlatIndex | IVFIndex | PCAIndex:
+                  k_factor: int = 4, device: Any = None
+                  ) -> FlatIndex | IVFIndex | PCAIndex | GraphIndex:
     """Build an index from a factory string (see the module docstring); ``device="cuda"``
     keeps the codes on the GPU and searches them with the CUDA kernels."""
     if not isinstance(spec, str):
@@ -133,6 +142,18 @@ def index_factory(d: int, spec: str, metric: Any = "l2", *, seed: int = 0,
         ref = parse_codec(d, m["ref"], seed) if m["ref"] else None
         return PCAIndex(d, int(m[1]), metric, refine=ref, k_factor=k_factor,
                         prefilter=int(m["pf"] or 0), seed=seed)
+    hnsw = re.match(r"HNSW(\d+),", body)
+    if hnsw:
+        m = re.fullmatch(r"HNSW(\d+),TQ(\d)(,Refine\((?P<ref>[^)]+)\))?", body)
+        if not m:
+            raise ValueError(f"spec must look like 'HNSW16,TQ1,Refine(Flat)' or 'HNSW32,TQ2' "
+                             f"for a graph index (TurboQuant-mse codes, no Center, IVF or "
+                             f"Prefilter with it), got {spec!r}")
+        if device is not None and str(device) != "cpu":
+            raise ValueError(f"device must be 'cpu' for a graph index, got {device!r}")
+        ref = parse_codec(d, m["ref"], seed) if m["ref"] else None
+        return GraphIndex(TurboQuant(d, int(m[2]), seed=seed), int(m[1]), metric, refine=ref,
+                          k_factor=k_factor)
     center = body.startswith("Center,")
     if center:
         body = body[len("Center,"):]

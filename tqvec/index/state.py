@@ -20,6 +20,7 @@ from ..codecs.base import Codec, Codes
 from ..codecs.storage import check_fingerprint, codec_from_header, codes_from_arrays
 from ..errors import FormatError
 from .flat import FlatIndex
+from .graph import Graph, GraphIndex
 from .ivf import IVFIndex
 from .metrics import METRIC_INNER_PRODUCT, metric_name
 from .pca import PCAIndex
@@ -33,7 +34,8 @@ _FLAT_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "r
 # absent in files written before them
 _OPTIONAL_META = {"prefilter", "centered", "center_term", "pca"}
 _IVF_META = {"nlist", "nprobe", "seed", "niter", "trained"}
-_NOT_PER_ROW = {"center", "ivf.centroids", "pca.basis", "pca.variances"}
+_GRAPH_META = {"M", "efSearch", "ef_construction", "entry"}
+_NOT_PER_ROW = {"center", "ivf.centroids", "pca.basis", "pca.variances", "graph.upper"}
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -94,11 +96,26 @@ def ivf_state(index: IVFIndex, rows: Rows) -> tuple[dict[str, Any], dict[str, np
     return meta, arrays
 
 
+def graph_state(index: GraphIndex, rows: Rows, graph: Graph | None
+                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    meta, arrays = _rows_state(index, rows, "graph")
+    meta.update(M=index.M, efSearch=index.efSearch, ef_construction=index.ef_construction,
+                entry=-1 if graph is None else graph.entry)
+    if graph is not None:
+        arrays["graph.levels"] = graph.levels
+        arrays["graph.base"] = graph.base
+        # the upper layers' rows one after another (layer 1's, then 2's ...): their sizes
+        # follow from the levels
+        arrays["graph.upper"] = (np.concatenate(graph.upper) if graph.upper
+                                 else np.zeros((0, index.M), np.int32))
+    return meta, arrays
+
+
 def index_state(index: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(meta, arrays) of a ``FlatIndex``, ``IVFIndex`` or ``PCAIndex``."""
+    """(meta, arrays) of a ``FlatIndex``, ``GraphIndex``, ``IVFIndex`` or ``PCAIndex``."""
     if isinstance(index, (FlatIndex, IVFIndex, PCAIndex)):
         return index.state()
-    raise TypeError(f"index must be a tqvec FlatIndex, IVFIndex or PCAIndex, got "
+    raise TypeError(f"index must be a tqvec FlatIndex, GraphIndex, IVFIndex or PCAIndex, got "
                     f"{type(index).__name__}")
 
 
@@ -137,6 +154,8 @@ def _expected_arrays(meta: dict, codec: Codec, ref_codec: Any, ntotal: int
         optional.add("ivf.rowterm")
     if "pca" in meta:
         required.update({"pca.basis", "pca.variances"})
+    if meta["type"] == "graph" and ntotal:
+        required.update({"graph.levels", "graph.base", "graph.upper"})
     return required, optional
 
 
@@ -146,6 +165,12 @@ def _empty_index(meta: dict, codec: Codec, ref_codec: Any, arrays: dict
     centered = meta.get("centered", False)
     if not isinstance(centered, bool):
         raise TypeError(f"centered must be a bool, got {centered!r:.40}")
+    if meta["type"] == "graph":
+        if centered or "prefilter" in meta and meta["prefilter"] != 0 or "pca" in meta:
+            raise ValueError("a graph index has no center, prefilter or PCA basis")
+        return GraphIndex(codec, meta["M"], meta["metric"], refine=ref_codec,
+                          k_factor=meta["k_factor"], efSearch=meta["efSearch"],
+                          ef_construction=meta["ef_construction"])
     if meta["type"] == "ivf":
         if centered or "prefilter" in meta and meta["prefilter"] != 0 or "pca" in meta:
             raise ValueError("an IVF index has no center, prefilter or PCA basis")
@@ -223,6 +248,22 @@ def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any,
     return rows
 
 
+def _graph(meta: dict, arrays: dict, index: GraphIndex, ntotal: int) -> Graph | None:
+    """The stored graph (checked by ``GraphIndex.install_graph``), or None for no rows."""
+    if not ntotal:
+        return None
+    levels, base, upper = arrays["graph.levels"], arrays["graph.base"], arrays["graph.upper"]
+    if levels.dtype != np.int32 or levels.shape != (ntotal,) or int(levels.min()) < 1 or \
+            int(levels.max()) > 64:
+        raise ValueError(f"graph.levels must be ({ntotal},) int32 in 1..64")
+    sizes = [int((levels > lv).sum()) for lv in range(1, int(levels.max()))]
+    if upper.ndim != 2 or upper.shape[0] != sum(sizes):
+        raise ValueError(f"graph.upper must have {sum(sizes)} rows, got shape {upper.shape}")
+    parts = np.split(np.asarray(upper), np.cumsum(sizes)[:-1]) if sizes else []
+    entry = V.positive_int(meta["entry"], "entry", 0, ntotal - 1)
+    return Graph(np.asarray(levels), np.asarray(base), list(parts), entry)
+
+
 def _pca(meta: dict, arrays: dict, index: FlatIndex | IVFIndex) -> PCAIndex:
     """Wrap the inner index of a ``PCAIndex`` state again, checking its fit."""
     if type(index) is not FlatIndex or not index.centered:
@@ -249,8 +290,8 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
     malformed value or array raises ``FormatError``."""
     keys = set(meta)
     kind = meta.get("type")
-    want = _FLAT_META | (_IVF_META if kind == "ivf" else set())
-    if kind not in ("flat", "ivf") or not want <= keys <= want | _OPTIONAL_META:
+    want = _FLAT_META | {"ivf": _IVF_META, "graph": _GRAPH_META}.get(kind, set())
+    if kind not in ("flat", "ivf", "graph") or not want <= keys <= want | _OPTIONAL_META:
         raise FormatError(f"{where!r} has a malformed index header: type {kind!r:.40}, keys "
                           f"{sorted(keys)}")
     codec = codec_from_header(where, meta["params"])
@@ -285,6 +326,11 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
         index.install_rows(_rows(index, meta, arrays, ref_codec, ntotal, where, mapped), mapped)
     except errors as e:
         raise FormatError(f"{where!r} does not match its header: {e}") from e
+    if kind == "graph":
+        try:
+            index.install_graph(_graph(meta, arrays, index, ntotal))
+        except errors as e:
+            raise FormatError(f"{where!r} has an invalid graph: {e}") from e
     if "pca" in meta:
         try:
             return _pca(meta, arrays, index)

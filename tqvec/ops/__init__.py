@@ -25,7 +25,8 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
            "row_sqnorms", "row_dots", "decode_attention", "row_bytes", "fast_scan_row_bytes",
            "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS", "compiled_flat_searcher",
-           "compiled_ivf_searcher", "threads", "simd_path", "has_cpu_kernels"]
+           "compiled_ivf_searcher", "compiled_graph_searcher", "threads", "simd_path",
+           "has_cpu_kernels"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
@@ -453,6 +454,12 @@ def compiled_flat_searcher(**args: Any) -> Any | None:
 def compiled_ivf_searcher(**args: Any) -> Any | None:
     """The compiled one-call IVF search, as ``compiled_flat_searcher``."""
     return _cpu.ivf_searcher(**args) if _cpu.available() else None
+
+
+def compiled_graph_searcher(**args: Any) -> Any | None:
+    """The compiled graph search over a graph's layers (``tqvec.index.graph``; keyword
+    arguments as ``ops.cpu.graph_searcher`` takes them), or None without ``tqvec._C``."""
+    return _cpu.graph_searcher(**args) if _cpu.available() else None
 
 
 def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:

@@ -316,3 +316,11 @@ def ivf_searcher(*, rotation: tuple, refine_codes: dict | None = None, **args: o
     """The one-call IVF search (``ivf_search``), as ``flat_searcher``."""
     return _C.IVFSearcher(rotation=_C.Rotation(*rotation),
                           refine_codes=_code_refinement(refine_codes), **args)
+
+
+def graph_searcher(*, rotation: tuple | None = None, **args: object) -> object:
+    """The graph search (csrc/cpu/graph.cpp ``graph_search``; keyword arguments:
+    csrc/cpu/bind/graph.cpp) over a graph's layers; with ``rotation`` = (perms, signs, p) and
+    ``ids`` also the whole search in one call (``search_full``: search.cpp
+    ``graph_index_search``)."""
+    return _C.GraphSearcher(rotation=None if rotation is None else _C.Rotation(*rotation), **args)

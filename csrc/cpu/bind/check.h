@@ -6,6 +6,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <stdexcept>
@@ -107,9 +108,25 @@ TopKOut topk_out(CArr<float>& vals, CArr<int64_t>& idx, int64_t nq, int64_t k, c
 RotationArgs rotation_args(const CArr<const int64_t>& perms, const CArr<const float>& signs,
                            int64_t p, int64_t d, const char* op);
 
+// A Hadamard rotation: perms, signs (rounds, d), block p (bound as Rotation in searchers.cpp).
+struct Rotation {
+  CArr<const int64_t> perms;
+  CArr<const float> signs;
+  RotationArgs args;
+};
+
+// Whether every one of n floats is finite (the one-call searches check their queries here: a
+// numpy isfinite pass cost ~2 us per one-query search, cache-cold after the previous scan).
+inline bool all_finite(const float* x, int64_t n) {
+  bool ok = true;
+  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(x[i]);
+  return ok;
+}
+
 void bind_codes(nb::module_& m);
 void bind_scans(nb::module_& m);
 void bind_attention(nb::module_& m);
 void bind_searchers(nb::module_& m);
+void bind_graph(nb::module_& m);
 
 }  // namespace tqvec::bind

@@ -12,10 +12,13 @@
 namespace tqvec::bind {
 
 void bind_scans(nb::module_& m) {
-  m.def("simd_path", [] { return simd_avx512() ? "avx512" : simd_avx2() ? "avx2" : "scalar"; },
-        "The vector path the fast scans take on this CPU: avx2 (the default where the CPU "
-        "has it), avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW) or scalar "
-        "(TQVEC_SIMD=scalar, or no AVX2).");
+  m.def("simd_path",
+        [] {
+          return simd_neon() ? "neon" : simd_avx512() ? "avx512" : simd_avx2() ? "avx2" : "scalar";
+        },
+        "The vector path the fast scans take on this CPU: avx2 (the x86 default where the CPU "
+        "has it), avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW), neon (aarch64) or "
+        "scalar (TQVEC_SIMD=scalar, or no AVX2).");
 
   m.def("lut_scan", [](CArr<const float> qr, CArr<const uint8_t> packed,
                        CArr<const float> centroids, CArr<const float> mult, CArr<const float> add,

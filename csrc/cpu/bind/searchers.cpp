@@ -15,13 +15,6 @@ namespace {
 
 using OptF = std::optional<CArr<const float>>;
 
-// A Hadamard rotation: perms, signs (rounds, d), block p.
-struct Rotation {
-  CArr<const int64_t> perms;
-  CArr<const float> signs;
-  RotationArgs args;
-};
-
 // A flat index's prefilter: keep * k rows of the first pass over the sign plane (with row
 // offsets first_add and multipliers first_mult, or the scan's mult) re-scored by the full codes
 // (packed, bits, centroids; the scan's mult and add).
@@ -69,14 +62,6 @@ const float* optional_vector(const OptF& v, int64_t d, const char* op, const cha
   if (!v) return nullptr;
   check_shape(*v, {d}, op, name);
   return v->data();
-}
-
-// Whether every one of n floats is finite (the one-call searches check their queries here: a
-// numpy isfinite pass cost ~2 us per one-query search, cache-cold after the previous scan).
-bool all_finite(const float* x, int64_t n) {
-  bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(x[i]);
-  return ok;
 }
 
 struct FlatSearcher {

@@ -1,0 +1,384 @@
+"""A graph index over codes: HNSW's graph, searched through the codes of each node's neighbours.
+
+``GraphIndex`` (``index_factory(d, "HNSW32,TQ1,Refine(Flat)")``) stores TurboQuant-mse codes
+(1-4 bits) as a ``FlatIndex`` does, and a proximity graph over the rows: faiss's HNSW
+(``IndexHNSWFlat``, ``M`` links per node, ``2 M`` in the base layer, ``ef_construction``),
+built from the best vectors the index holds - the refinement's exact vectors, else the
+refinement's or the codes' reconstructions. The graph is not kept as faiss holds it: each node's
+neighbours are laid out beside it with **their codes in fast-scan blocks of 32** (and their score
+terms), so expanding a node scores all its neighbours with one table-lookup pass over
+contiguous bytes instead of one random read per neighbour (the layout of SymphonyQG, Gou et al.,
+SIGMOD 2025). A search descends the upper layers greedily and searches the base layer best-first,
+keeping the ``efSearch`` best estimates (the compiled ``graph_search``); a refinement re-ranks
+the best ``k_factor * k`` of them exactly.
+
+The layout repeats a row's codes once per node that links to it: per vector it holds
+``2 M * (code bytes + 12)`` bytes (the codes, a 4-byte row number and two 4-byte score terms
+per link) beside the refinement's own bytes - at 1 bit and ``d = 784``, 3.5 KB for M = 16.
+``memory_bytes()`` counts it.
+
+Changes: ``add`` extends faiss's graph; the layout is rebuilt at the first search after a
+change. ``remove_ids`` removes rows and rebuilds the graph over the rest (HNSW has no deletion
+that keeps its guarantees; the cost is a build). Filtered search (``allowed_ids``) traverses
+every node and admits only allowed rows to the results, so a filter that keeps few rows costs
+as much as none and may return fewer than k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import _validate as V
+from .. import ops
+from ..codecs.base import Codec
+from ..codecs.turbo import TurboQuant
+from .flat import FlatIndex
+from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name, normalized
+from .rerank import RefineLut
+from .rows import Rows
+from .scan import metric_terms
+
+__all__ = ["GraphIndex"]
+
+_MAX_M = 256
+_MAX_EF = 1 << 16
+_ROWS = 32  # a fast-scan block
+
+
+@dataclass
+class Graph:
+    """HNSW's adjacency as faiss built it over rows 0..n-1: ``levels`` (n,) how many layers
+    each row is in (>= 1), ``base`` (n, 2M) its base-layer neighbours, ``upper[l - 1]`` (rows in
+    layer l, M) those of layer l >= 1 for the rows with levels > l in row order; -1 pads."""
+
+    levels: np.ndarray
+    base: np.ndarray
+    upper: list[np.ndarray]
+    entry: int
+
+    @property
+    def n(self) -> int:
+        return int(self.levels.shape[0])
+
+
+@dataclass
+class GraphSnapshot:
+    """What a graph search reads, taken together under the index's lock."""
+
+    rows: Rows
+    searcher: Any  # tqvec._C.GraphSearcher, or None without rows
+    ref_lut: RefineLut | None
+    layout_bytes: int = 0
+    arrays: list = field(default_factory=list, repr=False)  # what the searcher reads
+    whole: bool = False  # the searcher runs the whole search (search_full)
+
+    @property
+    def n(self) -> int:
+        return self.rows.n
+
+
+def check_graph(g: Graph, n: int, M: int) -> None:
+    """ValueError unless g is HNSW adjacency over n rows with M links (2 M in the base layer):
+    int32 arrays of the shapes its levels imply, neighbours -1 or rows, each upper layer's
+    neighbours rows of that layer, the entry a row of the top layer."""
+    lv, base = g.levels, g.base
+    if lv.dtype != np.int32 or lv.shape != (n,) or (n and (int(lv.min()) < 1 or
+                                                        int(lv.max()) > 64)):
+        raise ValueError(f"graph.levels must be ({n},) int32 in 1..64")
+    if base.dtype != np.int32 or base.shape != (n, 2 * M):
+        raise ValueError(f"graph.base must be ({n}, {2 * M}) int32, got {base.dtype} "
+                         f"{base.shape}")
+    top = int(lv.max()) if n else 1
+    if len(g.upper) != top - 1:
+        raise ValueError(f"the graph must have {top - 1} upper layers, got {len(g.upper)}")
+    for a, layer in [(base, 0)] + [(u, i + 1) for i, u in enumerate(g.upper)]:
+        rows = np.nonzero(lv > layer)[0]
+        if a.dtype != np.int32 or a.shape != (len(rows), base.shape[1] if layer == 0 else M):
+            raise ValueError(f"graph layer {layer} must be ({len(rows)}, "
+                             f"{2 * M if layer == 0 else M}) int32, got {a.dtype} {a.shape}")
+        if a.size and (int(a.min()) < -1 or int(a.max()) >= n):
+            raise ValueError(f"graph layer {layer}'s neighbours must be -1 or rows < {n}")
+        live = a[a >= 0]
+        if layer and live.size and int(lv[live].min()) <= layer:
+            raise ValueError(f"graph layer {layer}'s neighbours must be rows of that layer")
+    if n and not (0 <= g.entry < n and int(lv[g.entry]) == top):
+        raise ValueError(f"graph entry must be a row of the top layer, got {g.entry}")
+
+
+def _padded(a: np.ndarray) -> np.ndarray:
+    """Neighbour lists padded with -1 to a multiple of 32 columns (one fast-scan block each)."""
+    R = -(-a.shape[1] // _ROWS) * _ROWS
+    out = np.full((a.shape[0], R), -1, dtype=np.int32)
+    out[:, :a.shape[1]] = a
+    return out
+
+
+class GraphIndex(FlatIndex):
+    """HNSW graph search over TurboQuant-mse codes with the neighbours' codes beside each node.
+
+    Parameters
+    ----------
+    codec: ``TurboQuant`` (variant ``"mse"``) at 1-4 bits.
+    M: links per node (faiss's ``HNSW{M}``; the base layer has 2 M).
+    metric, refine, k_factor: as in ``FlatIndex`` (``refine="flat"`` or a finer codec re-ranks
+        the candidates; without one the graph's estimates are the results).
+    efSearch: candidates kept by the base-layer search (an attribute, as faiss's
+        ``hnsw.efSearch``; at least the candidates the re-rank takes are kept).
+    ef_construction: faiss's ``efConstruction`` of the build.
+    """
+
+    def __init__(self, codec: Codec, M: int = 32, metric: Any = "l2", *,
+                 refine: Codec | str | None = None, k_factor: int = 4, efSearch: int = 64,
+                 ef_construction: int = 40):
+        if not (isinstance(codec, TurboQuant) and codec.variant == "mse"
+                and codec.bits in ops.FAST_SCAN_BITS):
+            raise ValueError(f"codec must be TurboQuant-mse at {list(ops.FAST_SCAN_BITS)} bits "
+                             f"for a graph index (its neighbours' codes are fast-scanned), got "
+                             f"{codec!r}")
+        if not ops.has_cpu_kernels():
+            raise ValueError("a graph index needs the compiled CPU kernels (tqvec._C), which "
+                             "this install lacks")
+        super().__init__(codec, metric, refine=refine, k_factor=k_factor)
+        self.M = V.positive_int(M, "M", 2, _MAX_M)
+        self.ef_construction = V.positive_int(ef_construction, "ef_construction", 1, _MAX_EF)
+        self.efSearch = efSearch
+        self._hnsw: Any = None  # faiss's IndexHNSWFlat over rows 0..n-1, grown by add
+        self._graph: Graph | None = None
+
+    # -- parameters ----------------------------------------------------------------------------
+    @property
+    def efSearch(self) -> int:
+        return self._ef
+
+    @efSearch.setter
+    def efSearch(self, value: int) -> None:
+        self._ef = V.positive_int(value, "efSearch", 1, _MAX_EF)
+
+    @property
+    def prefilter(self) -> int:
+        """0: a graph index has no first pass (its traversal is one)."""
+        return 0
+
+    @prefilter.setter
+    def prefilter(self, value: int) -> None:
+        if V.positive_int(value, "prefilter", 0, V.MAX_CANDIDATE_FACTOR):
+            raise ValueError(f"prefilter must be 0 for a graph index, got {value!r}")
+        self._prefilter = 0
+
+    # -- the graph -----------------------------------------------------------------------------
+    def _graph_vectors(self, t: torch.Tensor) -> np.ndarray:
+        """The vectors the graph links (float32, numpy) of new stored rows t: the rows
+        themselves (unit rows for cosine). A graph rebuilt later (after a removal, or to extend
+        one read from a file) links what the index still holds (``_stored_vectors``)."""
+        x = t.to(torch.float32).cpu()
+        if self.metric_type == METRIC_COSINE and not self.centered:
+            x = normalized(x)
+        return np.ascontiguousarray(x.numpy())
+
+    def _faiss_graph(self) -> Any:
+        import faiss
+        metric = (faiss.METRIC_INNER_PRODUCT if self._scoring == METRIC_INNER_PRODUCT
+                  else faiss.METRIC_L2)
+        h = faiss.IndexHNSWFlat(self.d, self.M, metric)
+        h.hnsw.efConstruction = self.ef_construction
+        return h
+
+    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+        if t.shape[0] == 0:
+            return
+        self._check_ready("add")
+        codes, ref, per_row = self._encode(t)
+        x = self._graph_vectors(self._to_stored(t))
+        with self._lock:
+            if self._hnsw is None:
+                self._hnsw = self._faiss_graph()
+                if self._rows.n:  # a graph read from a file, extended: rebuilt over every row
+                    self._hnsw.add(self._stored_vectors(self._rows))
+            self._hnsw.add(x)
+            self._rows.append(codes, ids, ref, per_row)
+            self._graph = None
+            self._invalidate()
+
+    def _stored_vectors(self, rows: Rows) -> np.ndarray:
+        """Every stored row as the graph links it: the refinement's exact vectors, else the
+        refinement's or the codes' reconstruction."""
+        if self.refine == "flat" and rows.ref is not None:
+            x = rows.ref
+        elif isinstance(self.refine, Codec) and rows.ref is not None:
+            x = torch.as_tensor(self.refine.decode(rows.ref, like=np.empty(0)))
+        else:
+            x = torch.as_tensor(self.codec.decode(rows.codes_rows(0, rows.n),
+                                                  like=np.empty(0)))
+        if self.metric_type == METRIC_COSINE and not self.centered:
+            x = normalized(x.to(torch.float32))
+        return np.ascontiguousarray(x.to(torch.float32).numpy())
+
+    def _removed(self) -> None:
+        super()._removed()
+        # HNSW has no deletion: a graph over the remaining rows
+        self._hnsw = None
+        self._graph = None
+        if self._rows.n:
+            self._hnsw = self._faiss_graph()
+            self._hnsw.add(self._stored_vectors(self._rows))
+
+    def reset(self) -> None:
+        with self._lock:
+            self._hnsw = None
+            self._graph = None
+        super().reset()
+
+    def _graph_now(self) -> Graph:
+        """The adjacency of faiss's graph over the current rows (lock held)."""
+        if self._graph is not None:
+            return self._graph
+        import faiss
+        h = self._hnsw.hnsw
+        levels = faiss.vector_to_array(h.levels).astype(np.int32)
+        offsets = faiss.vector_to_array(h.offsets).astype(np.int64)
+        nbrs = faiss.vector_to_array(h.neighbors).astype(np.int32)
+        cum = faiss.vector_to_array(h.cum_nneighbor_per_level).astype(np.int64)
+        n = levels.shape[0]
+        base = nbrs[offsets[:n, None] + np.arange(cum[0], cum[1])[None, :]]
+        upper = []
+        for lv in range(1, int(levels.max())):
+            rows = np.nonzero(levels > lv)[0]
+            upper.append(nbrs[offsets[rows, None] + np.arange(cum[lv], cum[lv + 1])[None, :]])
+        self._graph = Graph(levels, base, upper, int(h.entry_point))
+        return self._graph
+
+    # -- the search state ------------------------------------------------------------------------
+    def _snapshot(self) -> GraphSnapshot:
+        rows = self._rows
+        if rows.n == 0:
+            return GraphSnapshot(rows.snapshot(), None, self._refine_lut())
+        rows.materialize()
+        g = self._graph_now()
+        term = self.codec.lut_terms(rows.codes)[0]
+        (mult,), add = metric_terms([term], rows.n, self._scoring, rows.term("sqnorms"),
+                                    rows.term("ipcorr"), self.device)
+        mult, add, packed = mult.numpy(), add.numpy(), term.packed.numpy()
+        layers = [(_padded(g.base), None)]
+        for lv, nb in enumerate(g.upper, start=1):
+            slot = np.full(rows.n, -1, dtype=np.int32)
+            slot[np.nonzero(g.levels > lv)[0]] = np.arange(nb.shape[0], dtype=np.int32)
+            layers.append((_padded(nb), slot))
+        arrays = {"neighbours": [], "codes": [], "mult": [], "add": [], "slots": []}
+        nbytes = 0
+        for nb, slot in layers:
+            live = nb >= 0
+            r = np.where(live, nb, 0)
+            codes = ops.block_codes(torch.from_numpy(packed[r.reshape(-1)]), term.d,
+                                    term.bits).reshape(nb.shape[0], nb.shape[1] // _ROWS, -1,
+                                                       _ROWS)
+            em = np.where(live, mult[r], 0.0).astype(np.float32)
+            ea = np.where(live, add[r], -np.inf).astype(np.float32)
+            arrays["neighbours"].append(nb)
+            arrays["codes"].append(codes.numpy())
+            arrays["mult"].append(em)
+            arrays["add"].append(ea)
+            arrays["slots"].append(np.empty(0, np.int32) if slot is None else slot)
+            nbytes += nb.nbytes + codes.numel() + em.nbytes + ea.nbytes + (
+                0 if slot is None else slot.nbytes)
+        whole: dict[str, Any] = {}
+        rotate = self.codec.query_rotation()
+        # the whole search in one call: a Hadamard rotation on the CPU, exact vectors or no
+        # refinement (finer codes re-rank through the composition)
+        if rotate is not None and rotate.host is not None and self.refine in (None, "flat"):
+            ref_x = rows.ref.numpy() if self.refine == "flat" else None
+            whole = dict(rotation=(*rotate.host, rotate.p), ids=rows.ids.numpy(),
+                         metric=ops.RESCORE_METRICS.index(metric_name(self._scoring)),
+                         normalize=self.metric_type == METRIC_COSINE, refine_x=ref_x)
+        searcher = ops.compiled_graph_searcher(
+            **arrays, n=rows.n, d=term.d, bits=term.bits,
+            centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **whole)
+        return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(), nbytes,
+                             list(arrays.values()), bool(whole))
+
+    def _fused_search(self, x: Any, snap: GraphSnapshot, k: int
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
+        """float32 numpy queries through the searcher's whole search (rotation, graph, exact
+        re-rank, ids), where it has one; None otherwise and for queries holding NaN or Inf
+        (the composition reports them)."""
+        if not (snap.whole and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
+                and x.shape[0] > 0 and x.shape[1] == self.d):
+            return None
+        # with exact vectors the search keeps the k best it expanded, exactly scored
+        kk = min(k, snap.n) if self.refine == "flat" else self._candidates(snap.n, k)
+        q = np.ascontiguousarray(x)
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        if not snap.searcher.search_full(q, kk, max(self._ef, kk), D, I, ops.threads()):
+            return None
+        return D, I
+
+    def _candidates(self, n: int, k: int) -> int:
+        """Candidates the graph returns per query for the re-rank (k_factor k, as faiss's
+        ``IndexRefine``), or k without a refinement; the search keeps at least that many."""
+        return min(n, k * self._k_factor if self.refine is not None else k)
+
+    def _scan_block(self, q: torch.Tensor, snap: GraphSnapshot, mask: torch.Tensor | None,
+                    kk: int, nq_total: int) -> tuple[np.ndarray, np.ndarray]:
+        qr = self.codec.query_terms(q)[0].to(torch.float32).contiguous()
+        nq = q.shape[0]
+        vals = np.empty((nq, kk), dtype=np.float32)
+        pos = np.empty((nq, kk), dtype=np.int64)
+        allowed = None if mask is None else mask.to(torch.uint8).cpu().numpy()
+        qsq = ops.row_sqnorms(q).cpu().numpy() if self._scoring == METRIC_L2 else None
+        if snap.whole and self.refine == "flat":
+            # the expanded nodes' exact similarities (what the re-rank then recomputes)
+            qn = np.ascontiguousarray(q.cpu().numpy(), dtype=np.float32)
+            snap.searcher.search(qr.numpy(), max(self._ef, kk), vals, pos, ops.threads(),
+                                 allowed, qn, qsq)
+            return vals, pos
+        snap.searcher.search(qr.numpy(), max(self._ef, kk), vals, pos, ops.threads(), allowed)
+        if qsq is not None:
+            vals = vals - qsq[:, None]
+        return vals, pos
+
+    def memory_bytes(self) -> int:
+        """``FlatIndex.memory_bytes`` plus the graph's layout (neighbour rows, their codes and
+        score terms per link) once a search built it."""
+        snap = self._snap
+        return super().memory_bytes() + (snap.layout_bytes if snap is not None else 0)
+
+    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every row within ``radius`` by the codes' estimates, as ``FlatIndex.range_search``
+        (a scan of all codes: a graph finds near rows, not all rows within a radius)."""
+        return super().range_search(x, radius)
+
+    # -- state (files) -----------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """(meta, arrays) as ``tqvec.index.io`` writes them: the flat index's, and the graph's
+        adjacency (``graph.levels``, ``graph.base``, ``graph.upper``; the laid-out codes are
+        derived again when the file is read)."""
+        from .state import graph_state
+        with self._lock:
+            rows = self._rows.snapshot()
+            graph = self._graph_now() if rows.n else None
+            return graph_state(self, rows, graph)
+
+    def install_graph(self, graph: Graph | None) -> None:
+        """Take over a graph read from a file (``index_from_state``), checked against the rows
+        (ValueError where it does not fit them); a later ``add`` rebuilds faiss's graph."""
+        n = self._rows.n
+        if graph is None:
+            if n:
+                raise ValueError(f"a graph index of {n} rows must hold its graph")
+            return
+        check_graph(graph, n, self.M)
+        with self._lock:
+            self._graph = graph
+            self._hnsw = None
+            self._snap = None
+
+    def __repr__(self) -> str:
+        ref = f", refine={self.refine!r}" if self.refine is not None else ""
+        return (f"GraphIndex({self.codec!r}, M={self.M}, metric="
+                f"{metric_name(self.metric_type)!r}{ref}, efSearch={self._ef}, "
+                f"ntotal={self._rows.n})")
+

@@ -2,6 +2,7 @@
 group of config.yml builds."""
 
 import importlib.util
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -54,6 +55,14 @@ def test_wrapper_follows_base_ann(metric, rng):
     assert pca.index.is_trained and len(pca.query(x[3], 5)) == 5
     pca.set_query_arguments(10)  # the first pass over the leading runs
     assert pca.index.prefilter == 10 and len(pca.query(x[3], 5)) == 5
+    graph = mod.TQVec(metric, "HNSW8,TQ2,Refine(Flat)", 64)
+    graph.fit(x)
+    assert graph.index.ef_construction == 64
+    graph.set_query_arguments(40)
+    assert graph.index.efSearch == 40 and "efSearch=40" in str(graph)
+    assert graph.query(x[3], 5)[0] == 3
+    with pytest.raises(ValueError, match="ef_construction"):
+        mod.TQVec(metric, "TQ4", 64)
 
 
 def test_results_hold_no_padding_and_ivf_takes_its_query_arguments(rng):
@@ -99,8 +108,10 @@ def test_config_run_groups_build():
     assert entry["constructor"] == "TQVec" and entry["base_args"] == ["@metric"]
     mod = _module()
     for group in entry["run_groups"].values():
-        for (spec,) in [tuple(a) for a in zip(*group["args"], strict=True)]:
-            algo = mod.TQVec("euclidean", spec)
+        # the harness builds one instance per combination of the argument lists
+        for args in itertools.product(*group["args"]):
+            spec = args[0]
+            algo = mod.TQVec("euclidean", *args)
             algo.index = tqvec.index_factory(16, spec, "l2")
             for qa in zip(*group.get("query_args", [[]]), strict=False):
                 algo.set_query_arguments(*qa)  # the arguments each group sweeps are accepted

@@ -45,7 +45,8 @@ def test_range_search_lims_are_uint64_as_in_faiss(rng):
 @pytest.mark.parametrize("spec,hint", [
     ("Flat", "IndexFlat"), ("IVF256,Flat", "IndexFlat"), ("SQ8", "'TQ8'"), ("IVF64,SQ4", "TQ"),
     ("PQ16x8", "PCA,TQ"), ("IVF256,PQ16", "PCA,TQ"), ("OPQ16,PQ16", "PCA,TQ"),
-    ("HNSW32", "IVF"), ("HNSW32,Flat", "IVF"), ("RR,TQ4", "'TQ4'"), ("L2norm,TQ4", "cosine"),
+    ("HNSW32", "HNSW{M},TQ{b}"), ("HNSW32,Flat", "HNSW{M},TQ{b}"), ("NSG32", "HNSW{M},TQ{b}"),
+    ("RR,TQ4", "'TQ4'"), ("L2norm,TQ4", "cosine"),
     ("PCA64,TQ4", "PCA,TQ"), ("LSH", "QJL"), ("RaBitQ", "TQ{b}u")])
 def test_faiss_factory_strings_are_refused_with_what_to_use(spec, hint):
     with pytest.raises(ValueError, match="is a faiss index type tqvec does not build") as e:

@@ -35,6 +35,10 @@ def nominal_bytes(algorithm: str, d: int) -> str:
     """What the faiss indexes of the harness's wrappers hold per vector, from their layout."""
     if algorithm == "faiss-ivf":
         return f"{4 * d + 8} (raw floats + id)"
+    if algorithm in ("hnswlib", "hnsw(faiss)"):
+        # the vector, 2 M base-layer links (+ a count in hnswlib), a label / id; M = 16 in the
+        # runs this report was written for (the upper layers add ~1 / ln M of a level's links)
+        return f"~{4 * d + 4 * 33 + 8} (vector + 2M = 32 links, M 16)"
     if algorithm == "faiss-ivfpqfs":
         # IVF{n},PQ{d/2}x4fs codes + id, and IndexRefineFlat's copy of the raw vectors (built in
         # fit, whatever k_reorder is)
@@ -95,6 +99,12 @@ def main() -> None:
     ap.add_argument("--stem", default="ann_harness_fashion")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results"))
     ap.add_argument("--runs", type=int, default=1, help="the --runs the harness was given (stated)")
+    ap.add_argument("--algorithms", default="tqvec, faiss-ivfpqfs, faiss-ivf",
+                    help="the --algorithm values that were run (stated)")
+    ap.add_argument("--definitions", default="",
+                    help="the --definitions folder the runs were given, if not the harness's")
+    ap.add_argument("--definitions-note", default="",
+                    help="a sentence on what those definitions hold (stated)")
     ap.add_argument("--single-definitions", default="",
                     help="the --definitions folder of the single-query faiss runs, if not the "
                          "harness's own (stated in the table)")
@@ -128,9 +138,12 @@ def main() -> None:
              "Commands (in the harness checkout, tqvec installed by "
              "`bench/ann_benchmarks/install.sh`): `python "
              "<tqvec>/bench/ann_benchmarks/harness_run.py --local --dataset "
-             f"{a.dataset} --algorithm A --runs {a.runs} [--batch]` for A in tqvec, "
-             "faiss-ivfpqfs, faiss-ivf (`harness_run.py`: the harness's `run.py` with its "
+             f"{a.dataset} --algorithm A --runs {a.runs} [--batch]"
+             f"{' --definitions ' + a.definitions if a.definitions else ''}` for A in "
+             f"{a.algorithms} (`harness_run.py`: the harness's `run.py` with its "
              "worker-queue race fixed), then this report.", ""]
+    if a.definitions_note:
+        lines += [a.definitions_note, ""]
     if a.single_definitions:
         lines += ["Single-query faiss runs: `--drop-faiss-padding --definitions "
                   f"{a.single_definitions}` — the harness's faiss definitions without the "

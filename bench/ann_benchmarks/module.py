@@ -1,8 +1,10 @@
 """tqvec as an ann-benchmarks algorithm (``install.sh`` copies this folder to
 ann_benchmarks/algorithms/tqvec/ of a harness checkout).
 
-Build arguments: ``metric`` (the harness passes 'euclidean' or 'angular') and ``spec``, a
-``tqvec.index_factory`` string ("TQ4", "Center,TQ2f", "IVF256,TQ1,Refine(Flat)", ...).
+Build arguments: ``metric`` (the harness passes 'euclidean' or 'angular'), ``spec``, a
+``tqvec.index_factory`` string ("TQ4", "Center,TQ2f", "IVF256,TQ1,Refine(Flat)", ...), and for
+a graph index (``HNSW{M},...``) optionally ``ef_construction`` (the build's efConstruction;
+default 200).
 ``fit`` trains where the spec asks for a fit ("Center,": the mean; "PCA,": the mean and
 principal components; "IVF...": k-means), adds the base set and builds the search layouts.
 
@@ -10,6 +12,7 @@ Query arguments, by the kind of index (positional, as the harness passes them):
 
 - ``IVF{n},...``: ``(nprobe[, k_factor])`` - lists searched, and with a ``Refine(...)`` stage
   the candidates per result it re-ranks;
+- ``HNSW{M},...`` (the graph index): ``(efSearch,)`` - candidates its search keeps;
 - flat with ``Refine(...)``: ``(k_factor[, prefilter])``;
 - other flat indexes: ``(prefilter,)`` - candidates per result of the sign-bit first pass
   (``FlatIndex.prefilter``; 0 = exact scan).
@@ -38,11 +41,15 @@ _METRICS = {"euclidean": "l2", "angular": "cosine", "dot": "ip", "ip": "ip"}
 
 
 class TQVec(BaseANN):
-    def __init__(self, metric: str, spec: str):
+    def __init__(self, metric: str, spec: str, ef_construction: int | None = None):
         if metric not in _METRICS:
             raise ValueError(f"metric must be one of {sorted(_METRICS)}, got {metric!r}")
+        if ef_construction is not None and not spec.startswith("HNSW"):
+            raise ValueError(f"ef_construction is a graph index's build parameter, got it with "
+                             f"{spec!r}")
         self._metric = _METRICS[metric]
         self._spec = spec
+        self._ef_construction = ef_construction
         self.index = None
         self.res: list[np.ndarray] = []
         self.name = f"tqvec({spec})"
@@ -50,6 +57,8 @@ class TQVec(BaseANN):
     def fit(self, X: np.ndarray) -> None:
         X = np.ascontiguousarray(X, dtype=np.float32)
         self.index = tqvec.index_factory(X.shape[1], self._spec, self._metric)
+        if self._ef_construction is not None:
+            self.index.ef_construction = int(self._ef_construction)
         if not self.index.is_trained:  # Center, PCA, IVF: fitted on the base set
             self.index.train(X)
         self.index.add(X)
@@ -57,6 +66,8 @@ class TQVec(BaseANN):
 
     def _query_names(self) -> tuple[str, ...]:
         refine = "Refine" in self._spec
+        if self._spec.startswith("HNSW"):
+            return ("efSearch",)
         if self._spec.startswith("IVF") or ",IVF" in self._spec:
             return ("nprobe", "k_factor") if refine else ("nprobe",)
         return ("k_factor", "prefilter") if refine else ("prefilter",)

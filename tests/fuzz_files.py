@@ -88,6 +88,8 @@ def build_corpus(folder: Path) -> list[tuple[str, str]]:
         "pca_tq2_l2": ("PCA,TQ2", "l2"),
         "pca_tq2_prefilter_ip": ("PCA,TQ2,Prefilter(4)", "ip"),
         "flat_empty": ("TQ2", "l2"),
+        "graph8_tq2_refine_flat_l2": ("HNSW8,TQ2,Refine(Flat)", "l2"),
+        "graph4_tq1_cos": ("HNSW4,TQ1", "cosine"),
     }
     for name, (spec, metric) in specs.items():
         index = tqvec.index_factory(d, spec, metric)

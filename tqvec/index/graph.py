@@ -14,14 +14,16 @@ the best ``k_factor * k`` of them exactly.
 
 The layout repeats a row's codes once per node that links to it: per vector it holds
 ``2 M * (code bytes + 12)`` bytes (the codes, a 4-byte row number and two 4-byte score terms
-per link) beside the refinement's own bytes - at 1 bit and ``d = 784``, 3.5 KB for M = 16.
-``memory_bytes()`` counts it.
+per link) beside the refinement's own bytes and the adjacency (``2 M`` 4-byte neighbours) - at
+1 bit and ``d = 784``, 3.5 KB for M = 16. ``memory_bytes()`` counts it.
 
-Changes: ``add`` extends faiss's graph; the layout is rebuilt at the first search after a
-change. ``remove_ids`` removes rows and rebuilds the graph over the rest (HNSW has no deletion
-that keeps its guarantees; the cost is a build). Filtered search (``allowed_ids``) traverses
-every node and admits only allowed rows to the results, so a filter that keeps few rows costs
-as much as none and may return fewer than k.
+Changes: ``add`` extends the graph by faiss's HNSW insertion; faiss's index (with its own
+copy of the vectors) is held only from an add to the next search, which lays the graph out and
+drops it - the next add restores it from the laid-out adjacency, no rebuild. ``remove_ids``
+removes rows and rebuilds the graph over the rest (HNSW has no deletion that keeps its
+guarantees; the cost is a build). Filtered search (``allowed_ids``) traverses every node and
+admits only allowed rows to the results, so a filter that keeps few rows costs as much as none
+and may return fewer than k.
 """
 
 from __future__ import annotations
@@ -147,7 +149,10 @@ class GraphIndex(FlatIndex):
         self.M = V.positive_int(M, "M", 2, _MAX_M)
         self.ef_construction = V.positive_int(ef_construction, "ef_construction", 1, _MAX_EF)
         self.efSearch = efSearch
-        self._hnsw: Any = None  # faiss's IndexHNSWFlat over rows 0..n-1, grown by add
+        # faiss's IndexHNSWFlat over rows 0..n-1 while rows are added; dropped once a search has
+        # laid the graph out (its copy of the vectors is then 4 d bytes per row the search never
+        # reads) and restored from that graph by the next add
+        self._hnsw: Any = None
         self._graph: Graph | None = None
 
     # -- parameters ----------------------------------------------------------------------------
@@ -197,8 +202,8 @@ class GraphIndex(FlatIndex):
         with self._lock:
             if self._hnsw is None:
                 self._hnsw = self._faiss_graph()
-                if self._rows.n:  # a graph read from a file, extended: rebuilt over every row
-                    self._hnsw.add(self._stored_vectors(self._rows))
+                if self._rows.n:  # the graph laid out (or read from a file): faiss's again
+                    self._restore_builder(self._hnsw, self._graph_now())
             self._hnsw.add(x)
             self._rows.append(codes, ids, ref, per_row)
             self._graph = None
@@ -232,6 +237,35 @@ class GraphIndex(FlatIndex):
             self._hnsw = None
             self._graph = None
         super().reset()
+
+    def _restore_builder(self, h: Any, g: Graph) -> None:
+        """faiss's HNSW index h (empty) holding graph g over the stored rows again: their
+        vectors (``_stored_vectors``) and g's adjacency in faiss's arrays (levels, per-row
+        offsets, neighbours by level), so that adds extend g instead of a new build."""
+        import faiss
+        hn = h.hnsw
+        cum = faiss.vector_to_array(hn.cum_nneighbor_per_level).astype(np.int64)
+        top = int(g.levels.max())
+        if top + 1 > len(cum):
+            raise ValueError(f"the graph has {top} layers, more than faiss's HNSW allows")
+        per_row = cum[g.levels]
+        offsets = np.zeros(g.n + 1, dtype=np.uint64)
+        offsets[1:] = np.cumsum(per_row)
+        nbrs = np.full(int(offsets[-1]), -1, dtype=np.int32)
+        start = offsets[:-1].astype(np.int64)
+        nbrs[(start[:, None] + np.arange(cum[0], cum[1])[None, :]).reshape(-1)] = \
+            g.base.reshape(-1)
+        for lv, nb in enumerate(g.upper, start=1):
+            rows = np.nonzero(g.levels > lv)[0]
+            nbrs[(start[rows, None] + np.arange(cum[lv], cum[lv + 1])[None, :]).reshape(-1)] = \
+                nb.reshape(-1)
+        h.storage.add(self._stored_vectors(self._rows))
+        faiss.copy_array_to_vector(g.levels.astype(np.int32), hn.levels)
+        faiss.copy_array_to_vector(offsets, hn.offsets)
+        faiss.copy_array_to_vector(nbrs, hn.neighbors)
+        hn.entry_point = g.entry
+        hn.max_level = top - 1
+        h.ntotal = g.n
 
     def _graph_now(self) -> Graph:
         """The adjacency of faiss's graph over the current rows (lock held)."""
@@ -297,6 +331,7 @@ class GraphIndex(FlatIndex):
         searcher = ops.compiled_graph_searcher(
             **arrays, n=rows.n, d=term.d, bits=term.bits,
             centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **whole)
+        self._hnsw = None  # the adjacency is in self._graph; an add restores faiss's index
         return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(), nbytes,
                              list(arrays.values()), bool(whole))
 
@@ -342,9 +377,9 @@ class GraphIndex(FlatIndex):
         return vals, pos
 
     def memory_bytes(self) -> int:
-        """``FlatIndex.memory_bytes`` (the search layout included, once a search built it)
-        plus faiss's graph, which the index keeps for adds: its copy of the vectors and its
-        links."""
+        """``FlatIndex.memory_bytes`` (the search layout and adjacency included, once a search
+        built them) plus faiss's index while it is held (from an add to the next search): its
+        copy of the vectors and its links."""
         held = super().memory_bytes()
         h = self._hnsw
         if h is not None:
@@ -363,7 +398,7 @@ class GraphIndex(FlatIndex):
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(meta, arrays) as ``tqvec.index.io`` writes them: the flat index's, and the graph's
         adjacency (``graph.levels``, ``graph.base``, ``graph.upper``; the laid-out codes are
-        derived again when the file is read)."""
+        derived again when the file is read, and an add after reading extends the graph)."""
         from .state import graph_state
         with self._lock:
             rows = self._rows.snapshot()
@@ -372,7 +407,7 @@ class GraphIndex(FlatIndex):
 
     def install_graph(self, graph: Graph | None) -> None:
         """Take over a graph read from a file (``index_from_state``), checked against the rows
-        (ValueError where it does not fit them); a later ``add`` rebuilds faiss's graph."""
+        (ValueError where it does not fit them); a later ``add`` extends it."""
         n = self._rows.n
         if graph is None:
             if n:

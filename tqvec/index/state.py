@@ -290,7 +290,8 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
     malformed value or array raises ``FormatError``."""
     keys = set(meta)
     kind = meta.get("type")
-    want = _FLAT_META | {"ivf": _IVF_META, "graph": _GRAPH_META}.get(kind, set())
+    extra = {"ivf": _IVF_META, "graph": _GRAPH_META}
+    want = _FLAT_META | (extra.get(kind, set()) if isinstance(kind, str) else set())
     if kind not in ("flat", "ivf", "graph") or not want <= keys <= want | _OPTIONAL_META:
         raise FormatError(f"{where!r} has a malformed index header: type {kind!r:.40}, keys "
                           f"{sorted(keys)}")

@@ -230,6 +230,34 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
     fig.savefig(stem + ".png", dpi=110)
 
 
+def memory_table(out: str) -> int:
+    """``--memory``: bytes per vector of tqvec's graph indexes while adding (faiss's index
+    held) and after the first search (the layout held, faiss's copy dropped), on both sets;
+    bench/results/graph_memory.md."""
+    import tqvec
+    from tqvec.benchmark import load
+    lines = ["# Graph index memory (`python bench/graph.py --memory`)", "",
+             "Bytes per vector `memory_bytes()` reports: while adding (codes, refinement, faiss's "
+             "HNSW index with its copy of the vectors) and after the first search (codes, "
+             "refinement, adjacency and the layout of neighbours' codes; faiss's index dropped "
+             "until the next add).", "", "| dataset | spec | while adding | after a search |",
+             "|---|---|---|---|"]
+    for ds in ("fashion-mnist-784-euclidean", "minilm-384-angular"):
+        xb, _, _, metric = load(ds, 10)
+        for spec in ("HNSW16,TQ1,Refine(Flat)", "HNSW16,TQ2,Refine(Flat)",
+                     "HNSW32,TQ1,Refine(Flat)"):
+            index = tqvec.index_factory(xb.shape[1], spec, metric)
+            index.add(xb)
+            adding = index.memory_bytes() / len(xb)
+            index.search(xb[:1], 10)
+            lines.append(f"| {ds} | {spec} | {adding:,.0f} | "
+                         f"{index.memory_bytes() / len(xb):,.0f} |")
+            print(lines[-1], flush=True)
+    with open(os.path.join(out, "graph_memory.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from tqvec._machine import machine_info
     from tqvec.benchmark import load
@@ -241,7 +269,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single", type=int, default=1000)
     ap.add_argument("--skip", nargs="*", default=[])
     ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--memory", action="store_true",
+                    help="only the graph indexes' memory per vector (graph_memory.md)")
     a = ap.parse_args(argv)
+    if a.memory:
+        return memory_table(a.out)
     xb, xq, gt, metric = load(a.dataset, a.nq)
     os.makedirs(a.out, exist_ok=True)
     d = xb.shape[1]

@@ -9,10 +9,13 @@
 //   lo, hi (BH)               int32    tokens [lo, hi) count
 //   m, l (BH, G), acc (BH, G, d) float32: max score, sum of exp(s - m), sum of exp(s - m) times
 //   the value (rotated domain, unnormalized); m = -inf, l = 0, acc = 0 for an empty range.
-// Per KV head: each key row unpacked once and scored for its G query rows from per-row
-// (d, 2^kb) tables, the exp weights, then each value row unpacked once and added to all G rows.
-// Scores are summed in another order than the reference's GEMM: equal within float rounding.
+// Each KV head's tokens split into parts (threads take parts, not only heads); per part each
+// key row unpacked and decoded once and scored for its G query rows by 8-lane dots, the exp
+// weights, then each value row decoded once and added to all G rows; the parts' softmax states
+// merged per head. Scores are summed in another order than the reference's GEMM: equal within
+// float rounding.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -42,6 +45,19 @@ void unpack_row(const uint8_t* row, int64_t d, int b, uint8_t* idx) {
   }
 }
 
+// <a, b> over d floats in 8 independent lanes (an element-wise loop the compiler vectorizes
+// without reassociating), the lanes then added in order.
+inline float dot8(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= d; j += 8)
+    for (int u = 0; u < 8; ++u) lane[u] += a[j + u] * b[j + u];
+  float s = 0.f;
+  for (; j < d; ++j) s += a[j] * b[j];
+  for (int u = 0; u < 8; ++u) s += lane[u];
+  return s;
+}
+
 }  // namespace
 
 void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
@@ -50,16 +66,30 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
                       int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
                       float* l, float* acc, int nthreads) {
   const int64_t rbk = (d * kb + 7) / 8, rbv = (d * vb + 7) / 8;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(nthreads, bh));
-  run_workers(workers, [&](int64_t w) {
-    std::vector<float> qtab, scores, vrow(static_cast<size_t>(d));
+  // Work units: each head's tokens in P parts (flash-decoding's split), so that a few KV heads
+  // still keep every thread busy; each part's softmax state is merged per head at the end.
+  const int64_t span = t;  // an upper bound of every head's token count
+  constexpr int64_t kMinPart = 512;  // tokens per part below which a split costs more than it saves
+  const int64_t workers0 = std::max<int64_t>(1, nthreads);
+  const int64_t P = std::clamp<int64_t>((4 * workers0 + bh - 1) / bh, 1,
+                                        std::max<int64_t>(1, span / kMinPart));
+  const int64_t units = bh * P;
+  const int64_t workers = std::min(workers0, units);
+  std::vector<float> pm(static_cast<size_t>(units * g)), pl(static_cast<size_t>(units * g));
+  std::vector<float> pacc(static_cast<size_t>(units * g * d));
+  std::atomic<int64_t> next{0};
+  run_workers(workers, [&](int64_t) {
+    std::vector<float> scores, krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
     std::vector<uint8_t> kidx(static_cast<size_t>(d)), vidx(static_cast<size_t>(d));
-    for (int64_t h = w; h < bh; h += workers) {
-      const int64_t a = std::clamp<int64_t>(lo[h], 0, t), b = std::clamp<int64_t>(hi[h], a, t);
+    for (int64_t u; (u = next.fetch_add(1)) < units;) {
+      const int64_t h = u / P, part = u % P;
+      const int64_t a0 = std::clamp<int64_t>(lo[h], 0, t), b0 = std::clamp<int64_t>(hi[h], a0, t);
+      const int64_t per = (b0 - a0 + P - 1) / P;
+      const int64_t a = std::min(b0, a0 + part * per), b = std::min(b0, a + per);
       const int64_t n = b - a;
-      float* mh = m + h * g;
-      float* lh = l + h * g;
-      float* acch = acc + h * g * d;
+      float* mh = pm.data() + u * g;
+      float* lh = pl.data() + u * g;
+      float* acch = pacc.data() + u * g * d;
       std::fill(acch, acch + g * d, 0.0f);
       if (n == 0) {
         std::fill(mh, mh + g, -std::numeric_limits<float>::infinity());
@@ -69,30 +99,14 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
       scores.resize(static_cast<size_t>(g * n));
       const uint8_t* kh = kpacked + h * t * rbk;
       const float* knh = knorm + h * t;
-      // <q_r, c[idx]> for every row r of the head: each key's indices unpacked once, then one
-      // lookup per coordinate and row in the (d, 2^kb) table of q_r (c[v] q_r[j] at j*K + v).
-      const int K = 1 << kb;
-      qtab.resize(static_cast<size_t>(g * d * K));
-      for (int64_t r = 0; r < g; ++r) {
-        const float* q = qr + (h * g + r) * d;
-        float* T = qtab.data() + r * d * K;
-        for (int64_t j = 0; j < d; ++j)
-          for (int v = 0; v < K; ++v) T[j * K + v] = q[j] * kcent[v];
-      }
+      // each key decoded once to floats (its centroids), then one 8-lane dot per query row
       for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = a + i;
         unpack_row(kh + tok * rbk, d, kb, kidx.data());
-        for (int64_t r = 0; r < g; ++r) {
-          const float* T = qtab.data() + r * d * K;
-          float s0 = 0.f, s1 = 0.f;
-          int64_t j = 0;
-          for (; j + 2 <= d; j += 2) {
-            s0 += T[j * K + kidx[static_cast<size_t>(j)]];
-            s1 += T[(j + 1) * K + kidx[static_cast<size_t>(j + 1)]];
-          }
-          if (j < d) s0 += T[j * K + kidx[static_cast<size_t>(j)]];
-          scores[static_cast<size_t>(r * n + i)] = scale * (knh[tok] * (s0 + s1)) + qbias[h * g + r];
-        }
+        for (int64_t j = 0; j < d; ++j) krow[static_cast<size_t>(j)] = kcent[kidx[static_cast<size_t>(j)]];
+        for (int64_t r = 0; r < g; ++r)
+          scores[static_cast<size_t>(r * n + i)] =
+              scale * (knh[tok] * dot8(qr + (h * g + r) * d, krow.data(), d)) + qbias[h * g + r];
       }
       for (int64_t r = 0; r < g; ++r) {
         float* s = scores.data() + r * n;
@@ -122,6 +136,26 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
       }
     }
   });
+  // the parts of each head merged: m = max m_p, l = sum l_p e^(m_p - m), acc likewise
+  for (int64_t h = 0; h < bh; ++h)
+    for (int64_t r = 0; r < g; ++r) {
+      float mx = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < P; ++p) mx = std::max(mx, pm[static_cast<size_t>((h * P + p) * g + r)]);
+      float* out = acc + (h * g + r) * d;
+      std::fill(out, out + d, 0.0f);
+      float sum = 0.0f;
+      for (int64_t p = 0; p < P; ++p) {
+        const size_t at = static_cast<size_t>((h * P + p) * g + r);
+        const float lp = pl[at];
+        if (lp == 0.0f) continue;
+        const float w = P == 1 ? 1.0f : std::exp(pm[at] - mx);
+        sum += w * lp;
+        const float* src = pacc.data() + at * d;
+        for (int64_t j = 0; j < d; ++j) out[j] += w * src[j];
+      }
+      m[h * g + r] = mx;
+      l[h * g + r] = sum;
+    }
 }
 
 }  // namespace tqvec

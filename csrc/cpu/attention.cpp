@@ -31,10 +31,18 @@ namespace {
 // indices (b bytes, read as one little-endian 64-bit word) at a time, then the tail.
 void unpack_row(const uint8_t* row, int64_t d, int b, uint8_t* idx) {
   const uint64_t mask = (1u << b) - 1u;
+  const int64_t rb = (d * b + 7) / 8;
   int64_t j = 0;
   for (; j + 8 <= d; j += 8) {
+    // 8 indices = b bytes; an 8-byte load where the row has them (a fixed-size copy is one
+    // load: a copy of b bytes was a library call per group, most of the kernel's time)
+    const int64_t at = (j * b) / 8;
     uint64_t w = 0;
-    std::memcpy(&w, row + (j * b) / 8, static_cast<size_t>(b));  // 8 indices = b bytes
+    if (at + 8 <= rb) {
+      std::memcpy(&w, row + at, 8);  // bits past 8 b are never read below
+    } else {
+      std::memcpy(&w, row + at, static_cast<size_t>(b));
+    }
     for (int u = 0; u < 8; ++u) idx[j + u] = static_cast<uint8_t>((w >> (u * b)) & mask);
   }
   for (; j < d; ++j) {

@@ -76,11 +76,10 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
   const int64_t rbk = (d * kb + 7) / 8, rbv = (d * vb + 7) / 8;
   // Work units: each head's tokens in P parts (flash-decoding's split), so that a few KV heads
   // still keep every thread busy; each part's softmax state is merged per head at the end.
-  const int64_t span = t;  // an upper bound of every head's token count
   constexpr int64_t kMinPart = 512;  // tokens per part below which a split costs more than it saves
   const int64_t workers0 = std::max<int64_t>(1, nthreads);
   const int64_t P = std::clamp<int64_t>((4 * workers0 + bh - 1) / bh, 1,
-                                        std::max<int64_t>(1, span / kMinPart));
+                                        std::max<int64_t>(1, t / kMinPart));  // t bounds every head's count
   const int64_t units = bh * P;
   const int64_t workers = std::min(workers0, units);
   std::vector<float> pm(static_cast<size_t>(units * g)), pl(static_cast<size_t>(units * g));

@@ -18,6 +18,21 @@ namespace tqvec {
 
 namespace {
 
+// The nq rows of q (nq, d) scaled to unit norm into qc (the float operations of the index's
+// _unit_rows), their squared norms left in qsq; returns qc's data.
+const float* unit_rows(const float* q, int64_t nq, int64_t d, std::vector<float>& qsq,
+                       std::vector<float>& qc) {
+  const size_t nqs = static_cast<size_t>(nq);
+  qsq.resize(nqs);
+  row_sqnorms(q, nq, d, qsq.data());
+  qc.resize(nqs * d);
+  for (size_t i = 0; i < nqs; ++i) {
+    const float s = std::max(std::sqrt(qsq[i]), 1e-30f);
+    for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] / s;
+  }
+  return qc.data();
+}
+
 // faiss's output from best-first (vals, idx) of m columns per query: L2 as distances, plus a
 // per-query offset where one is given (a centred index's <q, mu>), ids, padding (+-FLT_MAX, -1)
 // past m and wherever a value is not finite.
@@ -61,15 +76,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   const int64_t d = a.d, n = a.scan.n, kk = std::min(k, n);
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), qc, qsq, qoff;
-  if (a.normalize) {  // unit rows: the float operations of the index's _unit_rows
-    qsq.resize(nqs);
-    row_sqnorms(q, nq, d, qsq.data());
-    qc.resize(nqs * d);
-    for (size_t i = 0; i < nqs; ++i) {
-      const float s = std::max(std::sqrt(qsq[i]), 1e-30f);
-      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] / s;
-    }
-    q = qc.data();
+  if (a.normalize) {
+    q = unit_rows(q, nq, d, qsq, qc);
   } else if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
     qc.resize(nqs * d);
     for (size_t i = 0; i < nqs; ++i)
@@ -177,16 +185,7 @@ void graph_index_search(const GraphSearchArgs& a, const float* q, int64_t nq, in
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), qc, qsq;
   const bool l2 = a.metric == kRescoreL2;
-  if (a.normalize) {  // unit rows, as flat_search
-    qsq.resize(nqs);
-    row_sqnorms(q, nq, d, qsq.data());
-    qc.resize(nqs * d);
-    for (size_t i = 0; i < nqs; ++i) {
-      const float s = std::max(std::sqrt(qsq[i]), 1e-30f);
-      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] / s;
-    }
-    q = qc.data();
-  }
+  if (a.normalize) q = unit_rows(q, nq, d, qsq, qc);
   if (l2) {
     qsq.resize(nqs);
     row_sqnorms(q, nq, d, qsq.data());

@@ -74,7 +74,6 @@ class GraphSnapshot:
     rows: Rows
     searcher: Any  # tqvec._C.GraphSearcher, or None without rows
     ref_lut: RefineLut | None
-    layout_bytes: int = 0
     arrays: list = field(default_factory=list, repr=False)  # what the searcher reads
     whole: bool = False  # the searcher runs the whole search (search_full)
 
@@ -303,7 +302,6 @@ class GraphIndex(FlatIndex):
             slot[np.nonzero(g.levels > lv)[0]] = np.arange(nb.shape[0], dtype=np.int32)
             layers.append((_padded(nb), slot))
         arrays = {"neighbours": [], "codes": [], "mult": [], "add": [], "slots": []}
-        nbytes = 0
         for nb, slot in layers:
             live = nb >= 0
             r = np.where(live, nb, 0)
@@ -317,8 +315,6 @@ class GraphIndex(FlatIndex):
             arrays["mult"].append(em)
             arrays["add"].append(ea)
             arrays["slots"].append(np.empty(0, np.int32) if slot is None else slot)
-            nbytes += nb.nbytes + codes.numel() + em.nbytes + ea.nbytes + (
-                0 if slot is None else slot.nbytes)
         whole: dict[str, Any] = {}
         rotate = self.codec.query_rotation()
         # the whole search in one call: a Hadamard rotation on the CPU, exact vectors or no
@@ -332,7 +328,7 @@ class GraphIndex(FlatIndex):
             **arrays, n=rows.n, d=term.d, bits=term.bits,
             centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **whole)
         self._hnsw = None  # the adjacency is in self._graph; an add restores faiss's index
-        return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(), nbytes,
+        return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(),
                              list(arrays.values()), bool(whole))
 
     def _fused_search(self, x: Any, snap: GraphSnapshot, k: int
@@ -388,11 +384,6 @@ class GraphIndex(FlatIndex):
             held += h.ntotal * self.d * 4 + sum(
                 faiss.vector_to_array(a).nbytes for a in (g.neighbors, g.offsets, g.levels))
         return held
-
-    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every row within ``radius`` by the codes' estimates, as ``FlatIndex.range_search``
-        (a scan of all codes: a graph finds near rows, not all rows within a radius)."""
-        return super().range_search(x, radius)
 
     # -- state (files) -----------------------------------------------------------------------
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:

@@ -19,7 +19,7 @@ import torch
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
 from .memory import held_bytes
-from .metrics import METRIC_L2, QUERY_BLOCK, metric_code, padded, results
+from .metrics import METRIC_L2, QUERY_BLOCK, metric_code, padded, results, similarities
 from .rerank import RefineLut, check_refine, refine_lut, rerank
 from .rows import Rows
 
@@ -66,9 +66,11 @@ class CodesIndex:
         raise NotImplementedError
 
     def _scan_block(self, q: torch.Tensor, snap: Any, mask: torch.Tensor | None, kk: int,
-                    nq_total: int) -> tuple[np.ndarray, np.ndarray]:
+                    nq_total: int, route: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """Best kk (similarities, row positions) of prepared queries q (l2: negated squared
-        distances), padded with -inf / -1."""
+        distances), padded with -inf / -1. ``route``: (rows, candidates) of a larger
+        collection whose scan route to take (default: this index's own)."""
         raise NotImplementedError
 
     def _fused_search(self, x: Any, snap: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -116,6 +118,11 @@ class CodesIndex:
     @property
     def ntotal(self) -> int:
         return self._rows.n
+
+    @property
+    def next_id(self) -> int:
+        """The id ``add`` gives its next row: one past the largest id added so far."""
+        return self._rows.next_id
 
     def memory_bytes(self) -> int:
         """Bytes of memory this index holds: codes, ids, per-vector scalars and derived terms,
@@ -251,6 +258,59 @@ class CodesIndex:
             mask = self._allowed_mask(allowed_ids, snap.rows.ids)
         q, offsets = self._queries(x)
         return self._search_queries(q, offsets, snap, k, mask)
+
+    def search_candidates(self, x: Any, k: int, *,
+                          allowed_ids: Sequence[int] | np.ndarray | None = None,
+                          rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What a search of k results chooses from, so that the searches of several indexes
+        over parts of one collection merge into exactly the one index's result
+        (``tqvec.distributed.merge_candidates``): ``(scan, final, I)``, each (nq, kk). Without
+        a refinement kk = k, ``scan`` = ``final`` = the search's similarities. With one, the
+        scan's kk = min(ntotal, k_factor k) best rows (the rows the refinement re-ranks) with
+        their scan similarities, their refined similarities ``final``, and their ids. Similarities
+        are larger-is-better (l2: minus the squared distance); -inf with id -1 past the rows
+        there are. ``rows``: the rows of the whole collection (default: ntotal), whose search
+        this one's scan then runs as: a scan's first-stage scores are a function of the query
+        and the row only within one scan route (the fast scan's 8-bit tables under a
+        refinement), and the route depends on the rows per result."""
+        if self.refine is None:
+            D, I = self.search(x, k, allowed_ids=allowed_ids)
+            s = similarities(self.metric_type, D, I)
+            return s, s, I
+        k = V.search_k(k, self._rows.n)
+        self._check_ready("search")
+        self.check_mapped()
+        snap = self._current()
+        route = None
+        if rows is not None:
+            rows = V.positive_int(rows, "rows", snap.rows.n, V.INT64_MAX)
+            route = (rows, self._candidates(rows, k))
+        mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
+        q, offsets = self._queries(x)
+        nq, n = q.shape[0], snap.rows.n
+        kk = self._candidates(n, k)
+        scan = np.full((nq, kk), -np.inf, np.float32)
+        final = np.full((nq, kk), -np.inf, np.float32)
+        I = np.full((nq, kk), -1, np.int64)
+        if n == 0 or nq == 0:
+            return scan, final, I
+        ids = snap.rows.ids.numpy()
+        for qs in range(0, nq, QUERY_BLOCK):
+            qe = min(nq, qs + QUERY_BLOCK)
+            qb = q[qs:qe]
+            vals, pos = self._scan_block(qb, snap, mask, kk, nq, route)
+            rv, rp = rerank(qb, vals, pos, self.refine, snap.rows.ref, snap.ref_lut,
+                            self._scoring, kk)
+            for i in range(qe - qs):  # the scan's similarity of each re-ranked row
+                ok = np.isfinite(rv[i])
+                m = int(ok.sum())
+                order = np.argsort(pos[i], kind="stable")
+                at = order[np.searchsorted(pos[i], rp[i, :m], sorter=order)]
+                off = 0.0 if offsets is None else offsets[qs + i]
+                scan[qs + i, :m] = vals[i, at] + off
+                final[qs + i, :m] = rv[i, :m] + off
+                I[qs + i, :m] = ids[rp[i, :m]]
+        return scan, final, I
 
     def _search_queries(self, q: torch.Tensor, offsets: np.ndarray | None, snap: Any, k: int,
                         mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:

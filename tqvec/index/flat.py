@@ -449,11 +449,13 @@ class FlatIndex(CodesIndex):
         k = 100: most rows reach it, and the float paths are faster)."""
         return n > 0 and n >= _FAST_SCAN_ROWS_PER_RESULT * kk
 
-    def _route(self, snap: Snapshot, nq: int, kk: int) -> str:
+    def _route(self, snap: Snapshot, nq: int, kk: int, route: tuple[int, int] | None = None
+               ) -> str:
         """The scan a search runs, chosen here only: ``"fast"`` (the CPU fast-scan kernels),
         ``"lut"`` (per-query tables over the packed codes) or ``"gemm"`` (decoded blocks)."""
         scan = snap.scan
-        if scan is not None and scan.fast and self._fast_rows_ok(snap.n, kk):
+        n, kr = (snap.n, kk) if route is None else route  # a larger collection's route
+        if scan is not None and scan.fast and self._fast_rows_ok(n, kr):
             return "fast"
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
         if scan is not None and self._lut_ok() and (nq <= _LUT_MAX_QUERIES
@@ -490,10 +492,11 @@ class FlatIndex(CodesIndex):
         return snap.scan.fused.search(x, k, self._k_factor)
 
     def _scan_block(self, q: torch.Tensor, snap: Snapshot, mask: torch.Tensor | None, kk: int,
-                    nq_total: int) -> tuple[np.ndarray, np.ndarray]:
+                    nq_total: int, route: tuple[int, int] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         """Best kk similarities (larger is better; for L2 the negated squared distance) and
         their row positions for the queries q, by the route ``_route`` chooses."""
-        route = self._route(snap, nq_total, kk)
+        route = self._route(snap, nq_total, kk, route)
         if route == "gemm":
             vals, pos = self._gemm_scan(q, snap, mask, kk)
             return vals.cpu().numpy(), pos.cpu().numpy()

@@ -411,7 +411,8 @@ class IVFIndex(CodesIndex):
         return 1.0 + 0.5 * s if self.metric_type == METRIC_COSINE else s
 
     def _scan_block(self, q: torch.Tensor, snap: IVFSnapshot, mask: torch.Tensor | None,
-                    kk: int, nq_total: int) -> tuple[np.ndarray, np.ndarray]:
+                    kk: int, nq_total: int,
+                    route: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
         qn = q.numpy()
         probes, offsets = self._probes(qn, snap)
         if self._route(snap) == "fast":

@@ -12,7 +12,7 @@ from .. import ops
 
 __all__ = ["METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code", "metric_name",
            "FLT_MAX", "QUERY_BLOCK", "unit_rows", "normalized", "row_mean", "padded",
-           "put_results", "results", "device_of"]
+           "put_results", "results", "device_of", "similarities"]
 
 # faiss's integer codes for its metrics (faiss.METRIC_INNER_PRODUCT = 0, faiss.METRIC_L2 = 1);
 # cosine has no faiss code: it is faiss's inner product on normalized vectors.
@@ -107,3 +107,9 @@ def results(metric_type: int, vals: np.ndarray, pos: np.ndarray, ids: np.ndarray
     D, I = padded(metric_type, vals.shape[0], k)
     put_results(D, I, vals, pos, ids)
     return D, I
+
+
+def similarities(metric_type: int, D: np.ndarray, I: np.ndarray) -> np.ndarray:
+    """faiss's D as larger-is-better float32 similarities (l2: -D), -inf where I is -1."""
+    s = -D if metric_type == METRIC_L2 else D
+    return np.where(I >= 0, s, np.float32(-np.inf)).astype(np.float32)

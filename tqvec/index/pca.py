@@ -46,6 +46,7 @@ from .metrics import (
     metric_code,
     normalized,
     row_mean,
+    similarities,
     unit_rows,
 )
 from .rerank import check_refine
@@ -389,6 +390,21 @@ class PCAIndex:
             if out is not None:
                 return out
         return index.search(self._to_basis(x, "x"), k, allowed_ids=allowed_ids, params=params)
+
+    def search_candidates(self, x: Any, k: int, *,
+                          allowed_ids: Sequence[int] | np.ndarray | None = None,
+                          rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As ``FlatIndex.search_candidates``."""
+        if self.index is not None and self.index.refine is None:
+            D, I = self.search(x, k, allowed_ids=allowed_ids)  # the fused path where it runs
+            s = similarities(self.metric_type, D, I)
+            return s, s, I
+        return self._trained("search").search_candidates(self._to_basis(x, "x"), k,
+                                                          allowed_ids=allowed_ids, rows=rows)
+
+    @property
+    def next_id(self) -> int:
+        return 0 if self.index is None else self.index.next_id
 
     def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self._trained("range_search").range_search(self._to_basis(x, "x"), radius)

@@ -1,0 +1,114 @@
+"""Searching parts of a collection and merging (``tqvec.index.merge_candidates``) gives one
+index's result: the same ids (ties aside) and distances within float tolerance, for every
+metric, with and without a refinement, centred, IVF and PCA indexes, 1, 2, 3 and 7 parts
+with an empty part, and k above the rows of a part."""
+
+import numpy as np
+import pytest
+
+import tqvec
+from tqvec.index import merge_candidates, merge_ranges
+
+N, D_, NQ = 2400, 48, 30
+RNG = np.random.default_rng(11)
+X = RNG.standard_normal((N, D_)).astype(np.float32)
+Q = RNG.standard_normal((NQ, D_)).astype(np.float32)
+IDS = np.arange(N, dtype=np.int64) * 5 + 3
+
+
+def _index(spec, metric):
+    ix = tqvec.index_factory(D_, spec, metric, seed=4)
+    if not ix.is_trained:
+        ix.train(X[:800])
+    if hasattr(ix, "nprobe"):
+        ix.nprobe = 5
+    return ix
+
+
+def _parts(spec, metric, n_parts):
+    bounds = np.linspace(0, N, n_parts + 1).astype(int)
+    if n_parts > 2:
+        bounds[1] = 0  # an empty part first
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        ix = _index(spec, metric)
+        ix.add_with_ids(X[a:b], IDS[a:b])
+        out.append(ix)
+    return out
+
+
+def same_results(D, I, D2, I2):
+    """Equal up to the order of tied distances (and which tie a boundary keeps)."""
+    np.testing.assert_allclose(D2, D, rtol=1e-5, atol=1e-4)
+    for i in range(len(I)):
+        if not np.array_equal(I[i], I2[i]):  # only tied distances may differ in order, and
+            at = dict(zip(I[i], D[i], strict=True))  # only a tie at the k-th in membership
+            at2 = dict(zip(I2[i], D2[i], strict=True))
+            for j in set(at) ^ set(at2):
+                assert np.isclose(at.get(j, at2.get(j)), D[i][-1], rtol=1e-6), (i, j)
+            for a, b, d in zip(I[i], I2[i], D[i], strict=True):
+                assert a == b or np.isclose(at2.get(a, d), d, rtol=1e-6), (i, a, b)
+
+
+SPECS = ["TQ4", "TQ2,Refine(Flat)", "TQ1,Refine(TQ8)", "Center,TQ3,Refine(Flat)",
+         "IVF12,TQ4", "IVF12,TQ2,Refine(TQ6)", "PCA,TQ2", "PCA,TQ2,Refine(Flat)",
+         ]
+
+
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("n_parts", [1, 2, 3, 7])
+def test_merged_parts_equal_one_index(spec, metric, n_parts):
+    one = _index(spec, metric)
+    one.add_with_ids(X, IDS)
+    parts = _parts(spec, metric, n_parts)
+    kf = one.k_factor
+    refined = (one.index if hasattr(one, "index") else one).refine is not None
+    for k in (1, 10, 400):  # 400 > the rows of a 7-part split's part (342)
+        D, I = one.search(Q, k)
+        got = [p.search_candidates(Q, k, rows=N) for p in parts if p.ntotal]
+        D2, I2 = merge_candidates(got, k, min(N, k * kf) if refined else k, one.metric_type)
+        same_results(D, I, D2, I2)
+
+
+def test_filtered_merge_equals_filtered_search():
+    allowed = IDS[::7]
+    one = _index("TQ2,Refine(Flat)", "l2")
+    one.add_with_ids(X, IDS)
+    D, I = one.search(Q, 20, allowed_ids=allowed)
+    got = [p.search_candidates(Q, 20, allowed_ids=allowed, rows=N)
+           for p in _parts("TQ2,Refine(Flat)", "l2", 3) if p.ntotal]
+    D2, I2 = merge_candidates(got, 20, min(N, 20 * one.k_factor), one.metric_type)
+    same_results(D, I, D2, I2)
+    assert np.isin(I2, allowed).all()
+
+
+def test_more_results_than_rows_pad_as_faiss():
+    parts = _parts("TQ4", "l2", 3)
+    small = [p for p in parts if p.ntotal][:1]
+    D, I = merge_candidates([small[0].search_candidates(Q, 5)], 5, 5, small[0].metric_type)
+    assert I.shape == (NQ, 5) and (I >= 0).all()
+    e = np.zeros((NQ, 0), np.float32)
+    D, I = merge_candidates([(e, e, np.zeros((NQ, 0), np.int64))], 3, 3, 1)
+    assert (I == -1).all() and (D == np.finfo(np.float32).max).all()
+
+
+def test_merge_ranges_equals_one_range_search():
+    one = _index("TQ4", "l2")
+    one.add_with_ids(X, IDS)
+    lims, D, I = one.range_search(Q, 60.0)
+    got = [p.range_search(Q, 60.0) for p in _parts("TQ4", "l2", 3)]
+    lims2, D2, I2 = merge_ranges(got)
+    np.testing.assert_array_equal(lims, lims2)
+    for i in range(NQ):
+        a, b = lims[i], lims[i + 1]
+        assert dict(zip(I[a:b], D[a:b], strict=True)) == pytest.approx(
+            dict(zip(I2[a:b], D2[a:b], strict=True)))
+
+
+def test_merge_refuses_mismatched_parts():
+    s = np.zeros((2, 3), np.float32)
+    with pytest.raises(ValueError, match="parts"):
+        merge_candidates([], 1, 1, 1)
+    with pytest.raises(ValueError, match=r"parts\[0\]"):
+        merge_candidates([(s, s[:1], np.zeros((2, 3), np.int64))], 1, 1, 1)

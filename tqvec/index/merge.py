@@ -1,0 +1,69 @@
+"""Merging the searches of several indexes that hold disjoint parts of one collection into the
+result one index over all of it returns (faiss's ``IndexShards``, made exact under a
+refinement): each part answers ``search_candidates``; ``merge_candidates`` takes the best
+``candidates`` rows by the scan's similarity over all parts - the rows one index's scan would
+hand its refinement - and of those the best k by the refined similarity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from .flat import range_results
+from .metrics import METRIC_L2, padded
+
+__all__ = ["merge_candidates", "merge_ranges"]
+
+
+def merge_candidates(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int,
+                     candidates: int, metric_type: int) -> tuple[np.ndarray, np.ndarray]:
+    """faiss's ``(D, I)`` of k results from the parts' ``search_candidates`` (scan, final, I).
+
+    ``candidates`` is what one index over all rows would re-rank: min(rows, k_factor k) under
+    a refinement, k without one. Ties keep the parts' order, then each part's own.
+    """
+    if not parts:
+        raise ValueError("parts must hold at least one search_candidates result, got none")
+    nq = parts[0][0].shape[0]
+    for j, (s, f, i) in enumerate(parts):
+        if not s.shape == f.shape == i.shape or s.ndim != 2 or s.shape[0] != nq:
+            raise ValueError(f"parts[{j}] must be three ({nq}, m) arrays, got shapes "
+                             f"{s.shape}, {f.shape}, {i.shape}")
+    scan = np.concatenate([p[0] for p in parts], axis=1)
+    final = np.concatenate([p[1] for p in parts], axis=1)
+    ids = np.concatenate([p[2] for p in parts], axis=1)
+    D, I = padded(metric_type, nq, k)
+    if scan.shape[1] == 0:
+        return D, I
+    if candidates < scan.shape[1]:  # the scan's best over every part
+        top = np.argsort(-scan, axis=1, kind="stable")[:, :candidates]
+        final = np.take_along_axis(final, top, 1)
+        ids = np.take_along_axis(ids, top, 1)
+    best = np.argsort(-final, axis=1, kind="stable")[:, :k]
+    vals = np.take_along_axis(final, best, 1)
+    got = np.take_along_axis(ids, best, 1)
+    valid = np.isfinite(vals) & (got >= 0)
+    m = vals.shape[1]
+    D[:, :m] = np.where(valid, -vals if metric_type == METRIC_L2 else vals, D[:, :m])
+    I[:, :m] = np.where(valid, got, -1)
+    return D, I
+
+
+def merge_ranges(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]]
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """faiss's ``(lims, D, I)`` of the parts' ``range_search`` results: each query's results
+    from every part, in the parts' order."""
+    if not parts:
+        raise ValueError("parts must hold at least one range_search result, got none")
+    nq = len(parts[0][0]) - 1
+    per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(nq)]
+    for j, (lims, D, I) in enumerate(parts):
+        if len(lims) != nq + 1:
+            raise ValueError(f"parts[{j}] must have {nq + 1} lims, got {len(lims)}")
+        for q in range(nq):
+            a, b = int(lims[q]), int(lims[q + 1])
+            if b > a:
+                per_query[q].append((D[a:b], I[a:b]))
+    return range_results(per_query)

@@ -20,6 +20,8 @@ _NEEDS = {
     "nvcc": (lambda: shutil.which("nvcc") is not None, "nvcc not found"),
     "hf": (lambda: importlib.util.find_spec("transformers") is not None,
            "transformers not installed"),
+    "ray": (lambda: all(importlib.util.find_spec(m) for m in ("ray", "pyarrow")),
+            "ray or pyarrow not installed (pip install 'tqvec[ray]')"),
     "arm": (lambda: all(shutil.which(t) for t in ("aarch64-linux-gnu-g++", "qemu-aarch64", "g++")),
             "no aarch64 cross compiler or qemu-aarch64 (Debian: g++-aarch64-linux-gnu qemu-user)"),
 }

@@ -19,6 +19,7 @@ from .codecs import (
     concat_codes,
     top_channels,
 )
+from .codecs.arrow import codes_from_arrow, codes_to_arrow
 from .codecs.storage import load_codes, save_codes
 from .errors import BackendUnavailable, FormatError
 from .index import (
@@ -45,6 +46,8 @@ __all__ = [
     "top_channels",
     "save_codes",
     "load_codes",
+    "codes_to_arrow",
+    "codes_from_arrow",
     "FormatError",
     "BackendUnavailable",
     "available_backends",

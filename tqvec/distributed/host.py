@@ -1,0 +1,162 @@
+"""What runs inside a shard actor: one or more shards (indexes), each from the broadcast
+trained empty index or from its file, with a generation that counts the changes made to it
+since then. Every call names the generation the coordinator expects: a shard that Ray
+restarted from its source after changes (the rows added since the last save) refuses to
+answer instead of answering from fewer rows."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+from ..errors import FormatError
+from ..index.io import read_index, write_index
+from ..index.state import index_from_state
+from .encode import batch_vectors
+from .errors import ShardError
+
+__all__ = ["ShardHost", "file_sha256", "shard_file"]
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def shard_file(shard: int) -> str:
+    return f"shard-{shard:05d}.tqi"
+
+
+def _empty(nq: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    e = np.zeros((nq, 0), np.float32)
+    return e, e, np.zeros((nq, 0), np.int64)
+
+
+class ShardHost:
+    """The body of a shard actor (``tqvec.distributed.sharded`` makes it a Ray actor).
+
+    sources: shard number -> ``{"state": (meta, arrays)}`` (the trained empty index) or
+    ``{"file": path, "sha256": hex, "mmap": bool}``. threads: torch's (and so the kernels')
+    threads in this actor.
+    """
+
+    def __init__(self, sources: dict[int, dict[str, Any]], threads: int):
+        torch.set_num_threads(max(1, int(threads)))
+        self.shards: dict[int, Any] = {}
+        self.generation: dict[int, int] = {}
+        self.origin: dict[int, str] = {}
+        for shard, src in sources.items():
+            if "state" in src:
+                state = src["state"]
+                meta, arrays = ray.get(state) if isinstance(state, ray.ObjectRef) else state
+                # Ray hands numpy arrays over read-only from its object store
+                index = index_from_state(meta, {k: np.array(v) for k, v in arrays.items()},
+                                         None, f"shard {shard}")
+                self.origin[shard] = "the trained empty index (it was never saved)"
+            else:
+                path = src["file"]
+                if src.get("sha256") and file_sha256(path) != src["sha256"]:
+                    raise FormatError(f"{path!r} is not the file the manifest names for shard "
+                                      f"{shard} (sha256 differs)")
+                index = read_index(path, mmap=bool(src.get("mmap")))
+                self.origin[shard] = f"its file {path!r}"
+            self.shards[shard] = index
+            self.generation[shard] = 0
+
+    def _index(self, shard: int, generation: int) -> Any:
+        if self.generation[shard] != generation:
+            raise ShardError(
+                f"shard {shard} was restarted from {self.origin[shard]} and lost "
+                f"{generation - self.generation[shard]} change(s) made since; save() the "
+                f"index after changes so that a restart recovers them", [shard])
+        return self.shards[shard]
+
+    def _changed(self, shard: int) -> int:
+        self.generation[shard] += 1
+        return self.generation[shard]
+
+    # -- rows -------------------------------------------------------------------------------
+    def add(self, shard: int, generation: int, x: np.ndarray, ids: np.ndarray
+            ) -> tuple[int, int, int]:
+        """(ntotal, next_id, generation) after adding x with ids."""
+        index = self._index(shard, generation)
+        index.add_with_ids(x, ids)
+        return index.ntotal, index.next_id, self._changed(shard)
+
+    def add_from(self, shard: int, generation: int, rows: Any, column: str, id_column: str,
+                 batch_size: int) -> tuple[int, int, int]:
+        """Add every batch of a Ray ``DataIterator`` (a ``streaming_split`` part)."""
+        index = self._index(shard, generation)
+        for batch in rows.iter_batches(batch_size=batch_size, batch_format="numpy"):
+            if id_column not in batch:
+                raise ValueError(f"id_column must name the ids' column, got {id_column!r}; "
+                                 f"the data has {sorted(batch)}")
+            index.add_with_ids(batch_vectors(batch, column, index.d), batch[id_column])
+        return index.ntotal, index.next_id, self._changed(shard)
+
+    def remove(self, generations: dict[int, int], ids: np.ndarray
+               ) -> dict[int, tuple[int, int, int]]:
+        """shard -> (removed, ntotal, generation)."""
+        out = {}
+        for shard, gen in generations.items():
+            index = self._index(shard, gen)
+            removed = index.remove_ids(ids)
+            out[shard] = (removed, index.ntotal, self._changed(shard) if removed else gen)
+        return out
+
+    def reconstruct(self, generations: dict[int, int], key: int) -> np.ndarray | None:
+        for shard, gen in generations.items():
+            try:
+                return self._index(shard, gen).reconstruct(key)
+            except KeyError:
+                continue
+        return None
+
+    # -- search ------------------------------------------------------------------------------
+    def search(self, generations: dict[int, int], x: np.ndarray, k: int, allowed: Any,
+               rows: int) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """shard -> its ``search_candidates`` (empty shards: no columns)."""
+        out = {}
+        for shard, gen in generations.items():
+            index = self._index(shard, gen)
+            out[shard] = (index.search_candidates(x, k, allowed_ids=allowed, rows=rows)
+                          if index.ntotal else _empty(x.shape[0]))
+        return out
+
+    def range_search(self, generations: dict[int, int], x: np.ndarray, radius: float
+                     ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        return {shard: self._index(shard, gen).range_search(x, radius)
+                for shard, gen in generations.items()}
+
+    # -- state -------------------------------------------------------------------------------
+    def set_param(self, name: str, value: Any) -> None:
+        for index in self.shards.values():
+            setattr(index, name, value)
+
+    def info(self) -> dict[int, dict[str, int]]:
+        return {s: {"ntotal": i.ntotal, "next_id": i.next_id,
+                    "generation": self.generation[s], "memory_bytes": i.memory_bytes()}
+                for s, i in self.shards.items()}
+
+    def save(self, generations: dict[int, int], folder: str) -> dict[int, dict[str, Any]]:
+        """Write each shard to ``folder``/shard-NNNNN.tqi: shard -> its manifest entry."""
+        out = {}
+        for shard, gen in generations.items():
+            index = self._index(shard, gen)
+            path = os.path.join(folder, shard_file(shard))
+            write_index(index, path)
+            out[shard] = {"shard": shard, "file": shard_file(shard),
+                          "sha256": file_sha256(path), "ntotal": index.ntotal,
+                          "bytes": os.path.getsize(path)}
+        return out
+
+    def pid(self) -> int:
+        return os.getpid()

@@ -30,6 +30,6 @@ def test_import_needs_only_numpy_and_torch():
     code = ("import sys, numpy, torch; before = set(sys.modules); import tqvec; "
             "new = {m.split('.')[0] for m in set(sys.modules) - before}; "
             "print(sorted(new & {'faiss', 'sklearn', 'h5py', 'transformers', 'scipy', 'tqdm', "
-            "'matplotlib'}))")
+            "'matplotlib', 'ray', 'pyarrow'}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr

@@ -11,10 +11,11 @@ PKG = Path(__file__).resolve().parents[1] / "tqvec"
 
 # layer -> the tqvec subpackages/modules it must not import
 FORBIDDEN = {
-    "ops": ("codecs", "index", "kv", "cli", "benchmark", "demo", "datasets"),
-    "codecs": ("index", "kv", "cli", "benchmark", "demo"),
-    "index": ("kv", "cli", "benchmark", "demo"),
-    "kv": ("index", "cli", "benchmark", "demo"),
+    "ops": ("codecs", "index", "kv", "cli", "benchmark", "demo", "datasets", "distributed"),
+    "codecs": ("index", "kv", "cli", "benchmark", "demo", "distributed"),
+    "index": ("kv", "cli", "benchmark", "demo", "distributed"),
+    "kv": ("index", "cli", "benchmark", "demo", "distributed"),
+    "distributed": ("kv", "cli", "benchmark", "demo"),
 }
 # private names of other libraries that tqvec uses on purpose (each with its reason)
 ALLOWED_PRIVATE = {

@@ -107,6 +107,8 @@ def codes_from_arrow(table: Any) -> Codes:
     at = 0
     for chunk in col.chunks:
         m = len(chunk)
+        if m == 0:
+            continue
         buf = np.frombuffer(chunk.buffers()[1], np.uint8)
         start = chunk.offset * codec.payload_bytes
         payload[at:at + m] = buf[start:start + m * codec.payload_bytes].reshape(m, -1)

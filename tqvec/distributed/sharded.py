@@ -54,7 +54,7 @@ class ShardedIndex:
 
     def __init__(self, template: Any, sources: dict[int, dict[str, Any]], *,
                  num_actors: int | None = None, threads: int | None = None,
-                 max_restarts: int = 3, max_task_retries: int = 2):
+                 max_restarts: int = 3, max_task_retries: int = 2, next_id: int = 0):
         self._template = template
         self.d = template.d
         self.metric_type = template.metric_type
@@ -71,7 +71,7 @@ class ShardedIndex:
         self._hosts = self._start(sources, n_act)
         self._gen = [0] * self.num_shards
         self._sizes = [0] * self.num_shards
-        self._next_id = 0
+        self._next_id = next_id
         self._sync()
 
     def _start(self, sources: dict[int, dict[str, Any]], n_act: int) -> list[Any]:
@@ -192,6 +192,26 @@ class ShardedIndex:
         self._sizes[s], nid, self._gen[s] = res
         self._next_id = max(self._next_id, nid)
 
+    def add_dataset(self, data: Any, *, column: str = "emb", id_column: str = "id",
+                    batch_size: int = 8192) -> None:
+        """Add the rows of a Ray Dataset (or anything ``as_dataset`` takes: an array's rows
+        get ids 0..n-1) in parallel: a ``streaming_split`` into one part per shard, each
+        encoded and added by the shard's actor (the vectors in ``column``, ids in
+        ``id_column``)."""
+        batch_size = V.positive_int(batch_size, "batch_size", 1)
+        rows = len(data) if isinstance(data, (np.ndarray, torch.Tensor)) else 0
+        # an array in a few blocks per shard: a streaming split hands out whole blocks
+        ds = as_dataset(data, column, id_column=id_column, block_rows=max(
+            1, min(DEFAULT_BLOCK_ROWS, -(-rows // (4 * self.num_shards)))))
+        parts = ds.streaming_split(self.num_shards, equal=False)
+        refs = [self._hosts[self._placement[s]].add_from.remote(
+            s, self._gen[s], parts[s], column, id_column, batch_size)
+            for s in range(self.num_shards)]
+        results, _ = self._gather(refs, shards=[[s] for s in range(self.num_shards)])
+        for s, (n, nid, gen) in enumerate(results):
+            self._sizes[s], self._gen[s] = n, gen
+            self._next_id = max(self._next_id, nid)
+
     def remove_ids(self, ids: Any) -> int:
         sel = V.id_array(ids)
         outs, _ = self._gather([h.remove.remote(self._gens(i), sel)
@@ -296,11 +316,11 @@ class ShardedIndex:
                               f"d={meta['d']}, {meta['metric']}")
         sources = _file_sources(folder, entries, mmap, verify)
         index = cls(template, sources, num_actors=num_actors, threads=threads,
-                    max_restarts=max_restarts, max_task_retries=max_task_retries)
+                    max_restarts=max_restarts, max_task_retries=max_task_retries,
+                    next_id=meta["next_id"])
         if index.shard_sizes != [e["ntotal"] for e in entries]:
             raise FormatError(f"{folder!r}: the shards hold {index.shard_sizes} rows, the "
                               f"manifest says {[e['ntotal'] for e in entries]}")
-        index._next_id = max(index._next_id, meta["next_id"])
         return index
 
     def __repr__(self) -> str:
@@ -364,12 +384,13 @@ def build_sharded_index(data: Any, spec: str, metric: Any = "l2", *, column: str
         id_column = "id"
     num_shards = V.positive_int(num_shards, "num_shards", 1, 1 << 20)
     train_rows = V.positive_int(train_rows, "train_rows", 1)
-    # an array in a few blocks per shard: a streaming split hands out whole blocks
-    rows = len(data) if array_input else 0
-    ds = as_dataset(data, column, id_column=id_column,
-                    block_rows=max(1, min(DEFAULT_BLOCK_ROWS, -(-rows // (4 * num_shards)))))
-    first = ds.limit(train_rows).take_batch(train_rows, batch_format="numpy")
-    sample = batch_vectors(first, column)
+    if array_input:
+        sample, _ = V.float_matrix(data[:train_rows], "data")
+        sample = sample.to(torch.float32).numpy()
+    else:
+        first = as_dataset(data, column).limit(train_rows).take_batch(train_rows,
+                                                                      batch_format="numpy")
+        sample = batch_vectors(first, column)
     if sample.shape[0] == 0:
         raise ValueError("data must hold at least one row, got none")
     template = index_factory(sample.shape[1], spec, metric, seed=seed, k_factor=k_factor)
@@ -379,11 +400,5 @@ def build_sharded_index(data: Any, spec: str, metric: Any = "l2", *, column: str
     sources = {s: {"state": state} for s in range(num_shards)}
     index = ShardedIndex(template, sources, num_actors=num_actors, threads=threads,
                          max_restarts=max_restarts, max_task_retries=max_task_retries)
-    parts = ds.streaming_split(num_shards, equal=False)
-    refs = [index.actors()[index.shard_actor(s)].add_from.remote(
-        s, 0, parts[s], column, id_column, batch_size) for s in range(num_shards)]
-    results, _ = index._gather(refs, shards=[[s] for s in range(num_shards)])
-    for s, (n, nid, gen) in enumerate(results):
-        index._sizes[s], index._gen[s] = n, gen
-        index._next_id = max(index._next_id, nid)
+    index.add_dataset(data, column=column, id_column=id_column, batch_size=batch_size)
     return index

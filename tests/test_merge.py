@@ -66,9 +66,13 @@ def test_merged_parts_equal_one_index(spec, metric, n_parts):
     refined = (one.index if hasattr(one, "index") else one).refine is not None
     for k in (1, 10, 400):  # 400 > the rows of a 7-part split's part (342)
         D, I = one.search(Q, k)
-        got = [p.search_candidates(Q, k, rows=N) for p in parts if p.ntotal]
-        D2, I2 = merge_candidates(got, k, min(N, k * kf) if refined else k, one.metric_type)
-        same_results(D, I, D2, I2)
+        # an IVF index's lists probed once for all parts (as a coordinator does), and by each
+        probes = [None, one.probe(Q)] if hasattr(one, "probe") else [None]
+        for pr in probes:
+            got = [p.search_candidates(Q, k, rows=N, probes=pr) for p in parts if p.ntotal]
+            D2, I2 = merge_candidates(got, k, min(N, k * kf) if refined else k,
+                                      one.metric_type)
+            same_results(D, I, D2, I2)
 
 
 def test_filtered_merge_equals_filtered_search():

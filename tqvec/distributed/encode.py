@@ -46,39 +46,55 @@ def as_dataset(data: Any, column: str = "emb", *, id_column: str = "id",
                     f"torch tensor, got {type(data).__name__}")
 
 
-def batch_vectors(batch: dict[str, np.ndarray], column: str, d: int | None = None
-                  ) -> np.ndarray:
-    """The (n, d) float32 vectors of a numpy-format batch's ``column`` (a tensor column, or
-    a list column that Ray hands over as an array of arrays), checked as every input is."""
-    if column not in batch:
+def batch_vectors(batch: Any, column: str, d: int | None = None) -> np.ndarray:
+    """The (n, d) float32 vectors of a batch's ``column``: a ``pyarrow.Table`` whose column is
+    a fixed-size list, a list of equal lengths or Ray's tensor type (read without a copy per
+    row), or a dict of numpy arrays; checked as every input is (finite, d columns)."""
+    names = batch.column_names if isinstance(batch, pa.Table) else list(batch)
+    if column not in names:
         raise ValueError(f"column must name the vectors' column, got {column!r}; the data has "
-                         f"{sorted(batch)}")
+                         f"{sorted(names)}")
     x = batch[column]
-    if x.dtype == object:
+    if isinstance(x, pa.ChunkedArray):
+        x = _arrow_matrix(x.combine_chunks() if x.num_chunks != 1 else x.chunk(0), column)
+    elif x.dtype == object:
         x = np.stack(list(x)) if len(x) else np.zeros((0, d or 0), np.float32)
     t, _ = V.float_matrix(x, column, d)
     return t.to(torch.float32).numpy()
 
 
+def _arrow_matrix(a: pa.Array, column: str) -> np.ndarray:
+    if a.null_count:
+        raise ValueError(f"{column} must not hold nulls, got {a.null_count}")
+    n = len(a)
+    if pa.types.is_fixed_size_list(a.type):
+        return a.flatten().to_numpy(zero_copy_only=False).reshape(n, a.type.list_size)
+    if pa.types.is_list(a.type) or pa.types.is_large_list(a.type):
+        lengths = np.unique(a.value_lengths().to_numpy(zero_copy_only=False))
+        if len(lengths) > 1:
+            raise ValueError(f"{column} must hold vectors of one length, got lengths "
+                             f"{lengths[:5].tolist()}")
+        return a.flatten().to_numpy(zero_copy_only=False).reshape(n, -1)
+    if isinstance(a.type, pa.ExtensionType) and hasattr(a, "to_numpy"):  # Ray's tensors
+        return np.asarray(a.to_numpy())
+    raise TypeError(f"{column} must be a column of float vectors (fixed-size list, list or "
+                    f"tensor), got {a.type}")
+
+
 class _Encoder:
     """The map_batches UDF: one codec per worker, built from params."""
 
-    def __init__(self, params: dict[str, Any], column: str, keep: bool, device: str):
+    def __init__(self, params: dict[str, Any], column: str, keep: bool, device: str,
+                 threads: int):
+        torch.set_num_threads(threads)
         self.codec = codec_from_params(params)
         self.column, self.keep, self.device = column, keep, device
 
-    def __call__(self, batch: dict[str, np.ndarray]) -> pa.Table:
+    def __call__(self, batch: pa.Table) -> pa.Table:
         x = batch_vectors(batch, self.column, self.codec.dim)
         codes = self.codec.encode(torch.from_numpy(x).to(self.device)).to("cpu")
-        others = {k: v for k, v in batch.items() if k != self.column} if self.keep else {}
-        return codes_to_arrow(codes, {k: _arrow_column(v) for k, v in others.items()})
-
-
-def _arrow_column(v: np.ndarray) -> pa.Array:
-    if v.ndim > 1:  # a tensor column passed through: one fixed-size list per row
-        return pa.FixedSizeListArray.from_arrays(pa.array(v.reshape(len(v), -1).reshape(-1)),
-                                                 int(np.prod(v.shape[1:])))
-    return pa.array(v)
+        keep = [k for k in batch.column_names if k != self.column] if self.keep else []
+        return codes_to_arrow(codes, {k: batch.column(k) for k in keep})
 
 
 def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: int = 8192,
@@ -105,6 +121,7 @@ def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: 
     return ds.map_batches(
         _Encoder, fn_constructor_kwargs={"params": codec.params, "column": column,
                                          "keep": keep_columns,
-                                         "device": "cuda" if num_gpus else "cpu"},
-        batch_format="numpy", batch_size=batch_size, concurrency=concurrency,
+                                         "device": "cuda" if num_gpus else "cpu",
+                                         "threads": 1},
+        batch_format="pyarrow", batch_size=batch_size, concurrency=concurrency,
         num_cpus=0 if num_gpus else 1, num_gpus=num_gpus)

@@ -72,6 +72,10 @@ class ShardHost:
             self.generation[shard] = 0
 
     def _index(self, shard: int, generation: int) -> Any:
+        if self.generation[shard] > generation:
+            raise ShardError(f"shard {shard} holds changes its coordinator does not know of "
+                             f"(generation {self.generation[shard]}, expected {generation}): "
+                             f"two ShardedIndex objects changed it", [shard])
         if self.generation[shard] != generation:
             raise ShardError(
                 f"shard {shard} was restarted from {self.origin[shard]} and lost "
@@ -95,11 +99,12 @@ class ShardHost:
                  batch_size: int) -> tuple[int, int, int]:
         """Add every batch of a Ray ``DataIterator`` (a ``streaming_split`` part)."""
         index = self._index(shard, generation)
-        for batch in rows.iter_batches(batch_size=batch_size, batch_format="numpy"):
-            if id_column not in batch:
+        for batch in rows.iter_batches(batch_size=batch_size, batch_format="pyarrow"):
+            if id_column not in batch.column_names:
                 raise ValueError(f"id_column must name the ids' column, got {id_column!r}; "
-                                 f"the data has {sorted(batch)}")
-            index.add_with_ids(batch_vectors(batch, column, index.d), batch[id_column])
+                                 f"the data has {sorted(batch.column_names)}")
+            ids = batch.column(id_column).to_numpy()
+            index.add_with_ids(batch_vectors(batch, column, index.d), ids)
         return index.ntotal, index.next_id, self._changed(shard)
 
     def remove(self, generations: dict[int, int], ids: np.ndarray
@@ -122,12 +127,15 @@ class ShardHost:
 
     # -- search ------------------------------------------------------------------------------
     def search(self, generations: dict[int, int], x: np.ndarray, k: int, allowed: Any,
-               rows: int) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
-        """shard -> its ``search_candidates`` (empty shards: no columns)."""
+               rows: int, probes: Any = None
+               ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """shard -> its ``search_candidates`` (empty shards: no columns); ``probes``: an IVF
+        index's lists for x, probed once by the coordinator."""
         out = {}
         for shard, gen in generations.items():
             index = self._index(shard, gen)
-            out[shard] = (index.search_candidates(x, k, allowed_ids=allowed, rows=rows)
+            out[shard] = (index.search_candidates(x, k, allowed_ids=allowed, rows=rows,
+                                                  probes=probes)
                           if index.ntotal else _empty(x.shape[0]))
         return out
 

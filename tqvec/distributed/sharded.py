@@ -20,6 +20,7 @@ from ..errors import FormatError
 from ..index.factory import index_factory
 from ..index.graph import GraphIndex
 from ..index.io import read_index, write_index
+from ..index.ivf import IVFIndex
 from ..index.merge import merge_candidates, merge_ranges
 from ..index.metrics import metric_name
 from ..index.state import index_state
@@ -249,7 +250,12 @@ class ShardedIndex:
         if allowed is not None and allowed.nbytes > _INLINE_BYTES:
             allowed = ray.put(allowed)
         n = self.ntotal
-        outs, answered = self._gather([h.search.remote(self._gens(i), q, k, allowed, n)
+        probes = None
+        if isinstance(self._template, IVFIndex):  # probed once, here (faiss's IndexShardsIVF)
+            probes = self._template.probe(ray.get(q) if isinstance(q, ray.ObjectRef) else q)
+            if sum(p.nbytes for p in probes) > _INLINE_BYTES:
+                probes = ray.put(probes)
+        outs, answered = self._gather([h.search.remote(self._gens(i), q, k, allowed, n, probes)
                                        for i, h in enumerate(self._hosts)], partial)
         by_shard = {s: r for out in outs if out is not None for s, r in out.items()}
         parts = [by_shard[s] for s in sorted(by_shard)]
@@ -389,7 +395,7 @@ def build_sharded_index(data: Any, spec: str, metric: Any = "l2", *, column: str
         sample = sample.to(torch.float32).numpy()
     else:
         first = as_dataset(data, column).limit(train_rows).take_batch(train_rows,
-                                                                      batch_format="numpy")
+                                                                      batch_format="pyarrow")
         sample = batch_vectors(first, column)
     if sample.shape[0] == 0:
         raise ValueError("data must hold at least one row, got none")

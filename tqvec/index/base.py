@@ -26,6 +26,18 @@ from .rows import Rows
 __all__ = ["CodesIndex"]
 
 
+def _positions_in(pos: np.ndarray, sel: np.ndarray, n: int) -> np.ndarray:
+    """Per row, the column of ``pos`` (distinct values per row, -1 padding) holding each value
+    of ``sel`` (values of that row of pos, or -1: column 0), without a loop over rows."""
+    rows, cols = pos.shape
+    order = np.argsort(pos, axis=1, kind="stable")
+    base = np.arange(rows, dtype=np.int64)[:, None] * (n + 2)
+    keys = (np.take_along_axis(pos, order, 1) + 1 + base).ravel()
+    found = np.searchsorted(keys, (sel + 1 + base).ravel()).reshape(sel.shape)
+    col = np.clip(found - np.arange(rows)[:, None] * cols, 0, cols - 1)
+    return np.where(sel >= 0, np.take_along_axis(order, col, 1), 0)
+
+
 class CodesIndex:
     """Base of the indexes that store codes of one codec (not instantiated itself).
 
@@ -66,11 +78,12 @@ class CodesIndex:
         raise NotImplementedError
 
     def _scan_block(self, q: torch.Tensor, snap: Any, mask: torch.Tensor | None, kk: int,
-                    nq_total: int, route: tuple[int, int] | None = None
+                    nq_total: int, route: tuple[int, int] | None = None, probes: Any = None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Best kk (similarities, row positions) of prepared queries q (l2: negated squared
         distances), padded with -inf / -1. ``route``: (rows, candidates) of a larger
-        collection whose scan route to take (default: this index's own)."""
+        collection whose scan route to take (default: this index's own); ``probes``: an IVF
+        index's probed lists and offsets for these queries (``IVFIndex.probe``)."""
         raise NotImplementedError
 
     def _fused_search(self, x: Any, snap: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -261,7 +274,8 @@ class CodesIndex:
 
     def search_candidates(self, x: Any, k: int, *,
                           allowed_ids: Sequence[int] | np.ndarray | None = None,
-                          rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                          rows: int | None = None, probes: Any = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """What a search of k results chooses from, so that the searches of several indexes
         over parts of one collection merge into exactly the one index's result
         (``tqvec.distributed.merge_candidates``): ``(scan, final, I)``, each (nq, kk). Without
@@ -272,8 +286,11 @@ class CodesIndex:
         there are. ``rows``: the rows of the whole collection (default: ntotal), whose search
         this one's scan then runs as: a scan's first-stage scores are a function of the query
         and the row only within one scan route (the fast scan's 8-bit tables under a
-        refinement), and the route depends on the rows per result."""
-        if self.refine is None:
+        refinement), and the route depends on the rows per result. ``probes``: an IVF index's
+        ``probe(x)`` of the same queries, computed once for all the parts."""
+        if probes is not None and not hasattr(self, "probe"):
+            raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+        if self.refine is None and probes is None:
             D, I = self.search(x, k, allowed_ids=allowed_ids)
             s = similarities(self.metric_type, D, I)
             return s, s, I
@@ -298,18 +315,20 @@ class CodesIndex:
         for qs in range(0, nq, QUERY_BLOCK):
             qe = min(nq, qs + QUERY_BLOCK)
             qb = q[qs:qe]
-            vals, pos = self._scan_block(qb, snap, mask, kk, nq, route)
-            rv, rp = rerank(qb, vals, pos, self.refine, snap.rows.ref, snap.ref_lut,
-                            self._scoring, kk)
-            for i in range(qe - qs):  # the scan's similarity of each re-ranked row
-                ok = np.isfinite(rv[i])
-                m = int(ok.sum())
-                order = np.argsort(pos[i], kind="stable")
-                at = order[np.searchsorted(pos[i], rp[i, :m], sorter=order)]
-                off = 0.0 if offsets is None else offsets[qs + i]
-                scan[qs + i, :m] = vals[i, at] + off
-                final[qs + i, :m] = rv[i, :m] + off
-                I[qs + i, :m] = ids[rp[i, :m]]
+            pb = None if probes is None else (probes[0][qs:qe], probes[1][qs:qe])
+            vals, pos = self._scan_block(qb, snap, mask, kk, nq, route, pb)
+            if self.refine is None:
+                rv, rp = vals, pos
+            else:
+                rv, rp = rerank(qb, vals, pos, self.refine, snap.rows.ref, snap.ref_lut,
+                                self._scoring, kk)
+            m = rv.shape[1]
+            ok = np.isfinite(rv)
+            at = _positions_in(pos, np.where(ok, rp, -1), n)
+            off = 0.0 if offsets is None else offsets[qs:qe, None]
+            scan[qs:qe, :m] = np.where(ok, np.take_along_axis(vals, at, 1) + off, -np.inf)
+            final[qs:qe, :m] = np.where(ok, rv + off, -np.inf)
+            I[qs:qe, :m] = np.where(ok, ids[np.maximum(rp, 0)], -1)
         return scan, final, I
 
     def _search_queries(self, q: torch.Tensor, offsets: np.ndarray | None, snap: Any, k: int,

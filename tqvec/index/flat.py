@@ -492,7 +492,7 @@ class FlatIndex(CodesIndex):
         return snap.scan.fused.search(x, k, self._k_factor)
 
     def _scan_block(self, q: torch.Tensor, snap: Snapshot, mask: torch.Tensor | None, kk: int,
-                    nq_total: int, route: tuple[int, int] | None = None
+                    nq_total: int, route: tuple[int, int] | None = None, probes: Any = None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Best kk similarities (larger is better; for L2 the negated squared distance) and
         their row positions for the queries q, by the route ``_route`` chooses."""

@@ -355,7 +355,8 @@ class GraphIndex(FlatIndex):
 
     def _scan_block(self, q: torch.Tensor, snap: GraphSnapshot, mask: torch.Tensor | None,
                     kk: int, nq_total: int,
-                    route: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    route: tuple[int, int] | None = None, probes: Any = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         qr = self.codec.query_terms(q)[0].to(torch.float32).contiguous()
         nq = q.shape[0]
         vals = np.empty((nq, kk), dtype=np.float32)

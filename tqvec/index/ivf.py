@@ -400,6 +400,15 @@ class IVFIndex(CodesIndex):
         return snap.scan.fused.search(q, min(snap.nprobe, self.nlist),
                                       self._candidates(snap.n, k), k)
 
+    def probe(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
+        """The lists a search of the queries x probes, best first, (nq, min(nprobe, nlist))
+        int64, and the exact centroid part of each score (float32): what
+        ``search_candidates(..., probes=)`` takes, so that the shards of one IVF index (same
+        centroids) probe once, at their coordinator (faiss's ``IndexShardsIVF``)."""
+        self._check_ready("probe")
+        q, _ = self._queries(x)
+        return self._probes(q.numpy(), self._current())
+
     def _probes(self, q: np.ndarray, snap: IVFSnapshot) -> tuple[np.ndarray, np.ndarray]:
         """(probes (nq, P) int64, offsets (nq, P) float32), best first: the nearest lists and the
         exact centroid part of each score (-||q - c||^2 for l2/cosine, <q, c> for ip), by
@@ -412,9 +421,10 @@ class IVFIndex(CodesIndex):
 
     def _scan_block(self, q: torch.Tensor, snap: IVFSnapshot, mask: torch.Tensor | None,
                     kk: int, nq_total: int,
-                    route: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    route: tuple[int, int] | None = None, probes: Any = None
+                    ) -> tuple[np.ndarray, np.ndarray]:
         qn = q.numpy()
-        probes, offsets = self._probes(qn, snap)
+        probes, offsets = self._probes(qn, snap) if probes is None else probes
         if self._route(snap) == "fast":
             st = snap.scan
             add = None

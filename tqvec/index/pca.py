@@ -393,8 +393,11 @@ class PCAIndex:
 
     def search_candidates(self, x: Any, k: int, *,
                           allowed_ids: Sequence[int] | np.ndarray | None = None,
-                          rows: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """As ``FlatIndex.search_candidates``."""
+                          rows: int | None = None, probes: Any = None
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As ``FlatIndex.search_candidates`` (no ``probes``: a PCA index has no lists)."""
+        if probes is not None:
+            raise ValueError("probes apply to an IVF index, not a PCAIndex")
         if self.index is not None and self.index.refine is None:
             D, I = self.search(x, k, allowed_ids=allowed_ids)  # the fused path where it runs
             s = similarities(self.metric_type, D, I)

@@ -159,3 +159,22 @@ def test_load_refuses_damaged_folders(dist, tmp_path):
     (tmp_path / "manifest.tqm").write_bytes(b"not a manifest")
     with pytest.raises(tqvec.FormatError):
         dist.ShardedIndex.load(tmp_path)
+
+
+def test_parquet_input_with_list_column(dist, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    ids = np.arange(N, dtype=np.int64) * 7 + 1
+    vec = pa.array([row.tolist() for row in X[:1200]], pa.list_(pa.float32()))
+    pq.write_table(pa.table({"id": ids[:1200], "vec": vec}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"id": ids[1200:], "vec": pa.array(
+        [row.tolist() for row in X[1200:]], pa.list_(pa.float32()))}), tmp_path / "b.parquet")
+    paths = [str(tmp_path / "a.parquet"), str(tmp_path / "b.parquet")]
+    with dist.build_sharded_index(paths, "TQ2,Refine(Flat)", "l2", column="vec", id_column="id",
+                                  num_shards=3, train_rows=1000, seed=3) as ix:
+        one = _one("TQ2,Refine(Flat)", "l2", ids=ids)
+        D, I = one.search(Q, 10)
+        D2, I2 = ix.search(Q, 10)
+        assert np.array_equal(I, I2) and ix.ntotal == N
+    with pytest.raises(ValueError, match="column"):
+        dist.build_sharded_index(paths, "TQ4", column="nope", id_column="id")

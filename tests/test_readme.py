@@ -28,6 +28,8 @@ def test_readme_example_runs(tmp_path, monkeypatch):
 def test_docs_examples_run(page, tmp_path, monkeypatch):
     if "transformers" in (ROOT / page).read_text():
         pytest.importorskip("transformers")
+    if "import ray" in (ROOT / page).read_text():
+        pytest.importorskip("ray")
     monkeypatch.chdir(tmp_path)
     for code in _blocks(page):
         exec(compile(code, page, "exec"), {})

@@ -109,7 +109,6 @@ def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: 
     ``num_gpus`` > 0 each worker encodes on its GPU."""
     if not isinstance(codec, Codec):
         raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
-    ds = as_dataset(data, column)
     batch_size = V.positive_int(batch_size, "batch_size", 1)
     if num_gpus < 0:
         raise ValueError(f"num_gpus must be >= 0, got {num_gpus}")
@@ -118,6 +117,10 @@ def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: 
         concurrency = max(1, int(res.get("GPU", 0) // num_gpus if num_gpus
                                  else res.get("CPU", 1)))
     concurrency = V.positive_int(concurrency, "concurrency", 1)
+    # an array in a few blocks per worker (a block is one worker's task)
+    rows = len(data) if isinstance(data, (np.ndarray, torch.Tensor)) else 0
+    ds = as_dataset(data, column, block_rows=max(
+        1024, min(DEFAULT_BLOCK_ROWS, -(-rows // (4 * concurrency)))))
     return ds.map_batches(
         _Encoder, fn_constructor_kwargs={"params": codec.params, "column": column,
                                          "keep": keep_columns,

@@ -110,6 +110,7 @@ class ShardHost:
     def remove(self, generations: dict[int, int], ids: np.ndarray
                ) -> dict[int, tuple[int, int, int]]:
         """shard -> (removed, ntotal, generation)."""
+        ids = np.require(ids, np.int64, ["C", "W"])
         out = {}
         for shard, gen in generations.items():
             index = self._index(shard, gen)
@@ -131,6 +132,9 @@ class ShardHost:
                ) -> dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """shard -> its ``search_candidates`` (empty shards: no columns); ``probes``: an IVF
         index's lists for x, probed once by the coordinator."""
+        x = np.require(x, np.float32, ["C", "W"])  # Ray hands arrays over read-only
+        if allowed is not None:
+            allowed = np.require(allowed, np.int64, ["C", "W"])
         out = {}
         for shard, gen in generations.items():
             index = self._index(shard, gen)

@@ -329,6 +329,18 @@ class ShardedIndex:
                               f"manifest says {[e['ntotal'] for e in entries]}")
         return index
 
+    def close(self) -> None:
+        """Stop the actors (the index cannot be used after; its saved files stay)."""
+        for h in self._hosts:
+            ray.kill(h)
+        self._hosts = []
+
+    def __enter__(self) -> ShardedIndex:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
     def __repr__(self) -> str:
         return (f"ShardedIndex({type(self._template).__name__}, d={self.d}, "
                 f"metric={metric_name(self.metric_type)!r}, shards={self.num_shards}, "

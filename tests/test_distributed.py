@@ -34,6 +34,35 @@ def dist(ray):
     return dist
 
 
+def _restarted(ray, actor, timeout=60.0):
+    """Kill an actor and wait until Ray has restarted it (a kill is asynchronous: a call
+    made right after may still reach the old process)."""
+    old = ray.get(actor.pid.remote())
+    ray.kill(actor, no_restart=False)
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            if ray.get(actor.pid.remote(), timeout=10) != old:
+                return
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass
+        time.sleep(0.05)
+    raise AssertionError("the actor was not restarted")
+
+
+def _dead(ray, actor, timeout=60.0):
+    """Kill an actor for good and wait until calls to it fail."""
+    ray.kill(actor, no_restart=True)
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            ray.get(actor.pid.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the actor did not die")
+
+
 def _one(spec, metric, x=X, ids=None):
     ix = tqvec.index_factory(D_, spec, metric, seed=3)
     if not ix.is_trained:
@@ -107,14 +136,12 @@ def test_sharded_add_remove_and_errors(dist):
 def test_save_load_and_actor_restart(dist, ray, tmp_path):
     ix = dist.build_sharded_index(X, "TQ2,Refine(Flat)", "l2", num_shards=3, seed=3)
     D, I = ix.search(Q, 10)
-    before = ray.get(ix.actors()[0].pid.remote())
-    ray.kill(ix.actors()[0], no_restart=False)  # never saved: its rows are gone
+    _restarted(ray, ix.actors()[0])  # never saved: its rows are gone
     with pytest.raises(dist.ShardError, match="shard 0") as e:
         ix.search(Q, 10)
     assert 0 in e.value.shards
     D3, I3, answered = ix.search(Q, 10, partial=True)
     assert 0 not in answered and 1 in answered
-    assert ray.get(ix.actors()[0].pid.remote()) != before
 
     ix = dist.build_sharded_index(X, "TQ2,Refine(Flat)", "l2", num_shards=3, seed=3)
     ix.save(tmp_path)
@@ -138,11 +165,11 @@ def test_save_load_and_actor_restart(dist, ray, tmp_path):
     sizes = loaded.shard_sizes
     loaded.add_with_ids(X[:5], np.arange(10**6, 10**6 + 5))
     changed = int(np.flatnonzero(np.array(loaded.shard_sizes) != sizes)[0])
-    ray.kill(loaded.actors()[loaded.shard_actor(changed)], no_restart=False)
+    _restarted(ray, loaded.actors()[loaded.shard_actor(changed)])
     with pytest.raises(dist.ShardError, match=f"shard {changed} .*lost 1 change"):
         loaded.search(Q, 10)
     # an actor that cannot come back: ShardError naming its shards
-    ray.kill(loaded.actors()[0], no_restart=True)
+    _dead(ray, loaded.actors()[0])
     with pytest.raises(dist.ShardError, match="died"):
         loaded.search(Q, 10)
 

@@ -5,6 +5,8 @@ with an empty part, and k above the rows of a part."""
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tqvec
 from tqvec.index import merge_candidates, merge_ranges
@@ -116,3 +118,37 @@ def test_merge_refuses_mismatched_parts():
         merge_candidates([], 1, 1, 1)
     with pytest.raises(ValueError, match=r"parts\[0\]"):
         merge_candidates([(s, s[:1], np.zeros((2, 3), np.int64))], 1, 1, 1)
+
+
+@settings(max_examples=60)
+@given(n=st.integers(0, 60), k=st.integers(1, 12), kf=st.integers(1, 4),
+       cuts=st.lists(st.integers(0, 60), max_size=6), seed=st.integers(0, 2**16),
+       metric=st.sampled_from([0, 1]))
+def test_merge_of_parts_is_the_global_two_stage_choice(n, k, kf, cuts, seed, metric):
+    """Rows with distinct scan and refined scores, split anyhow into parts that each keep
+    their best min(rows, k_factor k) by scan: the merge picks the collection's best
+    min(n, k_factor k) by scan, then the k best of those by the refined score."""
+    rng = np.random.default_rng(seed)
+    nq = 3
+    scan = rng.permutation(nq * n).reshape(nq, n).astype(np.float32)
+    final = rng.permutation(nq * n).reshape(nq, n).astype(np.float32)
+    ids = np.arange(n, dtype=np.int64) + 100
+    kk = min(n, kf * k)
+    bounds = sorted({0, n, *[c for c in cuts if c <= n]})
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        m = min(b - a, kk)
+        top = np.argsort(-scan[:, a:b], axis=1)[:, :m] + a
+        parts.append((np.take_along_axis(scan, top, 1), np.take_along_axis(final, top, 1),
+                      ids[top]))
+    if not parts:
+        e = np.zeros((nq, 0), np.float32)
+        parts = [(e, e, np.zeros((nq, 0), np.int64))]
+    D, I = merge_candidates(parts, k, kk, metric)
+    for q in range(nq):
+        chosen = np.argsort(-scan[q])[:kk]
+        best = chosen[np.argsort(-final[q, chosen])][:k]
+        want_d = -final[q, best] if metric == 1 else final[q, best]
+        assert I[q, :len(best)].tolist() == ids[best].tolist()
+        assert D[q, :len(best)].tolist() == want_d.tolist()
+        assert (I[q, len(best):] == -1).all()

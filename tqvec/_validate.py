@@ -161,6 +161,18 @@ def search_k(value: Any, ntotal: int) -> int:
     return positive_int(value, "k", 1, max(int(ntotal), MAX_PADDED_K))
 
 
+def row_ids(ids: Any, n: int) -> np.ndarray:
+    """The ids of n new rows: ``id_array`` of shape (n,), each in 0..2**63-1 (-1 is faiss's
+    "no result")."""
+    a = id_array(ids)
+    if a.shape != (n,):
+        raise ValueError(f"ids must be an int64 array of shape ({n},), got shape "
+                         f"{np.shape(ids)}")
+    if a.size and int(a.min()) < 0:
+        raise ValueError(f"ids must be in 0..2**63-1, got {int(a.min())}")
+    return a
+
+
 def id_array(ids: Any, name: str = "ids") -> np.ndarray:
     """Vector ids as a 1-D int64 numpy array: integers only (a float id is refused, never
     truncated), each within int64."""

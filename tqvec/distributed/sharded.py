@@ -178,12 +178,7 @@ class ShardedIndex:
     def add_with_ids(self, x: Any, ids: Any) -> None:
         """Add rows with ids to the shard that holds the fewest rows (one call)."""
         t, _ = V.float_matrix(x, "x", self.d)
-        a = V.id_array(ids)
-        if a.shape != (t.shape[0],):
-            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got shape "
-                             f"{np.shape(ids)}")
-        if a.size and int(a.min()) < 0:
-            raise ValueError(f"ids must be in 0..2**63-1, got {int(a.min())}")
+        a = V.row_ids(ids, t.shape[0])
         if t.shape[0] == 0:
             return
         s = int(np.argmin(self._sizes))
@@ -234,9 +229,11 @@ class ShardedIndex:
         raise KeyError(f"id {key} is not in the index")
 
     # -- search --------------------------------------------------------------------------------
-    def _queries(self, x: Any) -> Any:
+    def _queries(self, x: Any) -> tuple[Any, np.ndarray]:
+        """(what the actors get: the checked queries, in the object store once when large;
+        the queries here)."""
         q = V.query_rows(x, "x", self.d, torch.device("cpu")).numpy()
-        return ray.put(q) if q.nbytes > _INLINE_BYTES else q, q.shape[0]
+        return ray.put(q) if q.nbytes > _INLINE_BYTES else q, q
 
     def search(self, x: Any, k: int, *, allowed_ids: Any = None, partial: bool = False
                ) -> Any:
@@ -245,14 +242,15 @@ class ShardedIndex:
         ``ShardError``, and the result is ``(D, I, answered)``: the shard numbers that
         answered."""
         k = V.search_k(k, self.ntotal)
-        q, nq = self._queries(x)
+        q, local = self._queries(x)
+        nq = local.shape[0]
         allowed = None if allowed_ids is None else V.id_array(allowed_ids, "allowed_ids")
         if allowed is not None and allowed.nbytes > _INLINE_BYTES:
             allowed = ray.put(allowed)
         n = self.ntotal
         probes = None
         if isinstance(self._template, IVFIndex):  # probed once, here (faiss's IndexShardsIVF)
-            probes = self._template.probe(ray.get(q) if isinstance(q, ray.ObjectRef) else q)
+            probes = self._template.probe(local)
             if sum(p.nbytes for p in probes) > _INLINE_BYTES:
                 probes = ray.put(probes)
         outs, answered = self._gather([h.search.remote(self._gens(i), q, k, allowed, n, probes)

@@ -172,13 +172,7 @@ class CodesIndex:
     def add_with_ids(self, x: Any, ids: Any) -> None:
         """Add vectors with the given ids (integers in 0..2**63-1; -1 stands for "no result")."""
         t, _ = V.float_matrix(x, "x", self.d)
-        a = V.id_array(ids)
-        if a.shape != (t.shape[0],):
-            raise ValueError(f"ids must be an int64 array of shape ({t.shape[0]},), got shape "
-                             f"{np.shape(ids)}")
-        if a.size and int(a.min()) < 0:
-            raise ValueError(f"ids must be in 0..2**63-1, got {int(a.min())}")
-        self._append(t, torch.from_numpy(a.copy()))
+        self._append(t, torch.from_numpy(V.row_ids(ids, t.shape[0]).copy()))
 
     def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
         if t.shape[0] == 0:

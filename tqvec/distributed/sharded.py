@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from .. import _validate as V
 from ..errors import FormatError
@@ -76,12 +77,22 @@ class ShardedIndex:
         self._sync()
 
     def _start(self, sources: dict[int, dict[str, Any]], n_act: int) -> list[Any]:
-        """One actor per host, holding the shards placed on it; several shards per actor run
-        their calls on threads (a streaming split must be consumed by every part at once)."""
+        """One actor per host, holding the shards placed on it (several shards per actor run
+        their calls on threads: a streaming split must be consumed by every part at once),
+        the hosts dealt round-robin to the nodes with CPUs (soft: a restart may land on
+        another node)."""
         actor = ray.remote(max_restarts=self._restarts[0],
                            max_task_retries=self._restarts[1])(ShardHost)
-        return [actor.options(max_concurrency=len(self._shards_of(h)) + 1).remote(
-            {s: sources[s] for s in self._shards_of(h)}, self._threads) for h in range(n_act)]
+        nodes = sorted(n["NodeID"] for n in ray.nodes()
+                       if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0)
+        hosts = []
+        for h in range(n_act):
+            where = (NodeAffinitySchedulingStrategy(nodes[h % len(nodes)], soft=True)
+                     if nodes else "DEFAULT")
+            hosts.append(actor.options(max_concurrency=len(self._shards_of(h)) + 1,
+                                       scheduling_strategy=where).remote(
+                {s: sources[s] for s in self._shards_of(h)}, self._threads))
+        return hosts
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _shards_of(self, host: int) -> list[int]:

@@ -8,11 +8,11 @@ in this process - batch and single-query - with the overhead of scatter/merge, a
 Ray runs locally with 2 CPUs (``ray.init(num_cpus=2)``). Encode: TurboQuant 4-bit codes of
 the training vectors; one process at 1 and 2 torch threads (median of 3), Ray Data
 ``encode_dataset`` with 1 and 2 workers over the dataset already in the object store, in
-4,096-row blocks (median of 3, materialized). Search: k = 10; the one index searches with 2
-threads; the sharded index puts its shards on min(shards, 2) actors with 2 / actors threads
-each. Batch: all queries in one call (median of 9); single: one query per call (median
-latency over the queries, after a warm-up). Results must be identical to the one index's
-(checked, reported). Writes bench/results/distributed.{json,md}.
+32,768-row blocks and batches (median of 3, materialized). Search: k = 10; the one index
+searches with 2 threads; the sharded index puts its shards on min(shards, 2) actors with
+2 / actors threads each. Batch: all queries in one call (median of 9); single: one query per
+call (median latency over the queries, after a warm-up). Results must be identical to the
+one index's (checked, reported). Writes bench/results/distributed.{json,md}.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ def encode_rows(x: np.ndarray, ray, dist) -> list[dict]:
         rows.append({"method": f"one process, {threads} thread(s)", "s": s,
                      "rows_per_s": len(x) / s})
     torch.set_num_threads(2)
-    ds = dist.as_dataset(x, block_rows=8192).materialize()
+    ds = dist.as_dataset(x, block_rows=32768).materialize()
     for workers in (1, 2):
         ops = []
 
         def run(w=workers, ops=ops):
-            out = dist.encode_dataset(ds, codec, batch_size=8192, concurrency=w).materialize()
+            out = dist.encode_dataset(ds, codec, batch_size=32768, concurrency=w).materialize()
             m = re.search(r"MapBatches\(_Encoder\).*? produced in ([0-9.]+)s", out.stats())
             ops.append(float(m[1]) if m else float("nan"))
         run()

@@ -97,16 +97,18 @@ class _Encoder:
         return codes_to_arrow(codes, {k: batch.column(k) for k in keep})
 
 
-def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: int = 8192,
+def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: int = 32768,
                    concurrency: int | None = None, num_gpus: float = 0,
                    keep_columns: bool = True) -> ray.data.Dataset:
     """Encode the vectors in ``column`` of ``data`` (anything ``as_dataset`` takes) with
     ``codec`` through ``map_batches``: a lazy Dataset of the codes' Arrow form (the payload as
     fixed-size binary, the scalars as float columns, the codec's params and fingerprint in the
     schema metadata; ``tqvec.codes_from_arrow`` reads it back), the other columns kept beside
-    them unless ``keep_columns=False``. ``concurrency`` workers (default: the cluster's CPUs,
-    or GPUs with ``num_gpus``), each building the codec once from its params; with
-    ``num_gpus`` > 0 each worker encodes on its GPU."""
+    them unless ``keep_columns=False``. ``batch_size``: rows per call of a worker (32,768 x
+    768 float32 is 100 MB; fewer, larger tasks amortize Ray Data's cost per task).
+    ``concurrency`` workers (default: the cluster's CPUs, or GPUs with ``num_gpus``), each
+    building the codec once from its params; with ``num_gpus`` > 0 each worker encodes on
+    its GPU."""
     if not isinstance(codec, Codec):
         raise TypeError(f"codec must be a tqvec codec, got {type(codec).__name__}")
     batch_size = V.positive_int(batch_size, "batch_size", 1)

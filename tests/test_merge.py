@@ -77,6 +77,18 @@ def test_merged_parts_equal_one_index(spec, metric, n_parts):
             same_results(D, I, D2, I2)
 
 
+def test_k_above_a_part_and_the_padded_limit():
+    """k may exceed a part's rows (and faiss's padding limit) when the collection holds k."""
+    from tqvec import _validate as V
+    small = _index("TQ4", "l2")
+    small.add_with_ids(X[:5], IDS[:5])
+    k = V.MAX_PADDED_K + 10
+    s, f, i = small.search_candidates(Q[:2], k, rows=k)
+    assert i.shape == (2, 5) and (i >= 0).all()
+    with pytest.raises(ValueError, match="k"):
+        small.search_candidates(Q[:2], k)
+
+
 def test_filtered_merge_equals_filtered_search():
     allowed = IDS[::7]
     one = _index("TQ2,Refine(Flat)", "l2")

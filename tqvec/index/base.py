@@ -284,18 +284,19 @@ class CodesIndex:
         ``probe(x)`` of the same queries, computed once for all the parts."""
         if probes is not None and not hasattr(self, "probe"):
             raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+        n = self._rows.n
+        if rows is not None:
+            rows = V.positive_int(rows, "rows", n, V.INT64_MAX)
+        # k is checked against the collection; this part answers with at most its own rows
+        k = V.search_k(k, n if rows is None else rows)
         if self.refine is None and probes is None:
-            D, I = self.search(x, k, allowed_ids=allowed_ids)
+            D, I = self.search(x, max(1, min(k, n)) if n else k, allowed_ids=allowed_ids)
             s = similarities(self.metric_type, D, I)
             return s, s, I
-        k = V.search_k(k, self._rows.n)
         self._check_ready("search")
         self.check_mapped()
         snap = self._current()
-        route = None
-        if rows is not None:
-            rows = V.positive_int(rows, "rows", snap.rows.n, V.INT64_MAX)
-            route = (rows, self._candidates(rows, k))
+        route = None if rows is None else (rows, self._candidates(rows, k))
         mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
         q, offsets = self._queries(x)
         nq, n = q.shape[0], snap.rows.n

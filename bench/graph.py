@@ -26,6 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _targets import fastest_at_targets  # noqa: E402
+
+from tqvec.benchmark import recall  # noqa: E402
+
 EF = (10, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 NPROBES = (2, 4, 8, 16, 32)
 TARGETS = (0.9, 0.95, 0.99)
@@ -118,10 +122,6 @@ def set_ef(kind: str, spec: str, index, ef: int) -> None:
         index.index.set_ef(max(ef, 10))
 
 
-def recall(I: np.ndarray, gt: np.ndarray, k: int = 10) -> float:
-    return float(np.mean([len(set(I[i, :k]) & set(gt[i, :k])) / k for i in range(len(I))]))
-
-
 def measure(index, xq, gt, single) -> dict:
     import faiss
     import torch
@@ -140,25 +140,17 @@ def measure(index, xq, gt, single) -> dict:
             index.search(xq[i:i + 1], 10)
 
     one = single / best_time(one_by_one)
-    return {"recall@10": recall(I, gt), "qps_batch_1t": batch, "qps_single_1t": one}
+    return {"recall@10": recall(I, gt, 10), "qps_batch_1t": batch, "qps_single_1t": one}
 
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per method and target: the fastest setting reaching it, and its ratios to hnswlib's
     and faiss HNSW,Flat's fastest at that target."""
-    out = []
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
-        for tgt in TARGETS:
-            ok = [r for r in mine if r["recall@10"] >= tgt]
-            if not ok:
-                continue
-            bb = max(ok, key=lambda r: r["qps_batch_1t"])
-            bs = max(ok, key=lambda r: r["qps_single_1t"])
-            out.append({"method": method, "bytes": mine[0]["bytes"],
-                        "build_s": mine[0]["build_s"], "target": tgt,
-                        "batch_qps": bb["qps_batch_1t"], "batch_ef": bb["ef"],
-                        "single_qps": bs["qps_single_1t"], "single_ef": bs["ef"]})
+    out = [{"method": method, "bytes": first["bytes"], "build_s": first["build_s"],
+            "target": tgt, "batch_qps": bb["qps_batch_1t"], "batch_ef": bb["ef"],
+            "single_qps": bs["qps_single_1t"], "single_ef": bs["ef"]}
+           for method, tgt, first, bb, bs in fastest_at_targets(
+               rows, TARGETS, "qps_batch_1t", "qps_single_1t")]
     for s in out:
         for ref, prefix in (("hnswlib", "hnswlib"), ("faiss_flat", "faiss HNSW")):
             same = [t for t in out if t["target"] == s["target"] and t["method"].startswith(

@@ -26,6 +26,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _targets import fastest_at_targets  # noqa: E402
+
+from tqvec.benchmark import recall  # noqa: E402
+
 NPROBES = (1, 2, 4, 8, 16, 32, 64)
 TARGETS = (0.8, 0.9, 0.95)
 K_FACTORS = (2, 3, 4)  # refinements only
@@ -88,10 +92,6 @@ def set_params(kind: str, index, p: int, kf: int | None) -> None:
             faiss.downcast_index(index).k_factor = kf
 
 
-def recall(I: np.ndarray, gt: np.ndarray, k: int = 10) -> float:
-    return float(np.mean([len(set(I[i, :k]) & set(gt[i, :k])) / k for i in range(len(I))]))
-
-
 def measure(kind, index, xq, gt, single) -> dict:
     import faiss
     import torch
@@ -113,7 +113,7 @@ def measure(kind, index, xq, gt, single) -> dict:
     one = single / best_time(one_by_one)  # best of up to 3 passes, as tqvec bench
     torch.set_num_threads(2)
     faiss.omp_set_num_threads(2)
-    return {"recall@10": recall(I, gt), "qps_batch_2t": batch, "qps_single_1t": one}
+    return {"recall@10": recall(I, gt, 10), "qps_batch_2t": batch, "qps_single_1t": one}
 
 
 def setting(r: dict) -> str:
@@ -123,18 +123,11 @@ def setting(r: dict) -> str:
 
 def summary(rows: list[dict]) -> list[dict]:
     """Per method and target: the fastest setting reaching it (batch and single separately)."""
-    out = []
-    for method in dict.fromkeys(r["method"] for r in rows):
-        mine = [r for r in rows if r["method"] == method]
-        for tgt in TARGETS:
-            ok = [r for r in mine if r["recall@10"] >= tgt]
-            if not ok:
-                continue
-            bb = max(ok, key=lambda r: r["qps_batch_2t"])
-            bs = max(ok, key=lambda r: r["qps_single_1t"])
-            out.append({"method": method, "bytes": mine[0]["bytes"], "target": tgt,
-                        "batch_qps": bb["qps_batch_2t"], "batch_setting": setting(bb),
-                        "single_qps": bs["qps_single_1t"], "single_setting": setting(bs)})
+    out = [{"method": method, "bytes": first["bytes"], "target": tgt,
+            "batch_qps": bb["qps_batch_2t"], "batch_setting": setting(bb),
+            "single_qps": bs["qps_single_1t"], "single_setting": setting(bs)}
+           for method, tgt, first, bb, bs in fastest_at_targets(
+               rows, TARGETS, "qps_batch_2t", "qps_single_1t")]
     for s in out:  # ratio to the best faiss method at the same target
         fa = [t for t in out if t["target"] == s["target"] and t["method"].startswith("faiss")]
         if fa:

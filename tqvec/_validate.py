@@ -161,6 +161,16 @@ def search_k(value: Any, ntotal: int) -> int:
     return positive_int(value, "k", 1, max(int(ntotal), MAX_PADDED_K))
 
 
+def part_k(value: Any, n: int, rows: Any) -> tuple[int, int, int | None]:
+    """k of a search over one part (n rows) of a collection of ``rows`` rows (None: the part
+    is the whole): (k checked against the collection, the k this part can answer - at most
+    its rows, the rows checked to be >= n)."""
+    if rows is not None:
+        rows = positive_int(rows, "rows", n, INT64_MAX)
+    k = search_k(value, n if rows is None else rows)
+    return k, min(k, n) if n else k, rows
+
+
 def row_ids(ids: Any, n: int) -> np.ndarray:
     """The ids of n new rows: ``id_array`` of shape (n,), each in 0..2**63-1 (-1 is faiss's
     "no result")."""

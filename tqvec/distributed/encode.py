@@ -23,10 +23,12 @@ DEFAULT_BLOCK_ROWS = 65536
 
 
 def as_dataset(data: Any, column: str = "emb", *, id_column: str = "id",
-               block_rows: int = DEFAULT_BLOCK_ROWS) -> ray.data.Dataset:
+               block_rows: int | None = None, consumers: int = 1) -> ray.data.Dataset:
     """A Ray Dataset of ``data``: a Dataset as it is, Parquet paths (``read_parquet``), or an
     (n, d) numpy array / torch tensor cut into blocks of ``block_rows`` rows with the vectors
-    in ``column`` and ids 0..n-1 in ``id_column``."""
+    in ``column`` and ids 0..n-1 in ``id_column``. By default an array gets a few blocks per
+    consumer (workers, shards: a block is the unit Ray Data hands out), at most
+    ``DEFAULT_BLOCK_ROWS`` rows each."""
     if isinstance(data, ray.data.Dataset):
         return data
     if isinstance(data, str) or (isinstance(data, Sequence) and data
@@ -35,6 +37,9 @@ def as_dataset(data: Any, column: str = "emb", *, id_column: str = "id",
     if isinstance(data, (np.ndarray, torch.Tensor)):
         t, _ = V.float_matrix(data, "data")
         x = t.to(torch.float32).numpy()
+        if block_rows is None:
+            consumers = V.positive_int(consumers, "consumers", 1)
+            block_rows = max(1, min(DEFAULT_BLOCK_ROWS, -(-len(x) // (4 * consumers))))
         block_rows = V.positive_int(block_rows, "block_rows", 1)
         tables = []
         for a in range(0, max(len(x), 1), block_rows):
@@ -119,10 +124,7 @@ def encode_dataset(data: Any, codec: Codec, *, column: str = "emb", batch_size: 
         concurrency = max(1, int(res.get("GPU", 0) // num_gpus if num_gpus
                                  else res.get("CPU", 1)))
     concurrency = V.positive_int(concurrency, "concurrency", 1)
-    # an array in a few blocks per worker (a block is one worker's task)
-    rows = len(data) if isinstance(data, (np.ndarray, torch.Tensor)) else 0
-    ds = as_dataset(data, column, block_rows=max(
-        1024, min(DEFAULT_BLOCK_ROWS, -(-rows // (4 * concurrency)))))
+    ds = as_dataset(data, column, consumers=concurrency)
     return ds.map_batches(
         _Encoder, fn_constructor_kwargs={"params": codec.params, "column": column,
                                          "keep": keep_columns,

@@ -26,7 +26,7 @@ from ..index.merge import merge_candidates, merge_ranges
 from ..index.metrics import metric_name
 from ..index.state import index_state
 from ..io import read_container, write_container
-from .encode import DEFAULT_BLOCK_ROWS, as_dataset, batch_vectors
+from .encode import as_dataset, batch_vectors
 from .errors import ShardError
 from .host import ShardHost, shard_file
 
@@ -206,10 +206,7 @@ class ShardedIndex:
         encoded and added by the shard's actor (the vectors in ``column``, ids in
         ``id_column``)."""
         batch_size = V.positive_int(batch_size, "batch_size", 1)
-        rows = len(data) if isinstance(data, (np.ndarray, torch.Tensor)) else 0
-        # an array in a few blocks per shard: a streaming split hands out whole blocks
-        ds = as_dataset(data, column, id_column=id_column, block_rows=max(
-            1, min(DEFAULT_BLOCK_ROWS, -(-rows // (4 * self.num_shards)))))
+        ds = as_dataset(data, column, id_column=id_column, consumers=self.num_shards)
         parts = ds.streaming_split(self.num_shards, equal=False)
         refs = [self._hosts[self._placement[s]].add_from.remote(
             s, self._gen[s], parts[s], column, id_column, batch_size)

@@ -284,13 +284,9 @@ class CodesIndex:
         ``probe(x)`` of the same queries, computed once for all the parts."""
         if probes is not None and not hasattr(self, "probe"):
             raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
-        n = self._rows.n
-        if rows is not None:
-            rows = V.positive_int(rows, "rows", n, V.INT64_MAX)
-        # k is checked against the collection; this part answers with at most its own rows
-        k = V.search_k(k, n if rows is None else rows)
+        k, k_here, rows = V.part_k(k, self._rows.n, rows)
         if self.refine is None and probes is None:
-            D, I = self.search(x, max(1, min(k, n)) if n else k, allowed_ids=allowed_ids)
+            D, I = self.search(x, k_here, allowed_ids=allowed_ids)
             s = similarities(self.metric_type, D, I)
             return s, s, I
         self._check_ready("search")
@@ -312,16 +308,17 @@ class CodesIndex:
             qb = q[qs:qe]
             pb = None if probes is None else (probes[0][qs:qe], probes[1][qs:qe])
             vals, pos = self._scan_block(qb, snap, mask, kk, nq, route, pb)
-            if self.refine is None:
-                rv, rp = vals, pos
+            off = 0.0 if offsets is None else offsets[qs:qe, None]
+            if self.refine is None:  # the scan's rows are the result (IVF with probes)
+                rv, rp, sv = vals, pos, vals
             else:
                 rv, rp = rerank(qb, vals, pos, self.refine, snap.rows.ref, snap.ref_lut,
                                 self._scoring, kk)
+                at = _positions_in(pos, np.where(np.isfinite(rv), rp, -1), n)
+                sv = np.take_along_axis(vals, at, 1)  # the scan's score of each re-ranked row
             m = rv.shape[1]
             ok = np.isfinite(rv)
-            at = _positions_in(pos, np.where(ok, rp, -1), n)
-            off = 0.0 if offsets is None else offsets[qs:qe, None]
-            scan[qs:qe, :m] = np.where(ok, np.take_along_axis(vals, at, 1) + off, -np.inf)
+            scan[qs:qe, :m] = np.where(ok, sv + off, -np.inf)
             final[qs:qe, :m] = np.where(ok, rv + off, -np.inf)
             I[qs:qe, :m] = np.where(ok, ids[np.maximum(rp, 0)], -1)
         return scan, final, I

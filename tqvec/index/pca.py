@@ -399,10 +399,8 @@ class PCAIndex:
         if probes is not None:
             raise ValueError("probes apply to an IVF index, not a PCAIndex")
         if self.index is not None and self.index.refine is None:
-            n = self.ntotal
-            k = V.search_k(k, n if rows is None else max(n, int(rows)))
-            # the fused path where it runs; at most this part's rows
-            D, I = self.search(x, max(1, min(k, n)) if n else k, allowed_ids=allowed_ids)
+            _, k_here, _ = V.part_k(k, self.ntotal, rows)
+            D, I = self.search(x, k_here, allowed_ids=allowed_ids)  # the fused path
             s = similarities(self.metric_type, D, I)
             return s, s, I
         return self._trained("search").search_candidates(self._to_basis(x, "x"), k,

@@ -157,6 +157,10 @@ MUTANTS = [
              "ix[h][2] = vorrq_u8(vandq_u8(cl, m30), vandq_u8(c1, low4));",
              "ix[h][2] = vorrq_u8(vandq_u8(cl, m30), vshrq_n_u8(c1, 4));")],
            ["tests/test_arch.py"]),
+    Mutant("vbmi-pair-index", "the VBMI 3-bit scan takes pair 1's lo bits from pair 0's",
+           [("csrc/cpu/fastscan/block_sums512.h",
+             "_mm512_slli_epi16(cl, 2), 0xca);", "_mm512_slli_epi16(cl, 4), 0xca);")],
+           ["tests/test_ops.py::test_fast_scan_scalar_path_equals_simd_path"]),
     # -- files ---------------------------------------------------------------------------------
     Mutant("reader-trailing-bytes", "the reader accepts bytes after the last array",
            [("tqvec/io.py", "        if size != end:", "        if size < end:")],

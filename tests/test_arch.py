@@ -46,6 +46,7 @@ def test_neon_path_gives_the_portable_bits_under_emulation(tmp_path):
                             ("arm/scalar", [qemu, str(arm)], "scalar"),
                             ("x86/scalar", [str(x86)], "scalar"),
                             ("x86/auto", [str(x86)], ""),
+                            ("x86/avx2", [str(x86)], "avx2"),
                             ("x86/avx512", [str(x86)], "avx512")]:
         text, path = run(cmd, simd)
         out[name] = text

@@ -507,8 +507,9 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
-    """Every vector path this CPU has (AVX2 by default, AVX-512 with TQVEC_SIMD=avx512, the
-    portable loops with TQVEC_SIMD=scalar; chosen once per process) gives the same results:
+    """Every vector path this CPU has (the default: AVX2, with VBMI's 3-bit scans where the CPU
+    has it; AVX2 alone with TQVEC_SIMD=avx2; AVX-512 with TQVEC_SIMD=avx512; the portable loops
+    with TQVEC_SIMD=scalar; chosen once per process) gives the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
     ||q||^2 and <q, v>."""
@@ -562,7 +563,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    qs = torch.from_numpy(rng.standard_normal((10, d)).astype(np.float32))\n"
         "    cs = torch.from_numpy(rng.standard_normal((11, d)).astype(np.float32))\n"
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
-        "for b, d, n in [(1, 100, 1000), (2, 96, 777), (4, 786, 1100)]:\n"
+        "for b, d, n in [(1, 100, 1000), (2, 96, 777), (3, 1040, 1100), (4, 786, 1100)]:\n"
         "    # 13 queries: groups of several queries per pass and a remainder; 786 4-bit\n"
         "    # coordinates: an odd byte count past a 16-bit flush\n"
         "    qr = torch.from_numpy(rng.standard_normal((13, d)).astype(np.float32))\n"
@@ -584,16 +585,17 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)
     res = {}
-    for mode in ("auto", "avx512", "scalar"):
+    for mode in ("auto", "avx2", "avx512", "scalar"):
         env["TQVEC_SIMD"] = mode
         path = tmp_path / f"{mode}.npz"
         subprocess.run([sys.executable, "-c", script, str(path)], env=env, check=True)
         res[mode] = dict(np.load(path))
     last = f"arr_{len(res['auto']) - 1}"
     paths = {mode: str(r.pop(last)[0]) for mode, r in res.items()}
-    assert paths["scalar"] == "scalar" and paths["auto"] in ("avx2", "scalar")
-    assert paths["avx512"] in ("avx512", "avx2", "scalar")  # what the CPU has of it
-    for mode in ("avx512", "scalar"):
+    assert paths["scalar"] == "scalar" and paths["auto"] in ("avx2+vbmi", "avx2", "scalar")
+    assert paths["avx2"] in ("avx2", "scalar")
+    assert paths["avx512"] in ("avx512", "avx2+vbmi", "avx2", "scalar")  # what the CPU has
+    for mode in ("avx2", "avx512", "scalar"):
         for key in res["auto"]:
             np.testing.assert_array_equal(res["auto"][key], res[mode][key], err_msg=(
                 f"{paths['auto']} vs {paths[mode]}, {key}"))

@@ -28,6 +28,10 @@ bool simd_neon();
 // on Zen 4 (512-bit ops split in two 256-bit halves) the lookups are bound by the shuffle
 // ports either way and the path measured 0.90-1.0x the AVX2 one.
 bool simd_avx512();
+// Whether the 3-bit block sums take AVX-512 VBMI (vpermb: a pair's 64-entry table in one
+// lookup): the CPU has F, BW and VBMI, the AVX2 loops run and TQVEC_SIMD is not "avx2" (which
+// keeps every scan on AVX2). On by default: the same bits as the AVX2 path, measured faster.
+bool simd_vbmi();
 
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);

@@ -14,11 +14,17 @@ namespace tqvec::bind {
 void bind_scans(nb::module_& m) {
   m.def("simd_path",
         [] {
-          return simd_neon() ? "neon" : simd_avx512() ? "avx512" : simd_avx2() ? "avx2" : "scalar";
+          return simd_neon()     ? "neon"
+                 : simd_avx512() ? "avx512"
+                 : simd_vbmi()   ? "avx2+vbmi"
+                 : simd_avx2()   ? "avx2"
+                                 : "scalar";
         },
         "The vector path the fast scans take on this CPU: avx2 (the x86 default where the CPU "
-        "has it), avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW), neon (aarch64) or "
-        "scalar (TQVEC_SIMD=scalar, or no AVX2).");
+        "has it), avx2+vbmi (the default where it also has AVX-512 F, BW and VBMI: 3-bit scans "
+        "by vpermb), avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW; 3-bit scans by "
+        "vpermb where it has VBMI), neon (aarch64) or scalar (TQVEC_SIMD=scalar, or no AVX2); "
+        "TQVEC_SIMD=avx2 keeps every scan on AVX2.");
 
   m.def("lut_scan", [](CArr<const float> qr, CArr<const uint8_t> packed,
                        CArr<const float> centroids, CArr<const float> mult, CArr<const float> add,

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #include "block_sums.h"
 #include "shortlist.h"
@@ -105,6 +106,116 @@ __attribute__((target("avx2,avx512f,avx512bw"))) void scan_blocksq_avx512(
 }
 
 #undef TQVEC_AVX512
+
+#define TQVEC_VBMI \
+  __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"), always_inline)) inline
+
+// Code bytes off .. off + 31 of two blocks' 32 rows in one register (block 0 low, block 1 high).
+TQVEC_VBMI __m512i load_two_blocks(const uint8_t* b0, const uint8_t* b1, int64_t off) {
+  return _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b0 + off))),
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b1 + off)), 1);
+}
+
+// b = 3 with VBMI: a pair's 6 bits (hi nibble | lo bits << 4, the order of its 64-entry table)
+// index the table in one vpermb, which reads the low 6 bits of each index byte - one
+// instruction where AVX2 takes four shuffles and three blends - for 64 rows at once, the 32 of
+// block b0 and the 32 of block b1 (b1 may be b0: one block, its sums written twice). Each
+// index is one bit-select of the hi nibble (bits 0-3) and the lo byte shifted so the pair's
+// two bits sit at bits 4-5. The sums and their flushes are block_sums3_avx2's (the same
+// 16-bit lanes per block, flushed by its code): rows of block u for query q land at
+// tot[(q * 2 + u) * 32 ...], bit for bit the AVX2 path's totals.
+template <int NQ>
+TQVEC_VBMI void block_sums3_vbmi(const uint8_t* b0, const uint8_t* b1, int64_t rb,
+                                 const uint8_t* const* q8, uint32_t* tot) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f);
+  const int64_t G = rb / 3;
+  __m256i tt[NQ][2][4];
+  for (int q = 0; q < NQ; ++q)
+    for (int u = 0; u < 2; ++u)
+      for (int w = 0; w < 4; ++w) tt[q][u][w] = _mm256_setzero_si256();
+  for (int64_t g0 = 0; g0 < G; g0 += kFlushGroups3) {
+    const int64_t g1 = std::min(G, g0 + kFlushGroups3);
+    __m512i all[NQ], odd[NQ];
+    for (int q = 0; q < NQ; ++q) all[q] = odd[q] = _mm512_setzero_si512();
+    for (int64_t g = g0; g < g1; ++g) {
+      const __m512i c0 = load_two_blocks(b0, b1, 3 * g * kRows);
+      const __m512i c1 = load_two_blocks(b0, b1, (3 * g + 1) * kRows);
+      const __m512i cl = load_two_blocks(b0, b1, (3 * g + 2) * kRows);
+      // 0xca: low4 ? first : second, bit by bit
+      const __m512i i0 = _mm512_ternarylogic_epi32(low4, c0, _mm512_slli_epi16(cl, 4), 0xca);
+      const __m512i i1 = _mm512_ternarylogic_epi32(low4, _mm512_srli_epi16(c0, 4),
+                                                   _mm512_slli_epi16(cl, 2), 0xca);
+      const __m512i i2 = _mm512_ternarylogic_epi32(low4, c1, cl, 0xca);
+      const __m512i i3 = _mm512_ternarylogic_epi32(low4, _mm512_srli_epi16(c1, 4),
+                                                   _mm512_srli_epi16(cl, 2), 0xca);
+      for (int q = 0; q < NQ; ++q) {
+        const uint8_t* T = q8[q] + 4 * g * 64;
+        const __m512i r0 = _mm512_add_epi8(_mm512_permutexvar_epi8(i0, _mm512_loadu_si512(T)),
+                                           _mm512_permutexvar_epi8(i1, _mm512_loadu_si512(T + 64)));
+        const __m512i r1 =
+            _mm512_add_epi8(_mm512_permutexvar_epi8(i2, _mm512_loadu_si512(T + 128)),
+                            _mm512_permutexvar_epi8(i3, _mm512_loadu_si512(T + 192)));
+        all[q] = _mm512_add_epi16(_mm512_add_epi16(all[q], r0), r1);
+        odd[q] = _mm512_add_epi16(_mm512_add_epi16(odd[q], _mm512_srli_epi16(r0, 8)),
+                                  _mm512_srli_epi16(r1, 8));
+      }
+    }
+    for (int q = 0; q < NQ; ++q)
+      for (int u = 0; u < 2; ++u)
+        flush_one(_mm512_extracti64x4_epi64(all[q], u), _mm512_extracti64x4_epi64(odd[q], u),
+                  tt[q][u]);
+  }
+  store_totals<2, NQ>(tt, tot);
+}
+
+// scan_blocks_avx2 for b = 3 with the VBMI sums, two blocks per pass.
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"))) inline void scan_blocks3_vbmi(
+    const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
+    const float* mult, const float* add, float off, Shortlist& sl) {
+  alignas(32) uint32_t tot[2 * kRows];
+  const uint8_t* q8[1] = {L.q8.data()};
+  for (int64_t j = j0; j < j1; j += 2) {
+    const uint8_t* b0 = blocked + j * rb * kRows;
+    block_sums3_vbmi<1>(b0, j + 1 < j1 ? b0 + rb * kRows : b0, rb, q8, tot);
+    for (int u = 0; u < 2 && j + u < j1; ++u)
+      admit_block_avx2(L, tot + u * kRows, j + u, n, mult, add, off, sl);
+  }
+}
+
+// NQ queries (b = 3) over the same blocks, two blocks per pass.
+template <int NQ>
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"))) void scan_blocksq3_vbmi(
+    const Lut* const* L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
+    const float* mult, const float* add, const float* off, Shortlist* const* sl) {
+  alignas(32) uint32_t tot[NQ * 2 * kRows];
+  const uint8_t* q8[NQ];
+  for (int q = 0; q < NQ; ++q) q8[q] = L[q]->q8.data();
+  for (int64_t j = j0; j < j1; j += 2) {
+    const uint8_t* b0 = blocked + j * rb * kRows;
+    block_sums3_vbmi<NQ>(b0, j + 1 < j1 ? b0 + rb * kRows : b0, rb, q8, tot);
+    for (int q = 0; q < NQ; ++q)
+      for (int u = 0; u < 2 && j + u < j1; ++u)
+        admit_block_avx2(*L[q], tot + (q * 2 + u) * kRows, j + u, n, mult, add, off[q], *sl[q]);
+  }
+}
+
+// The row totals of blocks b0 and b1 (b = 3) into tot[0, 64), callable from code compiled for
+// other instruction sets.
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"))) inline void block_sums3_two_vbmi(
+    const Lut& L, const uint8_t* b0, const uint8_t* b1, int64_t rb, uint32_t* tot) {
+  const uint8_t* q8[1] = {L.q8.data()};
+  block_sums3_vbmi<1>(b0, b1, rb, q8, tot);
+}
+
+// The 32 row totals of one block (b = 3).
+inline void block_sums3_one_vbmi(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* tot) {
+  alignas(32) uint32_t both[2 * kRows];
+  block_sums3_two_vbmi(L, blk, blk, rb, both);
+  std::memcpy(tot, both, sizeof(uint32_t) * kRows);
+}
+
+#undef TQVEC_VBMI
 
 }  // namespace tqvec::fastscan
 #endif  // TQVEC_X86

@@ -43,6 +43,17 @@ bool simd_avx512() {
 #endif
 }
 
+bool simd_vbmi() {
+#ifdef TQVEC_X86
+  static const bool vbmi = simd_avx2() && __builtin_cpu_supports("avx512f") &&
+                           __builtin_cpu_supports("avx512bw") &&
+                           __builtin_cpu_supports("avx512vbmi") && simd_request() != "avx2";
+  return vbmi;
+#else
+  return false;
+#endif
+}
+
 bool simd_neon() {
 #ifdef TQVEC_NEON
   static const bool neon = simd_request() != "scalar";

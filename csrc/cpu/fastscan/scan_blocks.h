@@ -1,6 +1,6 @@
 // The block scans' vector path, chosen per CPU and TQVEC_SIMD (../kernels.h): AVX2 by default
-// on x86 (AVX-512 for b in {1, 2, 4} on request), NEON on aarch64, or the portable loops. Every
-// path gives the same bits.
+// on x86 (b = 3 by VBMI's vpermb where the CPU has it; AVX-512 for b in {1, 2, 4} on request),
+// NEON on aarch64, or the portable loops. Every path gives the same bits.
 #pragma once
 #include <cstdint>
 
@@ -15,12 +15,13 @@ namespace tqvec::fastscan {
 
 // Queries per pass of the multi-query scan, 0 where there is none (the portable build scans
 // query by query): AVX2 3 (four queries' accumulators, tables and temporaries overflow the 16
-// registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers);
-// NEON 4, 2 for b = 3 (32 registers; the totals stay in memory between flushes).
+// registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers; b = 3
+// with VBMI too: 8 measured slower); NEON 4, 2 for b = 3 (32 registers; the totals stay in
+// memory between flushes).
 inline int queries_per_pass(int b) {
   if (simd_neon()) return b == 3 ? 2 : 4;
   if (!simd_avx2()) return 0;
-  if (b == 3) return 2;
+  if (b == 3) return simd_vbmi() ? 4 : 2;
   return simd_avx512() ? 4 : 3;
 }
 
@@ -33,7 +34,9 @@ inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl,
   if (nq <= 0) return;
   for (int64_t g = 0; g + nq <= count; g += nq) {
 #ifdef TQVEC_X86
-    if (nq == 4)
+    if (L[g]->b == 3 && nq == 4)
+      scan_blocksq3_vbmi<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else if (nq == 4)
       scan_blocksq_avx512<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else if (nq == 2)
       scan_blocksq_avx2<2>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
@@ -55,6 +58,8 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
                         int64_t j1, const float* mult, const float* add, float off,
                         Shortlist& sl) {
 #ifdef TQVEC_X86
+  if (L.b == 3 && simd_vbmi())
+    return scan_blocks3_vbmi(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (L.b != 3 && simd_avx512())
     return scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (simd_avx2()) return scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);
@@ -68,6 +73,7 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
 // The 32 row totals of one block (tot[0, 32)) by the vector path present.
 inline void block_sums_one(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* tot) {
 #ifdef TQVEC_X86
+  if (L.b == 3 && simd_vbmi()) return block_sums3_one_vbmi(L, blk, rb, tot);
   if (simd_avx2()) return block_sums1_avx2(L, blk, rb, tot);
 #endif
 #ifdef TQVEC_NEON

@@ -91,7 +91,11 @@ __attribute__((target("avx2"))) void term_sums_avx2(const TermScan& T, int64_t j
                                                     uint32_t* tot) {
   const uint8_t* q8[1] = {T.L.q8.data()};
   const uint8_t* blk = T.blocked + j * T.rb * kRows;
-  if (nb == 4 && T.L.b == 3) {
+  if (T.L.b == 3 && simd_vbmi()) {
+    for (int u = 0; u < nb; u += 2)
+      block_sums3_two_vbmi(T.L, blk + u * T.rb * kRows, blk + (u + (nb > 1)) * T.rb * kRows,
+                           T.rb, tot + u * kRows);
+  } else if (nb == 4 && T.L.b == 3) {
     block_sums3_avx2<2, 1>(blk, T.rb, q8, tot);
     block_sums3_avx2<2, 1>(blk + 2 * T.rb * kRows, T.rb, q8, tot + 2 * kRows);
   } else if (nb == 4) {

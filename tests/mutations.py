@@ -161,6 +161,15 @@ MUTANTS = [
            [("csrc/cpu/fastscan/block_sums512.h",
              "_mm512_slli_epi16(cl, 2), 0xca);", "_mm512_slli_epi16(cl, 4), 0xca);")],
            ["tests/test_ops.py::test_fast_scan_scalar_path_equals_simd_path"]),
+    Mutant("dot-gather-rows", "the 4-bit dot scan gathers a row's levels of the second code byte "
+           "from the wrong row", [("csrc/cpu/fastscan/dot.h", "{0,  64, 32, 96,  1,  65, 33, 97,",
+                                  "{0,  64, 33, 96,  1,  65, 32, 97,")],
+           ["tests/test_ops.py"]),
+    Mutant("dot-bound-dropped", "the 4-bit dot scan drops its rounding bound (rows whose "
+           "estimate fell short never reach the re-score)",
+           [("csrc/cpu/fastscan/tables.cpp", "(std::min(a1, hoeffding) * 1.001 +",
+             "(0.0 * std::min(a1, hoeffding) * 1.001 +")],
+           ["tests/test_ops.py"]),
     # -- files ---------------------------------------------------------------------------------
     Mutant("reader-trailing-bytes", "the reader accepts bytes after the last array",
            [("tqvec/io.py", "        if size != end:", "        if size < end:")],

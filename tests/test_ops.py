@@ -228,6 +228,38 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
                 assert all(exact[r] >= kth - 0.1 * spread for _, r in got)
 
 
+@pytest.mark.parametrize("d,n,nq,k,case", [(1536, 4000, 16, 100, "normal"),
+                                           (786, 1000, 9, 10, "normal"),
+                                           (384, 3000, 8, 10, "spike"),
+                                           (384, 3000, 8, 10, "sparse"),
+                                           (100, 2000, 24, 40, "tiny"),
+                                           (256, 3000, 8, 20, "skewed codebook")])
+def test_fast_scan_batches_of_4_bit_codes_match_the_reference(d, n, nq, k, case, rng):
+    """Batches of 4-bit codes (groups of 8 queries: the int8 dot form where the CPU has VNNI,
+    the tables elsewhere) return the exact top k. Inputs the 8-bit weights and levels represent
+    badly must widen the bound, not lose rows: one huge coordinate (the rest round to a few
+    steps), mostly zero coordinates, tiny values, a codebook with one far outlier (the other
+    levels crowd into a few steps); d = 1536 sums past 2^24, 786 coordinates end in an unpaired
+    code byte."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    qr, packed, c, mult, add = scan_case(rng, nq, n, d, 4, excluded_every=7)
+    if case == "spike":
+        qr[:, 3] *= 1000.0
+    elif case == "sparse":
+        qr[:, 5:] = 0.0
+    elif case == "tiny":
+        qr *= 1e-30
+    elif case == "skewed codebook":
+        c = torch.cat([torch.tensor([-50.0]), torch.sort(torch.rand(15) * 0.1).values])
+    blocked = ops.block_codes(packed, d, 4)
+    vc, pc = ops.fast_scan(qr, blocked, n, c, mult, add, 4, k)
+    s, bound = oracle.lut_scores(qr, packed, c, mult, add, 4)
+    oracle.check_topk(vc, pc, s, bound, k)
+    vr, pr = ops.lut_scan(qr, packed, c, mult, add, 4, k, backend="ref")
+    torch.testing.assert_close(vc, vr, rtol=1e-4, atol=1e-4 * float(vr.abs().max()))
+
+
 @pytest.mark.parametrize("terms", [[(3, 100, 2), (1, 100, 1)], [(1, 64, 1), (1, 48, 1)],
                                    [(4, 384, 3), (1, 384, 1)], [(2, 33, 1)],
                                    [(3, 20, 1), (2, 7, 2), (1, 100, 1)],
@@ -507,9 +539,10 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
 
 
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
-    """Every vector path this CPU has (the default: AVX2, with VBMI's 3-bit scans where the CPU
-    has it; AVX2 alone with TQVEC_SIMD=avx2; AVX-512 with TQVEC_SIMD=avx512; the portable loops
-    with TQVEC_SIMD=scalar; chosen once per process) gives the same results:
+    """Every vector path this CPU has (the default: AVX2, with VBMI's 3-bit scans and VNNI's
+    4-bit dot scans where the CPU has them; AVX2 alone with TQVEC_SIMD=avx2; AVX-512 with
+    TQVEC_SIMD=avx512; the portable loops with TQVEC_SIMD=scalar; chosen once per process)
+    gives the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
     ||q||^2 and <q, v>."""
@@ -592,9 +625,10 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         res[mode] = dict(np.load(path))
     last = f"arr_{len(res['auto']) - 1}"
     paths = {mode: str(r.pop(last)[0]) for mode, r in res.items()}
-    assert paths["scalar"] == "scalar" and paths["auto"] in ("avx2+vbmi", "avx2", "scalar")
+    fast = ("avx2+vbmi+vnni", "avx2+vbmi", "avx2", "scalar")  # what the CPU has of them
+    assert paths["scalar"] == "scalar" and paths["auto"] in fast
     assert paths["avx2"] in ("avx2", "scalar")
-    assert paths["avx512"] in ("avx512", "avx2+vbmi", "avx2", "scalar")  # what the CPU has
+    assert paths["avx512"] in ("avx512", *fast)
     for mode in ("avx2", "avx512", "scalar"):
         for key in res["auto"]:
             np.testing.assert_array_equal(res["auto"][key], res[mode][key], err_msg=(

@@ -28,6 +28,10 @@
 // top k if its upper bound reaches the k-th best lower bound seen so far; those rows (typically
 // a few k) are re-scored exactly with the float table.
 //
+// With AVX-512 VNNI, batched exact scans of 4-bit codes score groups of 8 queries by int8 dot
+// products of the decoded levels and the rounded query instead (fastscan/dot.h), with their own
+// bound: the same re-scored top k.
+//
 // The implementation, by concern, in fastscan/: tables (the per-query lookup tables),
 // shortlist (candidates and their selection), block_sums (the SIMD table sums and the scans
 // that admit rows), schedule (the threads), and the scans: flat, terms, two_stage, ivf.

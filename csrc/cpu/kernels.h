@@ -32,6 +32,9 @@ bool simd_avx512();
 // lookup): the CPU has F, BW and VBMI, the AVX2 loops run and TQVEC_SIMD is not "avx2" (which
 // keeps every scan on AVX2). On by default: the same bits as the AVX2 path, measured faster.
 bool simd_vbmi();
+// Whether the batched exact scans of 4-bit codes score rows by an int8 dot product (VNNI
+// vpdpbusd) instead of table lookups (fastscan/dot.h): simd_vbmi and the CPU has AVX-512 VNNI.
+bool simd_vnni();
 
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);

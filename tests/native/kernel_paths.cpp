@@ -239,6 +239,7 @@ int main() {
   std::fprintf(stderr, "simd path: %s\n",
                tqvec::simd_neon()      ? "neon"
                : tqvec::simd_avx512() ? "avx512"
+               : tqvec::simd_vnni()   ? "avx2+vbmi+vnni"
                : tqvec::simd_vbmi()   ? "avx2+vbmi"
                : tqvec::simd_avx2()   ? "avx2"
                                       : "scalar");

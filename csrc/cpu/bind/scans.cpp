@@ -16,13 +16,15 @@ void bind_scans(nb::module_& m) {
         [] {
           return simd_neon()     ? "neon"
                  : simd_avx512() ? "avx512"
+                 : simd_vnni()   ? "avx2+vbmi+vnni"
                  : simd_vbmi()   ? "avx2+vbmi"
                  : simd_avx2()   ? "avx2"
                                  : "scalar";
         },
         "The vector path the fast scans take on this CPU: avx2 (the x86 default where the CPU "
         "has it), avx2+vbmi (the default where it also has AVX-512 F, BW and VBMI: 3-bit scans "
-        "by vpermb), avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW; 3-bit scans by "
+        "by vpermb), avx2+vbmi+vnni (and VNNI: batched exact 4-bit scans by int8 dot products), "
+        "avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW; 3-bit scans by "
         "vpermb where it has VBMI), neon (aarch64) or scalar (TQVEC_SIMD=scalar, or no AVX2); "
         "TQVEC_SIMD=avx2 keeps every scan on AVX2.");
 

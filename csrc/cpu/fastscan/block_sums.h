@@ -274,8 +274,10 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums(
 
 // Bounds of the 32 rows of block j (sums bt) against the query's threshold, 8 rows at a time;
 // only rows that pass (a few per query in all, once the heap is full) leave the vector path.
+// Sc: a Lut or a SumScale (consider()); the sums convert as signed 32-bit integers.
+template <class Sc>
 __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
-    const Lut& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
+    const Sc& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
     float off, Shortlist& sl) {
   const int64_t base = j * kRows;
   if (n - base < kRows) {  // last, partial block

@@ -54,6 +54,15 @@ bool simd_vbmi() {
 #endif
 }
 
+bool simd_vnni() {
+#ifdef TQVEC_X86
+  static const bool vnni = simd_vbmi() && __builtin_cpu_supports("avx512vnni");
+  return vnni;
+#else
+  return false;
+#endif
+}
+
 bool simd_neon() {
 #ifdef TQVEC_NEON
   static const bool neon = simd_request() != "scalar";

@@ -86,6 +86,7 @@ void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_
         Lut& L = luts[static_cast<size_t>(qi)];
         L = build_lut(qr + (q0 + qi) * d, d, b, centroids, rb, keep_float);
         if (approx) L.err = 0.0f;
+        if (uses_dot(b, !approx)) add_dot(L, rb);
       }
     };
     auto scan = [&](int64_t w) {
@@ -97,7 +98,7 @@ void ivf_fast_scan(const float* qr, int64_t nq, const CodeTable& t, const int64_
         const int64_t l = order[static_cast<size_t>(o)];
         const auto& qs = by_list[static_cast<size_t>(l)];
         const int64_t j0 = list_blocks[l], j1 = list_blocks[l + 1];
-        const int qpp = queries_per_pass(b);
+        const int qpp = queries_per_pass(b, !approx);
         const size_t grouped = qpp > 0 ? qs.size() / qpp * qpp : 0;
         lp.clear(), sp.clear(), off.clear();
         for (size_t g = 0; g < grouped; ++g) {

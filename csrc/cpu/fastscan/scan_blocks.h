@@ -8,6 +8,7 @@
 #include "block_sums.h"
 #include "block_sums512.h"
 #include "block_sums_neon.h"
+#include "dot.h"
 #include "shortlist.h"
 #include "tables.h"
 
@@ -16,9 +17,11 @@ namespace tqvec::fastscan {
 // Queries per pass of the multi-query scan, 0 where there is none (the portable build scans
 // query by query): AVX2 3 (four queries' accumulators, tables and temporaries overflow the 16
 // registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers; b = 3
-// with VBMI too: 8 measured slower); NEON 4, 2 for b = 3 (32 registers; the totals stay in
-// memory between flushes).
-inline int queries_per_pass(int b) {
+// with VBMI too: 8 measured slower); the dot form 8 (uses_dot: exact scans of 4-bit codes with
+// VNNI; 16 accumulators); NEON 4, 2 for b = 3 (32 registers; the totals stay in memory between
+// flushes). exact: the scan re-scores its shortlists (not an approximate first stage).
+inline int queries_per_pass(int b, bool exact) {
+  if (uses_dot(b, exact)) return 8;
   if (simd_neon()) return b == 3 ? 2 : 4;
   if (!simd_avx2()) return 0;
   if (b == 3) return simd_vbmi() ? 4 : 2;
@@ -26,7 +29,8 @@ inline int queries_per_pass(int b) {
 }
 
 // Scans the first count queries of the lut/shortlist arrays (count a multiple of nq, which is
-// queries_per_pass) over blocks [j0, j1), nq at a time, with per-query offsets off.
+// queries_per_pass; 8: the dot form) over blocks [j0, j1), nq at a time, with per-query
+// offsets off.
 inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl, int64_t count,
                               const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                               int64_t j1, const float* mult, const float* add,
@@ -34,7 +38,9 @@ inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl,
   if (nq <= 0) return;
   for (int64_t g = 0; g + nq <= count; g += nq) {
 #ifdef TQVEC_X86
-    if (L[g]->b == 3 && nq == 4)
+    if (nq == 8)
+      scan_blocks_dot<8>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else if (L[g]->b == 3 && nq == 4)
       scan_blocksq3_vbmi<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else if (nq == 4)
       scan_blocksq_avx512<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);

@@ -60,11 +60,14 @@ struct Shortlist {
 // Approximate score and bound of row i from its table sum; admits it if it can reach the top k.
 // `off` is added to every score of the rows being scanned (0 for a flat scan; the query's
 // offset of the inverted list in ivf_fast_scan).
-inline void consider(const Lut& L, uint32_t tot, int64_t i, const float* mult, const float* add,
+// Sc: a Lut (table sums, < 2^31) or a SumScale (the dot form's signed sums, as uint32 bits).
+template <class Sc>
+inline void consider(const Sc& L, uint32_t tot, int64_t i, const float* mult, const float* add,
                      float off, Shortlist& sl) {
   const float a = add[i];
   if (!(a > -std::numeric_limits<float>::infinity())) return;
-  const float s = mult[i] * (L.delta * static_cast<float>(tot) + L.bias) + a + off;
+  const float s =
+      mult[i] * (L.delta * static_cast<float>(static_cast<int32_t>(tot)) + L.bias) + a + off;
   const float e = std::fabs(mult[i]) * L.err;
   if (s + e >= sl.threshold()) sl.admit(s - e, s + e, i, off);
 }

@@ -242,4 +242,46 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
   return L;
 }
 
+bool uses_dot(int b, bool exact) { return exact && b == 4 && simd_vnni(); }
+
+void add_dot(Lut& L, int64_t rb) {
+  const int64_t d = L.d;
+  // levels: the 16 centroids on 255 steps of their range
+  float cmin = L.c[0], cmax = L.c[0];
+  for (int v = 1; v < 16; ++v) cmin = std::min(cmin, L.c[v]), cmax = std::max(cmax, L.c[v]);
+  const double sl = cmax > cmin ? (static_cast<double>(cmax) - cmin) / 255.0 : 1.0;
+  double ec = 0.0, chat = 0.0;  // the largest level error |c - c^| and level |c^|
+  for (int v = 0; v < 16; ++v) {
+    const double l = std::min(255.0, std::max(0.0, std::floor((L.c[v] - cmin) / sl + 0.5)));
+    for (int lane = 0; lane < 4; ++lane) L.lev[lane * 16 + v] = static_cast<uint8_t>(l);
+    const double ch = cmin + sl * l;
+    ec = std::max(ec, std::fabs(L.c[v] - ch));
+    chat = std::max(chat, std::fabs(ch));
+  }
+  // weights: the query on 127 steps of its largest coordinate, zero past d
+  double qmax = 0.0;
+  for (int64_t j = 0; j < d; ++j) qmax = std::max(qmax, static_cast<double>(std::fabs(L.q[j])));
+  const double sw = qmax > 0.0 ? qmax / 127.0 : 1.0;
+  L.w.assign(static_cast<size_t>(2 * rb + 4), 0);
+  double wsum = 0.0, a1 = 0.0, a2 = 0.0, absmax = 0.0;
+  for (int64_t j = 0; j < d; ++j) {
+    const double wj = std::min(127.0, std::max(-127.0, std::floor(L.q[j] / sw + 0.5)));
+    L.w[static_cast<size_t>(j)] = static_cast<int8_t>(wj);
+    wsum += wj;
+    // q c - q^ c^ = q (c - c^) + c^ (q - q^): at most a_j per coordinate
+    const double a = std::fabs(L.q[j]) * ec + chat * std::fabs(L.q[j] - sw * wj);
+    a1 += a, a2 += a * a;
+    absmax += std::fabs(L.q[j]) * std::max(std::fabs(cmin), std::fabs(cmax));
+  }
+  L.dot.delta = static_cast<float>(sw * sl);
+  L.dot.bias = static_cast<float>(sw * cmin * wsum);
+  // The table bound's argument (build_lut): the worst case, or Hoeffding's with terms in
+  // [-a_j, a_j] at a miss probability below 1e-9 per row; then float rounding - of the sum's
+  // conversion where |S| can pass 2^24, and of the exact and approximate scores.
+  const double hoeffding = std::sqrt(2.0 * a2 * std::log(2.0 / 1e-9));
+  const double smax = 255.0 * 127.0 * static_cast<double>(d);
+  L.dot.err = static_cast<float>(std::min(a1, hoeffding) * 1.001 + 1e-5 * absmax +
+                                 sw * sl * smax * std::ldexp(1.0, -24));
+}
+
 }  // namespace tqvec::fastscan

@@ -10,6 +10,11 @@ constexpr int64_t kFlushBytes = 256;  // <= 254 per byte and row: 256 * 254 < 65
 constexpr int64_t kFlushGroups3 = 128;  // b = 3: <= 508 per group and row: 128 * 508 < 65536
 constexpr float kLevels = 127.0f;     // table entries are 7-bit: two of them add in 8 bits
 
+// A row's approximate score from its integer sum S: delta * S + bias, |error| <= err.
+struct SumScale {
+  float delta = 1.0f, bias = 0.0f, err = 0.0f;
+};
+
 // Per query: the quantized table, and where a scan re-scores candidates also the float table,
 // which makes a candidate's exact score M lookups instead of d multiply-adds with index
 // arithmetic (an IVF batch of many queries drops it: 160 rb bytes per query).
@@ -25,6 +30,13 @@ struct Lut {
   // are zero.
   std::vector<uint8_t> q8x;
   float delta = 1.0f, bias = 0.0f, err = 0.0f;  // S ~ delta * sum q8 + bias, |error| <= err
+  // The dot form (b = 4, exact scans, where the VNNI scan runs; add_dot): <q, c[idx]> ~
+  // dot.delta * sum_j w_j lev[idx_j] + dot.bias, the query as int8 weights w (zero past d, to
+  // 4 bytes past the last code byte pair) and the centroids as 8-bit levels lev (the 16 of
+  // them in each 16-byte lane of 64).
+  std::vector<int8_t> w;
+  uint8_t lev[64] = {};
+  SumScale dot;
   const float* q = nullptr;      // (d) the query, rotated
   const float* c = nullptr;      // (2^b) centroids
   int64_t d = 0;
@@ -34,5 +46,12 @@ struct Lut {
 // The query's tables over codes of b bits (rb bytes per row of the blocked layout), with the
 // approximation error bound err; keep_float keeps the float table too.
 Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool keep_float);
+
+// Whether a scan of b-bit codes takes the dot form (dot_sums_vnni) for its groups of queries:
+// b = 4, an exact scan (its shortlist re-scored), and the CPU's VNNI path (simd_vnni).
+bool uses_dot(int b, bool exact);
+
+// Adds the dot form to a 4-bit query's Lut (rb code bytes per row).
+void add_dot(Lut& L, int64_t rb);
 
 }  // namespace tqvec::fastscan

@@ -35,7 +35,7 @@ def machine_info() -> dict:
             flags = next((ln for ln in f if ln.startswith("flags")), "")
             have = set(flags.partition(":")[2].split())
             info["simd"] = [s for s in ("avx2", "fma", "avx512f", "avx512bw", "avx512vl",
-                                        "avx512vbmi", "avx512ifma", "asimd", "sve")
+                                        "avx512vbmi", "avx512_vnni", "avx512ifma", "asimd", "sve")
                             if s in have]
     except OSError:
         pass

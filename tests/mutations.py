@@ -170,6 +170,10 @@ MUTANTS = [
            [("csrc/cpu/fastscan/tables.cpp", "(std::min(a1, hoeffding) * 1.001 +",
              "(0.0 * std::min(a1, hoeffding) * 1.001 +")],
            ["tests/test_ops.py"]),
+    Mutant("rows8-nibble-half", "the 8-row re-score looks up every nibble in its table's low half",
+           [("csrc/cpu/rescore_codes.h", "_mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));",
+             "_mm256_castsi256_ps(_mm256_slli_epi32(v, 29)));")],
+           ["tests/test_arch.py", "tests/test_index.py"]),
     # -- files ---------------------------------------------------------------------------------
     Mutant("reader-trailing-bytes", "the reader accepts bytes after the last array",
            [("tqvec/io.py", "        if size != end:", "        if size < end:")],

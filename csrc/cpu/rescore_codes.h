@@ -19,16 +19,20 @@ inline void rescore_table(const float* q, int64_t d, int b, const float* c,
   if (b == 1 || b == 2) {
     const int per = 4 / b, mask = (1 << b) - 1;
     const int64_t M = 2 * ((d * b + 7) / 8);
-    T.assign(static_cast<size_t>(M * 16), 0.0f);
-    for (int64_t m = 0; m < M; ++m)
-      for (int v = 0; v < 16; ++v) {
-        float s = 0.0f;
-        for (int t = 0; t < per; ++t) {
-          const int64_t j = m * per + t;
-          if (j < d) s += q[j] * c[(v >> (t * b)) & mask];
-        }
-        T[static_cast<size_t>(m * 16 + v)] = s;
+    T.resize(static_cast<size_t>(M * 16));
+    float cv[4][16];  // cv[t][v]: the centroid of index t of nibble value v
+    for (int t = 0; t < per; ++t)
+      for (int v = 0; v < 16; ++v) cv[t][v] = c[(v >> (t * b)) & mask];
+    for (int64_t m = 0; m < M; ++m) {
+      float* row = T.data() + m * 16;
+      for (int v = 0; v < 16; ++v) row[v] = 0.0f;
+      for (int t = 0; t < per; ++t) {
+        const int64_t j = m * per + t;
+        if (j >= d) break;
+        const float qj = q[j];
+        for (int v = 0; v < 16; ++v) row[v] += qj * cv[t][v];
       }
+    }
   }
 }
 
@@ -84,6 +88,15 @@ inline void row_lanes_portable(float* a, const float* q, const uint8_t* row, int
 }
 
 #ifdef TQVEC_X86
+// T[m][v] of each lane's nibble v in [0, 16): the 8-float half of the entry's row picked by v's
+// top bit.
+__attribute__((target("avx2"), always_inline)) inline __m256 nibble_lookup8(const float* T,
+                                                                            int64_t m, __m256i v) {
+  const __m256 lo8 = _mm256_loadu_ps(T + m * 16), hi8 = _mm256_loadu_ps(T + m * 16 + 8);
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo8, v), _mm256_permutevar8x32_ps(hi8, v),
+                          _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+
 // The 8 products q_j v_j of coordinates j .. j + 7 (row_lanes' terms).
 template <bool Grid>
 __attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, const uint8_t* row,
@@ -108,9 +121,17 @@ __attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, cons
     unpack8(row, rb, b, j, vb);
     v = _mm256_load_si256(reinterpret_cast<const __m256i*>(vb));
   }
-  // grid: 2 idx - (K - 1), exactly, as a float
-  const __m256 cv = Grid ? _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(v, v), mask))
-                         : _mm256_i32gather_ps(c, v, 4);
+  // grid: 2 idx - (K - 1), exactly, as a float; b <= 4: c[idx] by register permutes (a gather
+  // of 8 floats costs several times more)
+  __m256 cv;
+  if (Grid)
+    cv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(v, v), mask));
+  else if (b == 3)
+    cv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(c), v);
+  else if (b == 4)
+    cv = nibble_lookup8(c, 0, v);
+  else
+    cv = _mm256_i32gather_ps(c, v, 4);
   return _mm256_mul_ps(_mm256_loadu_ps(q + j), cv);
 }
 
@@ -129,6 +150,42 @@ __attribute__((target("avx2"))) inline void row_lanes_avx2(float* a, const float
   if (j < d8) acc0 = _mm256_add_ps(acc0, row_term_avx2<Grid>(q, row, rb, j, b, c));
   _mm256_storeu_ps(a, acc0);
   _mm256_storeu_ps(a + 8, acc1);
+}
+#endif
+
+#ifdef TQVEC_X86
+// rescore_row's table path (b = 1, 2: the 16-entry nibble tables T of rescore_table) for 8
+// packed rows at once, one row per lane: the same eight partial sums (byte p mod 4, low and high
+// nibble) in the same order, each lookup a vpermps of the entry's 8-float half picked by the
+// nibble's top bit - so each lane's float operations, and result, are rescore_row's.
+__attribute__((target("avx2"))) inline void rescore_rows8_avx2(const float* T,
+                                                               const uint8_t* const* row,
+                                                               int64_t rb, float* out) {
+  __m256 s[8];
+  for (auto& x : s) x = _mm256_setzero_ps();
+  const __m256i low4 = _mm256_set1_epi32(15), byte = _mm256_set1_epi32(255);
+  int64_t p = 0;
+  for (; p + 4 <= rb; p += 4) {
+    int32_t w[8];
+    for (int r = 0; r < 8; ++r) std::memcpy(&w[r], row[r] + p, 4);
+    const __m256i g = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+    for (int u = 0; u < 4; ++u) {
+      const __m256i b8 = _mm256_and_si256(_mm256_srli_epi32(g, 8 * u), byte);
+      const __m256 lo = nibble_lookup8(T, 2 * (p + u), _mm256_and_si256(b8, low4));
+      const __m256 hi = nibble_lookup8(T, 2 * (p + u) + 1, _mm256_srli_epi32(b8, 4));
+      s[2 * u] = _mm256_add_ps(s[2 * u], lo);
+      s[2 * u + 1] = _mm256_add_ps(s[2 * u + 1], hi);
+    }
+  }
+  for (; p < rb; ++p) {
+    const __m256i b8 = _mm256_setr_epi32(row[0][p], row[1][p], row[2][p], row[3][p], row[4][p],
+                                         row[5][p], row[6][p], row[7][p]);
+    s[0] = _mm256_add_ps(s[0], nibble_lookup8(T, 2 * p, _mm256_and_si256(b8, low4)));
+    s[1] = _mm256_add_ps(s[1], nibble_lookup8(T, 2 * p + 1, _mm256_srli_epi32(b8, 4)));
+  }
+  __m256 t = _mm256_setzero_ps();
+  for (int u = 0; u < 8; ++u) t = _mm256_add_ps(t, s[u]);
+  _mm256_storeu_ps(out, t);
 }
 #endif
 

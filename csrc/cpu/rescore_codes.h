@@ -1,7 +1,8 @@
 // Exact scores of a few packed rows against one query (lut_rescore, and the second stage of
 // the two-stage fast scan): a table only where it pays for a small multiple of k rows — 16
-// entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build) — and none for b >= 3,
-// where a grid codebook needs no gather either (grid_half_step: a call's one test).
+// entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build; rescore_rows8_avx2 scores
+// 8 rows at a time) — and none for b >= 3, whose centroids are looked up in registers (b = 3,
+// 4), decoded affinely (a grid codebook: grid_half_step, a call's one test) or gathered.
 #pragma once
 #include "arch.h"
 

@@ -208,17 +208,22 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   hits.reserve(rows.size());
   size_t r0 = 0;
 #ifdef TQVEC_X86
-  // terms of 1 and 2 bits (tables), 8 rows at a time: rescore_row's values, lane by lane
-  bool tabled = simd_avx2();
-  for (int x = 0; x < nterms; ++x) tabled = tabled && (terms[x].b == 1 || terms[x].b == 2);
-  for (; tabled && r0 + 8 <= rows.size(); r0 += 8) {
+  // 8 rows at a time, terms of 1 and 2 bits (tables) by rescore_rows8_avx2, the others row by
+  // row: each row's terms add in the same order as below, so its value is the same
+  bool tabled = false;
+  for (int x = 0; x < nterms; ++x) tabled = tabled || terms[x].b == 1 || terms[x].b == 2;
+  for (; tabled && simd_avx2() && r0 + 8 <= rows.size(); r0 += 8) {
     for (size_t r = r0 + kAhead; r < std::min(rows.size(), r0 + kAhead + 8); ++r) fetch(r);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[8];
     for (int x = 0; x < nterms; ++x) {
       const ScanTerm& T = terms[x];
       const uint8_t* rp[8];
       for (int u = 0; u < 8; ++u) rp[u] = T.packed + rows[r0 + u] * rbs[x];
-      rescore_rows8_avx2(tables[x].data(), rp, rbs[x], sc);
+      if (T.b == 1 || T.b == 2)
+        rescore_rows8_avx2(tables[x].data(), rp, rbs[x], sc);
+      else
+        for (int u = 0; u < 8; ++u)
+          sc[u] = rescore_row(q[x], tables[x].data(), rp[u], T.d, T.b, T.centroids, hs[x]);
       for (int u = 0; u < 8; ++u) v[u] += T.mult[rows[r0 + u]] * sc[u];
     }
     for (int u = 0; u < 8; ++u) hits.emplace_back(v[u] + add[rows[r0 + u]], rows[r0 + u]);

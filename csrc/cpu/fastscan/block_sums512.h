@@ -169,21 +169,7 @@ TQVEC_VBMI void block_sums3_vbmi(const uint8_t* b0, const uint8_t* b1, int64_t r
   store_totals<2, NQ>(tt, tot);
 }
 
-// scan_blocks_avx2 for b = 3 with the VBMI sums, two blocks per pass.
-__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"))) inline void scan_blocks3_vbmi(
-    const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
-    const float* mult, const float* add, float off, Shortlist& sl) {
-  alignas(32) uint32_t tot[2 * kRows];
-  const uint8_t* q8[1] = {L.q8.data()};
-  for (int64_t j = j0; j < j1; j += 2) {
-    const uint8_t* b0 = blocked + j * rb * kRows;
-    block_sums3_vbmi<1>(b0, j + 1 < j1 ? b0 + rb * kRows : b0, rb, q8, tot);
-    for (int u = 0; u < 2 && j + u < j1; ++u)
-      admit_block_avx2(L, tot + u * kRows, j + u, n, mult, add, off, sl);
-  }
-}
-
-// NQ queries (b = 3) over the same blocks, two blocks per pass.
+// NQ queries (b = 3) over the same blocks, two blocks per pass (NQ = 1: one query's scan).
 template <int NQ>
 __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"))) void scan_blocksq3_vbmi(
     const Lut* const* L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,

@@ -64,8 +64,11 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
                         int64_t j1, const float* mult, const float* add, float off,
                         Shortlist& sl) {
 #ifdef TQVEC_X86
-  if (L.b == 3 && simd_vbmi())
-    return scan_blocks3_vbmi(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+  if (L.b == 3 && simd_vbmi()) {
+    const Lut* lp = &L;
+    Shortlist* sp = &sl;
+    return scan_blocksq3_vbmi<1>(&lp, blocked, rb, n, j0, j1, mult, add, &off, &sp);
+  }
   if (L.b != 3 && simd_avx512())
     return scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (simd_avx2()) return scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);

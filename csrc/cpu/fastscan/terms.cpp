@@ -212,7 +212,8 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   // row: each row's terms add in the same order as below, so its value is the same
   bool tabled = false;
   for (int x = 0; x < nterms; ++x) tabled = tabled || terms[x].b == 1 || terms[x].b == 2;
-  for (; tabled && simd_avx2() && r0 + 8 <= rows.size(); r0 += 8) {
+  tabled = tabled && simd_avx2();
+  for (; tabled && r0 + 8 <= rows.size(); r0 += 8) {
     for (size_t r = r0 + kAhead; r < std::min(rows.size(), r0 + kAhead + 8); ++r) fetch(r);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[8];
     for (int x = 0; x < nterms; ++x) {

@@ -18,6 +18,7 @@
 #include "fastscan/tables.h"
 #include "kernels.h"
 #include "parallel.h"
+#include "prefetch.h"
 
 namespace tqvec {
 namespace {
@@ -112,20 +113,11 @@ const auto worst_first = [](const Scored& a, const Scored& b) { return a.s > b.s
 
 inline void prefetch_node(const GraphArgs& g, const GraphLayer& L, int64_t node, int64_t rb) {
   const int64_t R = L.degree;
-  if (g.exact_x != nullptr) {
-    const char* x = reinterpret_cast<const char*>(g.exact_x + node * g.d);
-    for (int64_t o = 0; o < g.d * 4; o += 64) __builtin_prefetch(x + o);
-  }
-  const char* c = reinterpret_cast<const char*>(L.codes + node * R * rb);
-  for (int64_t o = 0; o < R * rb; o += 64) __builtin_prefetch(c + o);
-  const char* m = reinterpret_cast<const char*>(L.mult + node * R);
-  const char* a = reinterpret_cast<const char*>(L.add + node * R);
-  const char* r = reinterpret_cast<const char*>(L.nbr + node * R);
-  for (int64_t o = 0; o < R * 4; o += 64) {
-    __builtin_prefetch(m + o);
-    __builtin_prefetch(a + o);
-    __builtin_prefetch(r + o);
-  }
+  if (g.exact_x != nullptr) prefetch_span(g.exact_x + node * g.d, g.d * 4);
+  prefetch_span(L.codes + node * R * rb, R * rb);
+  prefetch_span(L.mult + node * R, R * 4);
+  prefetch_span(L.add + node * R, R * 4);
+  prefetch_span(L.nbr + node * R, R * 4);
 }
 
 // The estimated scores of node `node`'s R neighbours (-inf for padding) into s.

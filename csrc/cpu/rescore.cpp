@@ -17,6 +17,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "topk.h"
 
 namespace tqvec {
@@ -219,10 +220,7 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
         // miss the hardware prefetcher cannot foresee (2.9 GB/s on one thread at d = 784).
         // Request the next candidate's whole row while this one is summed.
         const int64_t nxt = i * kk + r + 1 < hi * kk ? rows[i * kk + r + 1] : -1;
-        if (nxt >= 0) {
-          const char* p = reinterpret_cast<const char*>(x + nxt * d);
-          for (int64_t off = 0; off < d * 4; off += 64) __builtin_prefetch(p + off);
-        }
+        if (nxt >= 0) prefetch_span(x + nxt * d, d * 4);
         if (j < 0) continue;
         float dot, sqn;
         dot_sqn(qi, x + j * d, d, &dot, &sqn);

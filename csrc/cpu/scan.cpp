@@ -19,6 +19,7 @@
 
 #include "kernels.h"
 #include "parallel.h"
+#include "prefetch.h"
 #include "topk.h"
 #include "rescore_codes.h"
 
@@ -131,7 +132,7 @@ void lut_rescore(const float* qr, int64_t nq, const CodeTable& c, const int64_t*
         // the candidates are scattered rows: request the next one's while this one is scored
         const int64_t nxt = c + 1 < r ? rows[qi * r + c + 1] : -1;
         if (nxt >= 0 && nxt < n)
-          for (int64_t o = 0; o < rb; o += 64) __builtin_prefetch(packed + nxt * rb + o);
+          prefetch_span(packed + nxt * rb, rb);
         const int64_t i = rows[qi * r + c];
         if (i < 0 || i >= n) continue;
         top.push(rescore_row(q, T.data(), packed + i * rb, d, b, centroids, hs) * mult[i] + add[i],

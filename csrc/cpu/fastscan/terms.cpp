@@ -11,6 +11,7 @@
 
 #include "../kernels.h"
 #include "../parallel.h"
+#include "../prefetch.h"
 #include "../rescore_codes.h"
 #include "../topk.h"
 #include "block_sums.h"
@@ -142,10 +143,33 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
   }
 }
 
+#ifdef TQVEC_X86
+// One full block's first-pass scores (below) with AVX2 intrinsics: first_scores_terms' float
+// operations in its order, 8 rows per vector, straight from add to s (the portable loop's
+// row-array copies became `rep movs`, half this pass's time).
+__attribute__((target("avx2"))) void first_scores_block_avx2(const std::vector<TermScan>& ts,
+                                                             size_t nfirst,
+                                                             uint32_t (*tot)[4 * kRows], int u,
+                                                             int64_t base, const float* add,
+                                                             float* s) {
+  for (int g = 0; g < kRows; g += 8) {
+    __m256 acc = _mm256_loadu_ps(add + base + g);
+    for (size_t x = 0; x < nfirst; ++x) {
+      const __m256 sum = _mm256_cvtepi32_ps(
+          _mm256_load_si256(reinterpret_cast<const __m256i*>(tot[x] + u * kRows + g)));
+      const __m256 v = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(ts[x].L.delta), sum),
+                                     _mm256_set1_ps(ts[x].L.bias));
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(ts[x].mult + base + g), v));
+    }
+    _mm256_storeu_ps(s + base + g, acc);
+  }
+}
+#endif
+
 // The first pass of a two-stage scan over several terms: the approximate (8-bit table) scores
 // of rows [32 j0, 32 j1) from the leading nfirst terms only, s_i = add_i + sum_{t < nfirst}
-// mult_t[i] (delta_t tot_t + bias_t) - no bound: the second pass re-scores what it keeps.
-TQVEC_CLONES_AVX2
+// mult_t[i] (delta_t tot_t + bias_t), added in term order - no bound: the second pass re-scores
+// what it keeps.
 void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t n, int64_t j0,
                         int64_t j1, const float* add, float* s) {
   alignas(32) uint32_t tot[kMaxTerms][4 * kRows];
@@ -155,16 +179,20 @@ void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t 
     term_sums(ts, nfirst, j, nb, simd, tot);
     for (int u = 0; u < nb; ++u, ++j) {
       const int64_t base = j * kRows, rows = std::min(kRows, n - base);
-      float acc[kRows];
-      for (int64_t t = 0; t < rows; ++t) acc[t] = add[base + t];
-      for (size_t x = 0; x < nfirst; ++x) {  // terms outer: the row loop vectorizes
-        const float delta = ts[x].L.delta, bias = ts[x].L.bias;
-        const float* m = ts[x].mult + base;
-        const uint32_t* tt = tot[x] + u * kRows;
-        for (int64_t t = 0; t < rows; ++t)
-          acc[t] += m[t] * (delta * static_cast<float>(static_cast<int32_t>(tt[t])) + bias);
+#ifdef TQVEC_X86
+      if (simd && rows == kRows) {
+        first_scores_block_avx2(ts, nfirst, tot, u, base, add, s);
+        continue;
       }
-      std::memcpy(s + base, acc, static_cast<size_t>(rows) * sizeof(float));
+#endif
+      for (int64_t t = 0; t < rows; ++t) {
+        float acc = add[base + t];
+        for (size_t x = 0; x < nfirst; ++x)
+          acc += ts[x].mult[base + t] *
+                 (ts[x].L.delta * static_cast<float>(static_cast<int32_t>(tot[x][u * kRows + t])) +
+                  ts[x].L.bias);
+        s[base + t] = acc;
+      }
     }
   }
 }
@@ -182,7 +210,8 @@ void finish_terms(const std::vector<TermScan>& ts, const float* add,
 
 // The second pass: query qi's exact scores of the candidate rows with every term, read from the
 // terms' packed (row-major) codes - a few cache lines per row and term where the blocked layout
-// spreads a row over rb lines - with a few rows fetched ahead so the misses overlap.
+// spreads a row over rb lines - each chunk of rows loaded (touch_span) before the chunk before
+// it is scored, so the misses overlap.
 void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vector<int64_t>& rows,
                    const float* add, int64_t k, float* vals, int64_t* idx) {
   thread_local std::vector<float> tables[kMaxTerms];
@@ -196,14 +225,19 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
     rescore_table(q[x], T.d, T.b, T.centroids, tables[x]);
     hs[x] = T.b >= 3 ? grid_half_step(T.centroids, T.b) : 0.0f;
   }
-  constexpr size_t kAhead = 8;
-  auto fetch = [&](size_t r) {
-    for (int x = 0; x < nterms; ++x) {
-      const uint8_t* p = terms[x].packed + rows[r] * rbs[x];
-      for (int64_t o = 0; o < rbs[x]; o += 64) __builtin_prefetch(p + o);
+  // the rows' lines loaded a chunk ahead of their scoring (touch_span)
+  constexpr size_t kChunk = 32;
+  auto touch = [&](size_t r0) {
+    uint32_t s = 0;
+    for (size_t r = r0; r < std::min(rows.size(), r0 + kChunk); ++r) {
+      for (int x = 0; x < nterms; ++x)
+        s += touch_span(terms[x].packed + rows[r] * rbs[x], rbs[x]) +
+             touch_span(terms[x].mult + rows[r], 4);
+      s += touch_span(add + rows[r], 4);
     }
+    keep(s);
   };
-  for (size_t r = 0; r < std::min(kAhead, rows.size()); ++r) fetch(r);
+  touch(0);
   std::vector<Hit> hits;
   hits.reserve(rows.size());
   size_t r0 = 0;
@@ -214,7 +248,7 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   for (int x = 0; x < nterms; ++x) tabled = tabled || terms[x].b == 1 || terms[x].b == 2;
   tabled = tabled && simd_avx2();
   for (; tabled && r0 + 8 <= rows.size(); r0 += 8) {
-    for (size_t r = r0 + kAhead; r < std::min(rows.size(), r0 + kAhead + 8); ++r) fetch(r);
+    if (r0 % kChunk == 0) touch(r0 + kChunk);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[8];
     for (int x = 0; x < nterms; ++x) {
       const ScanTerm& T = terms[x];
@@ -231,7 +265,7 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   }
 #endif
   for (size_t r = r0; r < rows.size(); ++r) {
-    if (r + kAhead < rows.size()) fetch(r + kAhead);
+    if (r % kChunk == 0) touch(r + kChunk);
     const int64_t i = rows[r];
     float v = 0.0f;
     for (int x = 0; x < nterms; ++x) {

@@ -332,6 +332,13 @@ def test_mixed_two_stage_matches_reference(rng):
     scan = ops.FastScan(blocked, n, cents, mults, add, bits, first=2, packed=packed)
     with pytest.raises(ValueError, match="k1 must be"):
         scan.search(qts, 10)
+    if scan.host is not None:  # numpy query terms (strided views too): the same bits
+        v, p = scan.search(qts, 10, k1=50)
+        wide = torch.cat(qts, dim=1).numpy()
+        at = np.cumsum([0] + [t.shape[1] for t in qts])
+        cuts = zip(at[:-1], at[1:], strict=True)
+        vn, pn = scan.search([wide[:, a:b] for a, b in cuts], 10, k1=50)
+        assert torch.equal(v, vn) and torch.equal(p, pn)
 
 
 def test_pca_index_files_fail_cleanly(rng, tmp_path):

@@ -514,7 +514,7 @@ class FlatIndex(CodesIndex):
             vals = vals - ops.row_sqnorms(q)[:, None]
         return vals.cpu().numpy(), pos.cpu().numpy()
 
-    def fast_scan(self, qts: list[torch.Tensor], scan: FlatScan, kk: int,
+    def fast_scan(self, qts: list[torch.Tensor] | list[np.ndarray], scan: FlatScan, kk: int,
                   add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Top kk (similarities, positions) by the CPU fast-scan kernels for prepared query
         terms: all terms of every row, or with a prefilter a first pass - the sign plane, or a
@@ -527,13 +527,14 @@ class FlatIndex(CodesIndex):
             return scan.scanner.search(qts, kk, add, k1=self._prefilter * kk)
         return scan.scanner.search(qts, kk, add, approx=self.refine is not None)
 
-    def search_prepared(self, k: int, prepare: Callable[[], tuple[list[torch.Tensor],
+    def search_prepared(self, k: int, prepare: Callable[[], tuple[list[np.ndarray],
                                                                   torch.Tensor,
                                                                   np.ndarray | None] | None]
                         ) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` with the queries prepared by the caller (a ``PCAIndex`` folds its basis
-        into the query terms): ``prepare()`` returns (``query_terms`` of the prepared queries,
-        those queries (for ||q||^2 in L2), offsets per query added to the scores), or None
+        into the query terms): ``prepare()`` returns (``query_terms`` of the prepared queries as
+        float32 numpy arrays, those queries (for ||q||^2 in L2), offsets per query added to the
+        scores), or None
         (bad input: the caller's general path reports it). The fast-scan route only: None
         where it does not run (a refinement, no CPU kernels, too few rows per result), before
         ``prepare`` is called."""
@@ -547,9 +548,9 @@ class FlatIndex(CodesIndex):
             return None
         qts, q, offsets = prepared
         vals, pos = self.fast_scan(qts, snap.scan, kk)
-        if self._scoring == METRIC_L2:
-            vals = -(vals - ops.row_sqnorms(q)[:, None])
         vals, pos = vals.numpy(), pos.numpy()
+        if self._scoring == METRIC_L2:
+            vals = ops.row_sqnorms(q).numpy()[:, None] - vals
         if offsets is not None:
             vals = vals + offsets[:, None]
         return results(self.metric_type, vals, pos, snap.rows.ids.numpy(), k)

@@ -300,7 +300,7 @@ class PCAIndex:
                 and index.refine is None):
             return None
 
-        def prepare() -> tuple[list[torch.Tensor], torch.Tensor, np.ndarray | None] | None:
+        def prepare() -> tuple[list[np.ndarray], torch.Tensor, np.ndarray | None] | None:
             if not np.isfinite(x).all():
                 return None
             q = torch.from_numpy(unit_rows(x) if self.metric_type == METRIC_COSINE else x)
@@ -310,8 +310,8 @@ class PCAIndex:
                 q = q - mu
             else:
                 offsets = ops.row_dots(q, mu).numpy()
-            t = q @ W
-            return [t[:, s].contiguous() for s in slices], q, offsets
+            t = (q @ W).numpy()  # the terms as numpy views: the kernel takes them as they are
+            return [t[:, s] for s in slices], q, offsets
 
         return index.search_prepared(k, prepare)
 

@@ -154,6 +154,13 @@ def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: lis
             raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")
 
 
+def _host_array(q: torch.Tensor | np.ndarray) -> np.ndarray:
+    """A query term as the compiled kernel reads it: contiguous float32 numpy."""
+    if isinstance(q, np.ndarray):
+        return np.ascontiguousarray(q, dtype=np.float32)
+    return q.contiguous().numpy()
+
+
 @dataclass(frozen=True)
 class FastScanHost:
     """``FastScan``'s arrays as the compiled CPU kernel reads them: per term the blocked codes,
@@ -187,7 +194,11 @@ class FastScan:
 
     ``first=f`` with ``packed`` (each term's (n, ceil(d_t b_t / 8)) rows) makes a several-term
     scan two-stage (``fast_scan_terms_two_stage``): the k1 best rows by the first f terms,
-    re-scored with every term."""
+    re-scored with every term.
+
+    ``search`` takes the query terms as tensors, or - where the compiled CPU kernel holds the
+    scan (``host``) - as float32 numpy arrays, which reach it without a conversion per term (a
+    one-query search's glue costs as much as a large part of its scan)."""
 
     def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
                  mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
@@ -228,9 +239,14 @@ class FastScan:
                     self.add1.numpy(), None if self.mult1 is None else self.mult1.numpy()),
                 [t.numpy() for t in self.packed] if self.first else None)
 
-    def search(self, qrs: list[torch.Tensor], k: int, add: torch.Tensor | None = None,
-               k1: int | None = None, approx: bool = False
+    def search(self, qrs: list[torch.Tensor] | list[np.ndarray], k: int,
+               add: torch.Tensor | None = None, k1: int | None = None, approx: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        on_host = self.host is not None and (isinstance(qrs[0], np.ndarray)
+                                             or qrs[0].device.type == "cpu")
+        if not on_host and isinstance(qrs[0], np.ndarray):
+            raise TypeError("qrs must be torch tensors where the compiled CPU kernel does not "
+                            "hold the scan, got numpy arrays")
         if len(qrs) != len(self.bits):
             raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
         if (self.full is not None or self.first) and (k1 is None or k1 < 1):
@@ -242,11 +258,11 @@ class FastScan:
             if add is not None:
                 add = add.contiguous()
                 add1 = torch.where(torch.isinf(add) & (add < 0), add, self.add1)
-            if self.host is not None and qrs[0].device.type == "cpu":
+            if on_host:
                 h = self.host
                 packed, b, full_c, add1_np, mult1_np = h.full
                 vals, pos = _cpu.fast_scan_two_stage_np(
-                    qrs[0].contiguous().numpy(), h.blocked[0], self.n, h.centroids[0], packed, b,
+                    _host_array(qrs[0]), h.blocked[0], self.n, h.centroids[0], packed, b,
                     full_c, h.mults[0], h.add if add is None else add.numpy(),
                     add1_np if add1 is None else add1.numpy(), int(k1), int(k), mult1_np)
                 return torch.from_numpy(vals), torch.from_numpy(pos)
@@ -255,9 +271,9 @@ class FastScan:
                                        self.add if add is None else add,
                                        self.add1 if add1 is None else add1, k1, k, self.backend,
                                        mult1=self.mult1)
-        if self.host is not None and qrs[0].device.type == "cpu":
+        if on_host:
             h = self.host
-            vals, pos = _cpu.fast_scan_np([q.contiguous().numpy() for q in qrs], h.blocked,
+            vals, pos = _cpu.fast_scan_np([_host_array(q) for q in qrs], h.blocked,
                                           self.n, h.centroids, h.mults,
                                           h.add if add is None else add.contiguous().numpy(),
                                           self.bits, int(k), approx, packed=h.packed,

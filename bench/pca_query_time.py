@@ -13,7 +13,7 @@ One thread, one query per call (the single-query regime), best of --reps passes 
 * the same pass over the first run only (with recall@10 of the search that would use it);
 * faiss ``PQ{M}x4fs`` at the same bytes (the comparison), single-query.
 
-Writes bench/results/pca_query_time.{json,md}. The floor: a pass reads every row's leading-run
+Writes bench/results/pca_query_time_tq{bits}.{json,md}. The floor: a pass reads every row's leading-run
 bytes (n x their bytes), the query map d x m x 4 bytes; at ~4-6 GB/s on one thread here those
 bound the single-query time, as PQ fast-scan's n x M/2 bytes bound its.
 """
@@ -131,7 +131,7 @@ def main() -> int:
     out = {"machine": machine_info(), "command": " ".join(["python bench/pca_query_time.py"]
                                                           + sys.argv[1:]), "result": row}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "pca_query_time.json"), "w") as f:
+    with open(os.path.join(args.out, f"pca_query_time_tq{args.bits}.json"), "w") as f:
         json.dump(out, f, indent=1)
     lines = [f"# One `{spec}` query on {args.dataset}, one thread", "",
              f"Command: `{out['command']}`. Machine: {cpu_label(out['machine'])}. Best of "
@@ -152,7 +152,7 @@ def main() -> int:
               + (f"; first run only: {row['recall_at_10_first_run_only']:.3f}"
                  if "recall_at_10_first_run_only" in row else "")
               + (f"; faiss {row['faiss']}: {row['faiss_recall_at_10']:.3f}" if pq else "")]
-    with open(os.path.join(args.out, "pca_query_time.md"), "w") as f:
+    with open(os.path.join(args.out, f"pca_query_time_tq{args.bits}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -13,9 +13,9 @@ One thread, one query per call (the single-query regime), best of --reps passes 
 * the same pass over the first run only (with recall@10 of the search that would use it);
 * faiss ``PQ{M}x4fs`` at the same bytes (the comparison), single-query.
 
-Writes bench/results/pca_query_time_tq{bits}.{json,md}. The floor: a pass reads every row's leading-run
-bytes (n x their bytes), the query map d x m x 4 bytes; at ~4-6 GB/s on one thread here those
-bound the single-query time, as PQ fast-scan's n x M/2 bytes bound its.
+Writes bench/results/pca_query_time_tq{bits}.{json,md}. The floor: a pass reads every row's
+leading-run bytes (n x their bytes), the query map d x m x 4 bytes; at ~4-6 GB/s on one thread
+here those bound the single-query time, as PQ fast-scan's n x M/2 bytes bound its.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 // Software prefetch of a byte range: every cache line it overlaps, from the line holding its
-// first byte to the one holding its last - a range that starts mid-line ends in one more line
-// than bytes / 64 (a loop from p in steps of 64 left the last out).
+// first byte to the one holding its last (a range that starts mid-line spans one more line than
+// bytes / 64).
 #pragma once
 
 #include <cstdint>
@@ -14,12 +14,11 @@ inline void prefetch_span(const void* p, int64_t bytes) {
     __builtin_prefetch(reinterpret_cast<const void*>(line));
 }
 
-// One byte of every cache line of a byte range, summed: a load where a prefetch would not do.
-// A software prefetch whose page is not in the TLB may be dropped, and candidate rows scattered
-// over megabytes of codes right after a scan of other megabytes mostly are: their prefetches
-// came to nothing (measured: re-scoring 100 rows took as long with them as without). Loads are
-// never dropped; issued back to back for a batch of rows they miss in parallel. Pass the sum to
-// keep() so the loads stay.
+// One byte of every cache line of a byte range, summed: a load where a prefetch does not do.
+// A software prefetch may be dropped (e.g. where its page is not in the TLB, as for candidate
+// rows scattered over megabytes of codes right after a scan of other megabytes); a load is not,
+// and loads issued back to back for a batch of rows miss in parallel. Pass the sum to keep() so
+// the loads stay.
 inline uint32_t touch_span(const void* p, int64_t bytes) {
   if (bytes <= 0) return 0;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p), end = a + static_cast<uintptr_t>(bytes);

@@ -534,10 +534,9 @@ class FlatIndex(CodesIndex):
         """``search`` with the queries prepared by the caller (a ``PCAIndex`` folds its basis
         into the query terms): ``prepare()`` returns (``query_terms`` of the prepared queries as
         float32 numpy arrays, those queries (for ||q||^2 in L2), offsets per query added to the
-        scores), or None
-        (bad input: the caller's general path reports it). The fast-scan route only: None
-        where it does not run (a refinement, no CPU kernels, too few rows per result), before
-        ``prepare`` is called."""
+        scores), or None (bad input: the caller's general path reports it). The fast-scan route
+        only: None where it does not run (a refinement, no CPU kernels, too few rows per
+        result), before ``prepare`` is called."""
         snap = self._current()
         kk = self._candidates(snap.n, k)
         if (self.refine is not None or snap.scan is None or not snap.scan.fast

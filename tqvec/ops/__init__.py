@@ -242,13 +242,13 @@ class FastScan:
     def search(self, qrs: list[torch.Tensor] | list[np.ndarray], k: int,
                add: torch.Tensor | None = None, k1: int | None = None, approx: bool = False
                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if len(qrs) != len(self.bits):
+            raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
         on_host = self.host is not None and (isinstance(qrs[0], np.ndarray)
                                              or qrs[0].device.type == "cpu")
         if not on_host and isinstance(qrs[0], np.ndarray):
             raise TypeError("qrs must be torch tensors where the compiled CPU kernel does not "
                             "hold the scan, got numpy arrays")
-        if len(qrs) != len(self.bits):
-            raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
         if (self.full is not None or self.first) and (k1 is None or k1 < 1):
             raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
         if k1 is not None:

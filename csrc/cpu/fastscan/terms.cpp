@@ -145,8 +145,8 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
 
 #ifdef TQVEC_X86
 // One full block's first-pass scores (below) with AVX2 intrinsics: first_scores_terms' float
-// operations in its order, 8 rows per vector, straight from add to s (the portable loop's
-// row-array copies became `rep movs`, half this pass's time).
+// operations in its order, 8 rows per vector, straight from add to s (no copy through a row
+// array, which compiles to `rep movs`).
 __attribute__((target("avx2"))) void first_scores_block_avx2(const std::vector<TermScan>& ts,
                                                              size_t nfirst,
                                                              uint32_t (*tot)[4 * kRows], int u,

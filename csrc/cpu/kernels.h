@@ -32,8 +32,10 @@ bool simd_avx512();
 // lookup): the CPU has F, BW and VBMI, the AVX2 loops run and TQVEC_SIMD is not "avx2" (which
 // keeps every scan on AVX2). On by default: the same bits as the AVX2 path, measured faster.
 bool simd_vbmi();
-// Whether the batched exact scans of 4-bit codes score rows by an int8 dot product (VNNI
-// vpdpbusd) instead of table lookups (fastscan/dot.h): simd_vbmi and the CPU has AVX-512 VNNI.
+// Whether VNNI's vpdpbusd runs (simd_vbmi and the CPU has AVX-512 VNNI): the 1, 2 and 4-bit
+// table sums gather a row's four code bytes per 32-bit lane and add its lookups in one
+// instruction (fastscan/block_sums512.h), and batched exact scans of 4-bit codes score rows by
+// an int8 dot product instead of table lookups (fastscan/dot.h).
 bool simd_vnni();
 
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);

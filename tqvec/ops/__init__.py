@@ -456,10 +456,12 @@ def threads() -> int:
 def simd_path() -> str:
     """The compiled fast scans' vector path on this CPU: "avx2" (the default where the CPU has
     it), "avx2+vbmi" (the default where the CPU also has AVX-512 F, BW and VBMI: the 3-bit
-    scans look up a pair's 64-entry table in one ``vpermb``), "avx512" (opt-in with
-    ``TQVEC_SIMD=avx512`` on a CPU with AVX-512 F and BW: the 1, 2 and 4-bit flat and IVF
-    scans too, the rest on AVX2), "neon" (aarch64), "scalar" (``TQVEC_SIMD=scalar``, or no
-    AVX2), or "none" (kernels not built). ``TQVEC_SIMD=avx2`` keeps every scan on AVX2. The
+    scans look up a pair's 64-entry table in one ``vpermb``), "avx2+vbmi+vnni" (and VNNI: the
+    1, 2 and 4-bit scans look up four code bytes' tables in one ``vpermb`` and add a row's
+    four lookups in one ``vpdpbusd``; batched exact 4-bit scans by int8 dot products),
+    "avx512" (opt-in with ``TQVEC_SIMD=avx512`` on a CPU with AVX-512 F and BW: the 1, 2 and
+    4-bit flat and IVF scans by 512-bit ``vpshufb``, the rest on AVX2), "neon" (aarch64),
+    "scalar" (``TQVEC_SIMD=scalar``, or no AVX2), or "none" (kernels not built). ``TQVEC_SIMD=avx2`` keeps every scan on AVX2. The
     variable is read once per process; every path gives the same bits."""
     return _cpu.simd_path()
 

@@ -23,7 +23,8 @@ void bind_scans(nb::module_& m) {
         },
         "The vector path the fast scans take on this CPU: avx2 (the x86 default where the CPU "
         "has it), avx2+vbmi (the default where it also has AVX-512 F, BW and VBMI: 3-bit scans "
-        "by vpermb), avx2+vbmi+vnni (and VNNI: batched exact 4-bit scans by int8 dot products), "
+        "by vpermb), avx2+vbmi+vnni (and VNNI: 1, 2 and 4-bit table sums by vpermb and "
+        "vpdpbusd, batched exact 4-bit scans by int8 dot products), "
         "avx512 (TQVEC_SIMD=avx512, where the CPU has F and BW; 3-bit scans by "
         "vpermb where it has VBMI), neon (aarch64) or scalar (TQVEC_SIMD=scalar, or no AVX2); "
         "TQVEC_SIMD=avx2 keeps every scan on AVX2.");

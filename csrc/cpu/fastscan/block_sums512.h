@@ -1,9 +1,10 @@
-// Table sums with AVX-512 (F + BW) for b in {1, 2, 4} (layouts: ../fastscan.h). One 64-byte
-// load holds code bytes p and p + 1 of a block's 32 rows; the tables of positions p and p + 1
-// sit in the low and high 256 bits of the lookup registers (the Lut's q8x layout), so every
-// instruction does the work of two AVX2 ones. The two halves' 16-bit sums are added at each flush (<= 256 positions
-// per flush between them, as in the AVX2 loop) and flushed by the AVX2 code: the totals are
-// the AVX2 path's, bit for bit.
+// Table sums with AVX-512 (layouts: ../fastscan.h): VBMI + VNNI for b in {1, 2, 4}
+// (block_sums_vnni, the default where the CPU has them) and VBMI for b = 3 (block_sums3_vbmi);
+// F + BW alone for b in {1, 2, 4} on request (block_sums_avx512, TQVEC_SIMD=avx512: one 64-byte
+// load holds code bytes p and p + 1 of a block's 32 rows, the tables of both positions sit in
+// the low and high 256 bits of the lookup registers - the Lut's q8x layout - and the two
+// halves' 16-bit sums are added at each flush and flushed by the AVX2 code). Every kernel's
+// totals are the AVX2 path's, bit for bit.
 #pragma once
 #include "../arch.h"
 
@@ -106,6 +107,157 @@ __attribute__((target("avx2,avx512f,avx512bw"))) void scan_blocksq_avx512(
 }
 
 #undef TQVEC_AVX512
+
+#define TQVEC_VNNI_SUMS \
+  __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"), always_inline)) inline
+
+// Byte 4t + u of the gathered registers: code byte p + u of row t (x0) or 16 + t (x1), from
+// bytes p, p + 1 (a: 64 bytes, 32 rows each) and p + 2, p + 3 (b: index bit 6).
+alignas(64) inline constexpr uint8_t kRowDwords[2][64] = {
+    {0,  32, 64, 96,  1,  33, 65, 97,  2,  34, 66, 98,  3,  35, 67, 99,
+     4,  36, 68, 100, 5,  37, 69, 101, 6,  38, 70, 102, 7,  39, 71, 103,
+     8,  40, 72, 104, 9,  41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107,
+     12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111},
+    {16, 48, 80, 112, 17, 49, 81, 113, 18, 50, 82, 114, 19, 51, 83, 115,
+     20, 52, 84, 116, 21, 53, 85, 117, 22, 54, 86, 118, 23, 55, 87, 119,
+     24, 56, 88, 120, 25, 57, 89, 121, 26, 58, 90, 122, 27, 59, 91, 123,
+     28, 60, 92, 124, 29, 61, 93, 125, 30, 62, 94, 126, 31, 63, 95, 127}};
+
+// Table sums for b in {1, 2, 4} with VBMI and VNNI, four code bytes p .. p + 3 at a time: their
+// 32 rows' bytes are gathered so that each 32-bit lane holds one row's four bytes (two
+// vpermt2b per block, shared by the NQ queries); a nibble's index is its value with its byte's
+// place in the lane in bits 4-5, so that one vpermb looks up four positions' 16-entry tables
+// (the Lut's q8v), and one vpdpbusd with ones adds a row's four looked-up bytes (lo + hi
+// nibble, <= 254 each) to its 32-bit total. Per query and 128 code bytes: four lookups, two
+// byte adds and two dot products, where the 16-bit lanes (block_sums_avx2) take eight lookups
+// and four adds, four shifts and eight adds. No flushes: the totals are exact in 32 bits, the
+// other paths' totals bit for bit. Missing positions (p + u >= rb) load as zero code bytes and
+// meet the zero tables that pad q8v. Rows of block j for query q land at tot[(q * NB + j) * 32
+// ...].
+template <int NB, int NQ>
+TQVEC_VNNI_SUMS void block_sums_vnni(const uint8_t* blk, int64_t rb, const uint8_t* const* q8v,
+                                     uint32_t* tot) {
+  const __m512i low4 = _mm512_set1_epi8(0x0f), place = _mm512_set1_epi32(0x30201000);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i g0 = _mm512_load_si512(kRowDwords[0]), g1 = _mm512_load_si512(kRowDwords[1]);
+  __m512i acc[NQ][NB][2];
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j) acc[q][j][0] = acc[q][j][1] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < rb; p += 4) {
+    // bytes p + u >= rb masked off (32 per position)
+    const __mmask64 ma = p + 1 < rb ? ~__mmask64{0} : __mmask64{0xffffffffu};
+    const __mmask64 mb = p + 3 < rb   ? ~__mmask64{0}
+                         : p + 2 < rb ? __mmask64{0xffffffffu}
+                                      : __mmask64{0};
+    __m512i idx[NB][4];  // lo / hi nibble indices of rows 0-15, then of rows 16-31
+    for (int j = 0; j < NB; ++j) {
+      const uint8_t* c = blk + (j * rb + p) * kRows;
+      const __m512i a = _mm512_maskz_loadu_epi8(ma, c);
+      const __m512i b = _mm512_maskz_loadu_epi8(mb, c + 2 * kRows);
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x = _mm512_permutex2var_epi8(a, h == 0 ? g0 : g1, b);
+        // 0xea: (x & low4) | place
+        idx[j][2 * h] = _mm512_ternarylogic_epi32(x, low4, place, 0xea);
+        idx[j][2 * h + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(x, 4), low4, place, 0xea);
+      }
+    }
+    for (int q = 0; q < NQ; ++q) {
+      const __m512i tl = _mm512_loadu_si512(q8v[q] + p * 32);
+      const __m512i th = _mm512_loadu_si512(q8v[q] + p * 32 + 64);
+      for (int j = 0; j < NB; ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m512i r = _mm512_add_epi8(_mm512_permutexvar_epi8(idx[j][2 * h], tl),
+                                            _mm512_permutexvar_epi8(idx[j][2 * h + 1], th));
+          acc[q][j][h] = _mm512_dpbusd_epi32(acc[q][j][h], r, ones);
+        }
+    }
+  }
+  for (int q = 0; q < NQ; ++q)
+    for (int j = 0; j < NB; ++j)
+      for (int h = 0; h < 2; ++h)
+        _mm512_storeu_si512(tot + (q * NB + j) * kRows + 16 * h, acc[q][j][h]);
+}
+
+// admit_block_avx2 16 rows at a time (the same float operations, so the same bounds and
+// admissions): half the instructions of the per-row test, which takes a quarter of a batched
+// sign-plane scan's time once its sums run on VNNI.
+template <class Sc>
+__attribute__((target("avx2,avx512f,avx512bw"), always_inline)) inline void admit_block_avx512(
+    const Sc& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
+    float off, Shortlist& sl) {
+  const int64_t base = j * kRows;
+  if (n - base < kRows) {  // last, partial block
+    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
+    return;
+  }
+  const __m512 vdelta = _mm512_set1_ps(L.delta), vbias = _mm512_set1_ps(L.bias);
+  const __m512 voff = _mm512_set1_ps(off);
+  const __m512 verr = _mm512_set1_ps(L.err), ninf = _mm512_set1_ps(-INFINITY);
+  for (int g = 0; g < kRows; g += 16) {
+    const __m512 m = _mm512_loadu_ps(mult + base + g), a = _mm512_loadu_ps(add + base + g);
+    const __m512 sum = _mm512_cvtepi32_ps(_mm512_loadu_si512(bt + g));
+    const __m512 s = _mm512_add_ps(
+        _mm512_add_ps(_mm512_mul_ps(m, _mm512_add_ps(_mm512_mul_ps(vdelta, sum), vbias)), a),
+        voff);
+    const __m512 e = _mm512_mul_ps(_mm512_abs_ps(m), verr);
+    const __m512 ub = _mm512_add_ps(s, e);
+    __mmask16 bits = _mm512_mask_cmp_ps_mask(_mm512_cmp_ps_mask(a, ninf, _CMP_GT_OQ), ub,
+                                             _mm512_set1_ps(sl.threshold()), _CMP_GE_OQ);
+    if (!bits) continue;
+    alignas(64) float lbv[16], ubv[16];
+    _mm512_store_ps(lbv, _mm512_sub_ps(s, e));
+    _mm512_store_ps(ubv, ub);
+    for (unsigned b = bits; b; b &= b - 1) {
+      const int t = __builtin_ctz(b);
+      if (ubv[t] >= sl.threshold()) sl.admit(lbv[t], ubv[t], base + g + t, off);
+    }
+  }
+}
+
+// The row totals of nb (1 or 4) consecutive blocks by the VNNI sums into tot[0, 32 nb) (the
+// Lut has q8v), callable from code compiled for other instruction sets.
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void
+block_sums_vnni_any(const Lut& L, const uint8_t* blk, int64_t rb, int nb, uint32_t* tot) {
+  const uint8_t* q8[1] = {L.q8v.data()};
+  if (nb == 4)
+    block_sums_vnni<4, 1>(blk, rb, q8, tot);
+  else
+    block_sums_vnni<1, 1>(blk, rb, q8, tot);
+}
+
+// scan_blocks_avx2 with the VNNI sums (b in {1, 2, 4}): four blocks per pass.
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void
+scan_blocks_vnni(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
+                 int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {
+  alignas(64) uint32_t tot[4 * kRows];
+  const uint8_t* q8[1] = {L.q8v.data()};
+  for (int64_t j = j0; j < j1;) {
+    const int nb = j + 4 <= j1 ? 4 : 1;
+    if (nb == 4)
+      block_sums_vnni<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    else
+      block_sums_vnni<1, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    for (int u = 0; u < nb; ++u, ++j)
+      admit_block_avx512(L, tot + u * kRows, j, n, mult, add, off, sl);
+  }
+}
+
+// NQ queries (b in {1, 2, 4}) over the same blocks, by the VNNI sums.
+template <int NQ>
+__attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) void scan_blocksq_vnni(
+    const Lut* const* L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0, int64_t j1,
+    const float* mult, const float* add, const float* off, Shortlist* const* sl) {
+  alignas(64) uint32_t tot[NQ * kRows];
+  const uint8_t* q8[NQ];
+  for (int q = 0; q < NQ; ++q) q8[q] = L[q]->q8v.data();
+  for (int64_t j = j0; j < j1; ++j) {
+    block_sums_vnni<1, NQ>(blocked + j * rb * kRows, rb, q8, tot);
+    for (int q = 0; q < NQ; ++q)
+      admit_block_avx512(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
+  }
+}
+
+#undef TQVEC_VNNI_SUMS
 
 #define TQVEC_VBMI \
   __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi"), always_inline)) inline

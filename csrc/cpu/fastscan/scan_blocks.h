@@ -1,5 +1,6 @@
 // The block scans' vector path, chosen per CPU and TQVEC_SIMD (../kernels.h): AVX2 by default
-// on x86 (b = 3 by VBMI's vpermb where the CPU has it; AVX-512 for b in {1, 2, 4} on request),
+// on x86 (b = 3 by VBMI's vpermb where the CPU has it, b in {1, 2, 4} by VBMI + VNNI where it
+// has those; AVX-512 F + BW for b in {1, 2, 4} on request),
 // NEON on aarch64, or the portable loops. Every path gives the same bits.
 #pragma once
 #include <cstdint>
@@ -17,7 +18,8 @@ namespace tqvec::fastscan {
 // Queries per pass of the multi-query scan, 0 where there is none (the portable build scans
 // query by query): AVX2 3 (four queries' accumulators, tables and temporaries overflow the 16
 // registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers; b = 3
-// with VBMI too: 8 measured slower); the dot form 8 (uses_dot: exact scans of 4-bit codes with
+// with VBMI too: 8 measured slower); the VNNI sums 6 (4 measured slower, 8 no faster;
+// 12 accumulators); the dot form 8 (uses_dot: exact scans of 4-bit codes with
 // VNNI; 16 accumulators); NEON 4, 2 for b = 3 (32 registers; the totals stay in memory between
 // flushes). exact: the scan re-scores its shortlists (not an approximate first stage).
 inline int queries_per_pass(int b, bool exact) {
@@ -25,6 +27,7 @@ inline int queries_per_pass(int b, bool exact) {
   if (simd_neon()) return b == 3 ? 2 : 4;
   if (!simd_avx2()) return 0;
   if (b == 3) return simd_vbmi() ? 4 : 2;
+  if (uses_vnni_sums(b)) return 6;
   return simd_avx512() ? 4 : 3;
 }
 
@@ -38,8 +41,11 @@ inline void scan_query_groups(int nq, const Lut* const* L, Shortlist* const* sl,
   if (nq <= 0) return;
   for (int64_t g = 0; g + nq <= count; g += nq) {
 #ifdef TQVEC_X86
-    if (nq == 8)
+    // by the tables' form (the Luts of one call share it)
+    if (!L[g]->w.empty())
       scan_blocks_dot<8>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
+    else if (!L[g]->q8v.empty())
+      scan_blocksq_vnni<6>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else if (L[g]->b == 3 && nq == 4)
       scan_blocksq3_vbmi<4>(L + g, blocked, rb, n, j0, j1, mult, add, off + g, sl + g);
     else if (nq == 4)
@@ -69,6 +75,7 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
     Shortlist* sp = &sl;
     return scan_blocksq3_vbmi<1>(&lp, blocked, rb, n, j0, j1, mult, add, &off, &sp);
   }
+  if (uses_vnni_sums(L.b)) return scan_blocks_vnni(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (L.b != 3 && simd_avx512())
     return scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (simd_avx2()) return scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);

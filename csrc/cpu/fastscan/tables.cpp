@@ -228,6 +228,14 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
           std::memcpy(L.q8x.data() + (p / 2) * 128 + h * 64 + (p % 2) * 32 + u * 16,
                       L.q8.data() + (2 * p + h) * 16, 16);
   }
+  if (uses_vnni_sums(b)) {
+    const int64_t rb = L.M / 2;
+    L.q8v.assign(static_cast<size_t>((rb + 3) / 4 * 128), 0);
+    for (int64_t p = 0; p < rb; ++p)
+      for (int h = 0; h < 2; ++h)  // h = 0: the low-nibble table, 1: the high-nibble one
+        std::memcpy(L.q8v.data() + (p / 4) * 128 + h * 64 + (p % 4) * 16,
+                    L.q8.data() + (2 * p + h) * 16, 16);
+  }
   L.bias = static_cast<float>(bias);
   // Rounding moves each entry by at most delta/2, so a row's error is a sum of M bounded terms
   // that depend on its codes. The worst case (M * delta / 2) is far too loose to prune with at
@@ -243,6 +251,8 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
 }
 
 bool uses_dot(int b, bool exact) { return exact && b == 4 && simd_vnni(); }
+
+bool uses_vnni_sums(int b) { return (b == 1 || b == 2 || b == 4) && simd_vnni() && !simd_avx512(); }
 
 void add_dot(Lut& L, int64_t rb) {
   const int64_t d = L.d;

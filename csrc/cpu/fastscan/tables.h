@@ -29,6 +29,10 @@ struct Lut {
   // so that two plain loads fill the lookup registers; a last unpaired byte's p + 1 tables
   // are zero.
   std::vector<uint8_t> q8x;
+  // q8 as the VNNI sums read it (b in {1, 2, 4} where uses_vnni_sums, else empty): per four
+  // code bytes p .. p + 3, 128 bytes = the 16-entry tables lo_p .. lo_p+3, then hi_p ..
+  // hi_p+3, so that one vpermb looks up all four; zero tables past the last byte.
+  std::vector<uint8_t> q8v;
   float delta = 1.0f, bias = 0.0f, err = 0.0f;  // S ~ delta * sum q8 + bias, |error| <= err
   // The dot form (b = 4, exact scans, where the VNNI scan runs; add_dot): <q, c[idx]> ~
   // dot.delta * sum_j w_j lev[idx_j] + dot.bias, the query as int8 weights w (zero past d, to
@@ -50,6 +54,10 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
 // Whether a scan of b-bit codes takes the dot form (dot_sums_vnni) for its groups of queries:
 // b = 4, an exact scan (its shortlist re-scored), and the CPU's VNNI path (simd_vnni).
 bool uses_dot(int b, bool exact);
+
+// Whether the block sums of b-bit codes take VBMI and VNNI (block_sums_vnni): b in {1, 2, 4},
+// simd_vnni, and not the opt-in AVX-512 F + BW path (TQVEC_SIMD=avx512, which keeps its own).
+bool uses_vnni_sums(int b);
 
 // Adds the dot form to a 4-bit query's Lut (rb code bytes per row).
 void add_dot(Lut& L, int64_t rb);

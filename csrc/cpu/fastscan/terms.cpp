@@ -96,6 +96,8 @@ __attribute__((target("avx2"))) void term_sums_avx2(const TermScan& T, int64_t j
     for (int u = 0; u < nb; u += 2)
       block_sums3_two_vbmi(T.L, blk + u * T.rb * kRows, blk + (u + (nb > 1)) * T.rb * kRows,
                            T.rb, tot + u * kRows);
+  } else if (!T.L.q8v.empty()) {
+    block_sums_vnni_any(T.L, blk, T.rb, nb, tot);
   } else if (nb == 4 && T.L.b == 3) {
     block_sums3_avx2<2, 1>(blk, T.rb, q8, tot);
     block_sums3_avx2<2, 1>(blk + 2 * T.rb * kRows, T.rb, q8, tot + 2 * kRows);

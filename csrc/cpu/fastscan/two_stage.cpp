@@ -36,7 +36,9 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
   const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
   for (int64_t j = j0; j < j1;) {
     const int nb = j + 4 <= j1 ? 4 : 1;
-    if (nb == 4)
+    if (!L.q8v.empty())
+      block_sums_vnni_any(L, blocked + j * rb * kRows, rb, nb, tot);
+    else if (nb == 4)
       block_sums_avx2<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
     else
       block_sums<1, 1>(L.b, blocked + j * rb * kRows, rb, q8, tot);

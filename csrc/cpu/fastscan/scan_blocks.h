@@ -90,6 +90,7 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
 inline void block_sums_one(const Lut& L, const uint8_t* blk, int64_t rb, uint32_t* tot) {
 #ifdef TQVEC_X86
   if (L.b == 3 && simd_vbmi()) return block_sums3_one_vbmi(L, blk, rb, tot);
+  if (!L.q8v.empty()) return block_sums_vnni_any(L, blk, rb, 1, tot);
   if (simd_avx2()) return block_sums1_avx2(L, blk, rb, tot);
 #endif
 #ifdef TQVEC_NEON

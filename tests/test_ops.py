@@ -538,6 +538,34 @@ def test_fast_scan_constant_scores_and_bad_bits(rng):
                       torch.zeros(n), 5, 5)
 
 
+@pytest.mark.parametrize("b", [1, 2, 4])
+@pytest.mark.parametrize("approx", [False, True])
+def test_fast_scan_keeps_rows_just_above_the_threshold(b, approx):
+    """Rows with the same code and multipliers rising by 1e-5 per row: each block's rows beat
+    the threshold the rows before them set by a hair, so a scan that skips blocks by a bound
+    on their table sums (the VNNI path) must not skip any of them; the best k are the last k
+    rows for a query that scores the code above zero (the first k below zero)."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("compiled module missing")
+    rng = np.random.default_rng(b)
+    d, n, k = 96, 2000, 10
+    idx = torch.from_numpy(np.tile(rng.integers(0, 1 << b, (1, d)), (n, 1)).astype(np.uint8))
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    mult = torch.from_numpy((1.0 + 1e-5 * np.arange(n)).astype(np.float32))
+    fs = ops.FastScan([ops.block_codes(ops.pack_bits(idx, b), d, b)], n, [c], [mult],
+                      torch.zeros(n), [b])
+    # queries along +-c[idx] (far from a zero score, which the tables could not resolve)
+    sign = np.where(np.arange(13) % 2 == 0, 1.0, -1.0)[:, None]
+    qr = torch.from_numpy((sign * (c[idx[0].long()].numpy() + 0.3 * rng.standard_normal(
+        (13, d)))).astype(np.float32))
+    u = (qr.double() @ c.double()[idx[0].long()]).numpy()  # every row's <q, c[idx]>
+    for q in (qr, qr[:1]):
+        _, pos = fs.search([q], k, approx=approx)
+        for i in range(len(q)):
+            want = np.arange(n - 1, n - 1 - k, -1) if u[i] > 0 else np.arange(k)
+            assert pos[i].tolist() == want.tolist(), (i, u[i])
+
+
 def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     """Every vector path this CPU has (the default: AVX2, with VBMI's 3-bit scans and VNNI's
     4-bit dot scans where the CPU has them; AVX2 alone with TQVEC_SIMD=avx2; AVX-512 with

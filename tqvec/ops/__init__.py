@@ -461,8 +461,9 @@ def simd_path() -> str:
     four lookups in one ``vpdpbusd``; batched exact 4-bit scans by int8 dot products),
     "avx512" (opt-in with ``TQVEC_SIMD=avx512`` on a CPU with AVX-512 F and BW: the 1, 2 and
     4-bit flat and IVF scans by 512-bit ``vpshufb``, the rest on AVX2), "neon" (aarch64),
-    "scalar" (``TQVEC_SIMD=scalar``, or no AVX2), or "none" (kernels not built). ``TQVEC_SIMD=avx2`` keeps every scan on AVX2. The
-    variable is read once per process; every path gives the same bits."""
+    "scalar" (``TQVEC_SIMD=scalar``, or no AVX2), or "none" (kernels not built).
+    ``TQVEC_SIMD=avx2`` keeps every scan on AVX2. The variable is read once per process; every
+    path gives the same bits."""
     return _cpu.simd_path()
 
 

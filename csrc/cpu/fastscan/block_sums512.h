@@ -9,8 +9,10 @@
 #include "../arch.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "block_sums.h"
 #include "shortlist.h"
@@ -214,6 +216,61 @@ __attribute__((target("avx2,avx512f,avx512bw"), always_inline)) inline void admi
   }
 }
 
+// The range of the per-row terms over rows [r0, r1): every row's score bound is at most
+// (u >= 0 ? mmax u : mmin u) + amax + off + mmax err for its table value u = delta S + bias
+// (multipliers >= 0). NaN terms are skipped (their rows are never admitted).
+struct RowTerms {
+  float mmin, mmax, amax;
+};
+
+__attribute__((target("avx2,avx512f"))) inline RowTerms row_terms(const float* mult,
+                                                                 const float* add, int64_t r0,
+                                                                 int64_t r1) {
+  const float inf = std::numeric_limits<float>::infinity();
+  __m512 mn = _mm512_set1_ps(inf), mx = _mm512_set1_ps(-inf), ax = _mm512_set1_ps(-inf);
+  int64_t r = r0;
+  // min/max(v, acc) return acc where v is NaN
+  for (; r + 16 <= r1; r += 16) {
+    const __m512 m = _mm512_loadu_ps(mult + r);
+    mn = _mm512_min_ps(m, mn), mx = _mm512_max_ps(m, mx);
+    ax = _mm512_max_ps(_mm512_loadu_ps(add + r), ax);
+  }
+  RowTerms t{_mm512_reduce_min_ps(mn), _mm512_reduce_max_ps(mx), _mm512_reduce_max_ps(ax)};
+  for (; r < r1; ++r) {
+    if (mult[r] < t.mmin) t.mmin = mult[r];
+    if (mult[r] > t.mmax) t.mmax = mult[r];
+    if (add[r] > t.amax) t.amax = add[r];
+  }
+  return t;
+}
+
+// The least table sum S a row of these terms needs for its bound to reach the threshold th
+// (query tables L, score offset off), lowered to absorb float rounding; 0 where nothing can be
+// excluded (no threshold yet, a negative multiplier). A block whose sums all fall below it has
+// no row to admit: skipping it changes no admission, and saves the per-row test on most blocks
+// once the threshold has settled.
+template <class Sc>
+inline uint32_t least_sum(const Sc& L, const RowTerms& t, float off, float th) {
+  if (!(th > -std::numeric_limits<float>::infinity()) || !(t.mmin >= 0.0f) ||
+      !(t.mmax > 0.0f) || !(t.amax < std::numeric_limits<float>::infinity()) ||
+      !(L.delta > 0.0f))
+    return 0;
+  const double rest = static_cast<double>(t.amax) + off + static_cast<double>(t.mmax) * L.err;
+  const double slack = 1e-5 * (std::fabs(static_cast<double>(th)) + std::fabs(rest) +
+                               std::fabs(static_cast<double>(t.mmax) * L.bias)) + 1e-30;
+  const double need = static_cast<double>(th) - rest - slack;  // what m u must reach
+  double u;
+  if (need >= 0.0)
+    u = need / t.mmax;
+  else if (t.mmin > 0.0f)
+    u = need / t.mmin;
+  else
+    return 0;
+  const double s = std::ceil((u - L.bias) / L.delta) - 1.0;
+  if (!(s > 0.0)) return 0;
+  return s >= 2147483647.0 ? 2147483647u : static_cast<uint32_t>(s);
+}
+
 // The row totals of nb (1 or 4) consecutive blocks by the VNNI sums into tot[0, 32 nb) (the
 // Lut has q8v), callable from code compiled for other instruction sets.
 __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline void
@@ -250,10 +307,27 @@ __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) void scan
   alignas(64) uint32_t tot[NQ * kRows];
   const uint8_t* q8[NQ];
   for (int q = 0; q < NQ; ++q) q8[q] = L[q]->q8v.data();
+  const RowTerms terms = row_terms(mult, add, j0 * kRows, std::min(n, j1 * kRows));
+  float th[NQ];
+  __m512i least[NQ];
+  for (int q = 0; q < NQ; ++q) {
+    th[q] = sl[q]->threshold();
+    least[q] = _mm512_set1_epi32(static_cast<int32_t>(least_sum(*L[q], terms, off[q], th[q])));
+  }
   for (int64_t j = j0; j < j1; ++j) {
     block_sums_vnni<1, NQ>(blocked + j * rb * kRows, rb, q8, tot);
-    for (int q = 0; q < NQ; ++q)
-      admit_block_avx512(*L[q], tot + q * kRows, j, n, mult, add, off[q], *sl[q]);
+    for (int q = 0; q < NQ; ++q) {
+      const uint32_t* bt = tot + q * kRows;
+      if (sl[q]->threshold() != th[q]) {  // raised by a compaction
+        th[q] = sl[q]->threshold();
+        least[q] =
+            _mm512_set1_epi32(static_cast<int32_t>(least_sum(*L[q], terms, off[q], th[q])));
+      }
+      if (!(_mm512_cmpge_epu32_mask(_mm512_load_si512(bt), least[q]) |
+            _mm512_cmpge_epu32_mask(_mm512_load_si512(bt + 16), least[q])))
+        continue;
+      admit_block_avx512(*L[q], bt, j, n, mult, add, off[q], *sl[q]);
+    }
   }
 }
 

@@ -272,6 +272,19 @@ __attribute__((target("avx2"), always_inline)) inline void block_sums(
     block_sums_avx2<NB, NQ>(blk, rb, q8, tot);
 }
 
+// Block j's rows through consider() where it is the last, partial block (then true).
+template <class Sc>
+__attribute__((always_inline)) inline bool admit_partial_block(const Sc& L, const uint32_t* bt,
+                                                               int64_t j, int64_t n,
+                                                               const float* mult,
+                                                               const float* add, float off,
+                                                               Shortlist& sl) {
+  const int64_t base = j * kRows;
+  if (n - base >= kRows) return false;
+  for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
+  return true;
+}
+
 // Bounds of the 32 rows of block j (sums bt) against the query's threshold, 8 rows at a time;
 // only rows that pass (a few per query in all, once the heap is full) leave the vector path.
 // Sc: a Lut or a SumScale (consider()); the sums convert as signed 32-bit integers.
@@ -279,11 +292,8 @@ template <class Sc>
 __attribute__((target("avx2"), always_inline)) inline void admit_block_avx2(
     const Sc& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
     float off, Shortlist& sl) {
+  if (admit_partial_block(L, bt, j, n, mult, add, off, sl)) return;  // the last, partial block
   const int64_t base = j * kRows;
-  if (n - base < kRows) {  // last, partial block
-    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
-    return;
-  }
   const __m256 vdelta = _mm256_set1_ps(L.delta), vbias = _mm256_set1_ps(L.bias);
   const __m256 voff = _mm256_set1_ps(off);
   const __m256 verr = _mm256_set1_ps(L.err), ninf = _mm256_set1_ps(-INFINITY);

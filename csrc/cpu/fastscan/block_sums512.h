@@ -113,17 +113,17 @@ __attribute__((target("avx2,avx512f,avx512bw"))) void scan_blocksq_avx512(
 #define TQVEC_VNNI_SUMS \
   __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"), always_inline)) inline
 
-// Byte 4t + u of the gathered registers: code byte p + u of row t (x0) or 16 + t (x1), from
-// bytes p, p + 1 (a: 64 bytes, 32 rows each) and p + 2, p + 3 (b: index bit 6).
-alignas(64) inline constexpr uint8_t kRowDwords[2][64] = {
-    {0,  32, 64, 96,  1,  33, 65, 97,  2,  34, 66, 98,  3,  35, 67, 99,
-     4,  36, 68, 100, 5,  37, 69, 101, 6,  38, 70, 102, 7,  39, 71, 103,
-     8,  40, 72, 104, 9,  41, 73, 105, 10, 42, 74, 106, 11, 43, 75, 107,
-     12, 44, 76, 108, 13, 45, 77, 109, 14, 46, 78, 110, 15, 47, 79, 111},
-    {16, 48, 80, 112, 17, 49, 81, 113, 18, 50, 82, 114, 19, 51, 83, 115,
-     20, 52, 84, 116, 21, 53, 85, 117, 22, 54, 86, 118, 23, 55, 87, 119,
-     24, 56, 88, 120, 25, 57, 89, 121, 26, 58, 90, 122, 27, 59, 91, 123,
-     28, 60, 92, 124, 29, 61, 93, 125, 30, 62, 94, 126, 31, 63, 95, 127}};
+// Byte 4t + u of the gathered registers: code byte p + u of row t (h = 0) or 16 + t (h = 1),
+// from bytes p, p + 1 (a: 64 bytes, 32 rows each) and p + 2, p + 3 (b: index bit 6).
+struct RowDwords {
+  alignas(64) uint8_t idx[2][64];
+  constexpr RowDwords() : idx{} {
+    for (int h = 0; h < 2; ++h)
+      for (int t = 0; t < 16; ++t)
+        for (int u = 0; u < 4; ++u) idx[h][4 * t + u] = static_cast<uint8_t>(32 * u + 16 * h + t);
+  }
+};
+inline constexpr RowDwords kRowDwords{};
 
 // Table sums for b in {1, 2, 4} with VBMI and VNNI, four code bytes p .. p + 3 at a time: their
 // 32 rows' bytes are gathered so that each 32-bit lane holds one row's four bytes (two
@@ -141,7 +141,8 @@ TQVEC_VNNI_SUMS void block_sums_vnni(const uint8_t* blk, int64_t rb, const uint8
                                      uint32_t* tot) {
   const __m512i low4 = _mm512_set1_epi8(0x0f), place = _mm512_set1_epi32(0x30201000);
   const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i g0 = _mm512_load_si512(kRowDwords[0]), g1 = _mm512_load_si512(kRowDwords[1]);
+  const __m512i g0 = _mm512_load_si512(kRowDwords.idx[0]);
+  const __m512i g1 = _mm512_load_si512(kRowDwords.idx[1]);
   __m512i acc[NQ][NB][2];
   for (int q = 0; q < NQ; ++q)
     for (int j = 0; j < NB; ++j) acc[q][j][0] = acc[q][j][1] = _mm512_setzero_si512();
@@ -187,11 +188,8 @@ template <class Sc>
 __attribute__((target("avx2,avx512f,avx512bw"), always_inline)) inline void admit_block_avx512(
     const Sc& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,
     float off, Shortlist& sl) {
+  if (admit_partial_block(L, bt, j, n, mult, add, off, sl)) return;  // the last, partial block
   const int64_t base = j * kRows;
-  if (n - base < kRows) {  // last, partial block
-    for (int64_t t = 0; t < n - base; ++t) consider(L, bt[t], base + t, mult, add, off, sl);
-    return;
-  }
   const __m512 vdelta = _mm512_set1_ps(L.delta), vbias = _mm512_set1_ps(L.bias);
   const __m512 voff = _mm512_set1_ps(off);
   const __m512 verr = _mm512_set1_ps(L.err), ninf = _mm512_set1_ps(-INFINITY);
@@ -287,13 +285,9 @@ __attribute__((target("avx2,avx512f,avx512bw,avx512vbmi,avx512vnni"))) inline vo
 scan_blocks_vnni(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
                  int64_t j1, const float* mult, const float* add, float off, Shortlist& sl) {
   alignas(64) uint32_t tot[4 * kRows];
-  const uint8_t* q8[1] = {L.q8v.data()};
   for (int64_t j = j0; j < j1;) {
     const int nb = j + 4 <= j1 ? 4 : 1;
-    if (nb == 4)
-      block_sums_vnni<4, 1>(blocked + j * rb * kRows, rb, q8, tot);
-    else
-      block_sums_vnni<1, 1>(blocked + j * rb * kRows, rb, q8, tot);
+    block_sums_vnni_any(L, blocked + j * rb * kRows, rb, nb, tot);
     for (int u = 0; u < nb; ++u, ++j)
       admit_block_avx512(L, tot + u * kRows, j, n, mult, add, off, sl);
   }

@@ -182,8 +182,7 @@ TQVEC_VNNI_SUMS void block_sums_vnni(const uint8_t* blk, int64_t rb, const uint8
 }
 
 // admit_block_avx2 16 rows at a time (the same float operations, so the same bounds and
-// admissions): half the instructions of the per-row test, which takes a quarter of a batched
-// sign-plane scan's time once its sums run on VNNI.
+// admissions): half the instructions of the per-row test.
 template <class Sc>
 __attribute__((target("avx2,avx512f,avx512bw"), always_inline)) inline void admit_block_avx512(
     const Sc& L, const uint32_t* bt, int64_t j, int64_t n, const float* mult, const float* add,

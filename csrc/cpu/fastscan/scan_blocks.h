@@ -75,7 +75,7 @@ inline void scan_blocks(const Lut& L, const uint8_t* blocked, int64_t rb, int64_
     Shortlist* sp = &sl;
     return scan_blocksq3_vbmi<1>(&lp, blocked, rb, n, j0, j1, mult, add, &off, &sp);
   }
-  if (uses_vnni_sums(L.b)) return scan_blocks_vnni(L, blocked, rb, n, j0, j1, mult, add, off, sl);
+  if (!L.q8v.empty()) return scan_blocks_vnni(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (L.b != 3 && simd_avx512())
     return scan_blocks_avx512(L, blocked, rb, n, j0, j1, mult, add, off, sl);
   if (simd_avx2()) return scan_blocks_avx2(L, blocked, rb, n, j0, j1, mult, add, off, sl);

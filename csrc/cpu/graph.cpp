@@ -111,13 +111,16 @@ struct Scratch {
 
 const auto worst_first = [](const Scored& a, const Scored& b) { return a.s > b.s; };  // min-heap
 
+// A node's record (kilobytes) into L2, in the order its expansion reads it: the codes first,
+// the exact vector (scored last) after them. Into L1 the lines would queue on its few miss
+// buffers and stall the expansion that requests them.
 inline void prefetch_node(const GraphArgs& g, const GraphLayer& L, int64_t node, int64_t rb) {
   const int64_t R = L.degree;
-  if (g.exact_x != nullptr) prefetch_span(g.exact_x + node * g.d, g.d * 4);
-  prefetch_span(L.codes + node * R * rb, R * rb);
-  prefetch_span(L.mult + node * R, R * 4);
-  prefetch_span(L.add + node * R, R * 4);
-  prefetch_span(L.nbr + node * R, R * 4);
+  prefetch_span_l2(L.codes + node * R * rb, R * rb);
+  prefetch_span_l2(L.mult + node * R, R * 4);
+  prefetch_span_l2(L.add + node * R, R * 4);
+  prefetch_span_l2(L.nbr + node * R, R * 4);
+  if (g.exact_x != nullptr) prefetch_span_l2(g.exact_x + node * g.d, g.d * 4);
 }
 
 // The estimated scores of node `node`'s R neighbours (-inf for padding) into s.
@@ -155,9 +158,15 @@ void write_best(std::vector<Scored>& v, const TopKOut& out, int64_t qi) {
   }
 }
 
-// (not inlined into the worker loop: there every use of the thread_local scratch went through
-// __tls_get_addr, once per neighbour)
-__attribute__((noinline)) void search_one(const GraphArgs& g, const float* qr, const float* q,
+// Kept out of the worker loop and out of interprocedural constant propagation: inlined, or
+// cloned with the thread_local scratch as a constant, every use of it went through
+// __tls_get_addr, once per neighbour.
+#if defined(__clang__)
+__attribute__((noinline))
+#else
+__attribute__((noipa))
+#endif
+void search_one(const GraphArgs& g, const float* qr, const float* q,
                                           float qsq, int64_t ef, const TopKOut& out, int64_t qi,
                                           Scratch& sc) {
   const int64_t rb = fs_row_bytes(g.d, g.b);

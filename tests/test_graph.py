@@ -3,6 +3,7 @@ metric, filters, removal, files, and hostile parameters."""
 
 import numpy as np
 import pytest
+import torch
 
 import tqvec
 from tqvec import ops
@@ -309,3 +310,30 @@ def test_memory_counts_the_layout(data):
     # add, and the refinement's vectors are held; faiss's copy of the vectors is not any more
     assert after >= n * (32 * (8 + 12) + 64 * 4)
     assert after < before + n * 32 * (8 + 12 + 4) - n * 64 * 4 // 2
+
+
+def test_layout_in_chunks_is_the_same(monkeypatch):
+    """A layer laid out a few nodes at a time (chunks ending mid-layer) holds the same records
+    as one laid out at once, and padding gets multiplier 0 and offset -inf."""
+    import tqvec.index.graph as graph_module
+    rng = np.random.default_rng(5)
+    n, d, b = 50, 40, 2
+    nb = rng.integers(-1, n, size=(n, 64)).astype(np.int32)
+    packed = rng.integers(0, 256, size=(n, ops.row_bytes(d, b)), dtype=np.uint8)
+    mult = rng.standard_normal(n).astype(np.float32)
+    add = rng.standard_normal(n).astype(np.float32)
+    whole = graph_module._lay_out(nb, packed, mult, add, d, b)
+    monkeypatch.setattr(graph_module, "_LAYOUT_CHUNK_BYTES", 7 * 64 * packed.shape[1])
+    chunked = graph_module._lay_out(nb, packed, mult, add, d, b)
+    for a, c in zip(whole, chunked, strict=True):
+        np.testing.assert_array_equal(a, c)
+    codes, em, ea = whole
+    live = nb >= 0
+    np.testing.assert_array_equal(em[~live], 0.0)
+    assert np.isneginf(ea[~live]).all()
+    np.testing.assert_array_equal(em[live], mult[nb[live]])
+    np.testing.assert_array_equal(ea[live], add[nb[live]])
+    # node 3's second block holds its neighbours 32..63 in the fast-scan layout
+    rows = np.where(live[3, 32:], nb[3, 32:], 0)
+    expect = ops.block_codes(torch.from_numpy(packed[rows]), d, b).numpy()[0]
+    np.testing.assert_array_equal(codes[3, 1], expect)

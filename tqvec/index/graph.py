@@ -38,6 +38,7 @@ from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec
 from ..codecs.turbo import TurboQuant
+from ..ops import pages
 from .flat import FlatIndex
 from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name, normalized
 from .rerank import RefineLut
@@ -49,6 +50,7 @@ __all__ = ["GraphIndex"]
 _MAX_M = 256
 _MAX_EF = 1 << 16
 _ROWS = 32  # a fast-scan block
+_LAYOUT_CHUNK_BYTES = 32 << 20  # neighbour rows copied at once while laying a layer out
 
 
 @dataclass
@@ -113,9 +115,33 @@ def check_graph(g: Graph, n: int, M: int) -> None:
 def _padded(a: np.ndarray) -> np.ndarray:
     """Neighbour lists padded with -1 to a multiple of 32 columns (one fast-scan block each)."""
     R = -(-a.shape[1] // _ROWS) * _ROWS
-    out = np.full((a.shape[0], R), -1, dtype=np.int32)
+    out = pages.empty((a.shape[0], R), np.int32)
     out[:, :a.shape[1]] = a
+    out[:, a.shape[1]:] = -1
     return out
+
+
+def _lay_out(nb: np.ndarray, packed: np.ndarray, mult: np.ndarray, add: np.ndarray, d: int,
+             b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One layer's search records for neighbour lists nb (nodes, R): each node's neighbours'
+    codes in fast-scan blocks (nodes, R / 32, row bytes, 32) uint8, their multipliers and
+    offsets (nodes, R) float32 (0 and -inf for padding). On huge pages (``ops.pages``: the
+    search reads them at random), laid out a chunk of nodes at a time so that the packed
+    neighbour rows are never all copied at once."""
+    nodes, R = nb.shape
+    codes = pages.empty((nodes, R // _ROWS, ops.fast_scan_row_bytes(d, b), _ROWS), np.uint8)
+    em = pages.empty((nodes, R), np.float32)
+    ea = pages.empty((nodes, R), np.float32)
+    step = max(1, _LAYOUT_CHUNK_BYTES // max(1, R * packed.shape[1]))
+    for i in range(0, nodes, step):
+        part = nb[i:i + step]
+        live = part >= 0
+        r = np.where(live, part, 0)
+        codes[i:i + step] = ops.block_codes(torch.from_numpy(packed[r.reshape(-1)]), d,
+                                            b).numpy().reshape(codes[i:i + step].shape)
+        em[i:i + step] = np.where(live, mult[r], 0.0)
+        ea[i:i + step] = np.where(live, add[r], -np.inf)
+    return codes, em, ea
 
 
 class GraphIndex(FlatIndex):
@@ -303,15 +329,9 @@ class GraphIndex(FlatIndex):
             layers.append((_padded(nb), slot))
         arrays = {"neighbours": [], "codes": [], "mult": [], "add": [], "slots": []}
         for nb, slot in layers:
-            live = nb >= 0
-            r = np.where(live, nb, 0)
-            codes = ops.block_codes(torch.from_numpy(packed[r.reshape(-1)]), term.d,
-                                    term.bits).reshape(nb.shape[0], nb.shape[1] // _ROWS, -1,
-                                                       _ROWS)
-            em = np.where(live, mult[r], 0.0).astype(np.float32)
-            ea = np.where(live, add[r], -np.inf).astype(np.float32)
+            codes, em, ea = _lay_out(nb, packed, mult, add, term.d, term.bits)
             arrays["neighbours"].append(nb)
-            arrays["codes"].append(codes.numpy())
+            arrays["codes"].append(codes)
             arrays["mult"].append(em)
             arrays["add"].append(ea)
             arrays["slots"].append(np.empty(0, np.int32) if slot is None else slot)

@@ -28,9 +28,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from _targets import fastest_at_targets  # noqa: E402
 
+from tqvec._machine import cpu_label  # noqa: E402
 from tqvec.benchmark import recall  # noqa: E402
 
-EF = (10, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+EF = (10, 16, 24, 32, 40, 48, 64, 96, 128, 192, 256)
 NPROBES = (2, 4, 8, 16, 32)
 TARGETS = (0.9, 0.95, 0.99)
 EF_CONSTRUCTION = 200
@@ -167,8 +168,9 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
     m = res["machine"]
     lines = [f"# Graph search: {res['dataset']} ({res['n']:,} x {res['d']}, {res['nq']} "
              f"queries, {res['metric']})", "",
-             f"Command: `python bench/graph.py {' '.join(argv)}`. Machine: {m.get('cpu')}, "
-             f"{m['cpus']} CPUs, SIMD path {m.get('tqvec_simd_path')}. k = 10, one thread "
+             f"Command: `python bench/graph.py {' '.join(argv)}`. Machine: {cpu_label(m)}, "
+             f"{m['cpus']} CPUs, SIMD flags {', '.join(m.get('simd', [])) or 'none'}, tqvec's "
+             f"SIMD path {m.get('tqvec_simd_path')}. k = 10, one thread "
              f"for every search; graphs built with efConstruction {EF_CONSTRUCTION} on 2 "
              "threads (build s includes tqvec's search layout). Batch: all queries in one "
              "call, best of three; single: one query per call, best of up to three passes. "

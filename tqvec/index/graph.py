@@ -15,7 +15,8 @@ the best ``k_factor * k`` of them exactly.
 The layout repeats a row's codes once per node that links to it: per vector it holds
 ``2 M * (code bytes + 12)`` bytes (the codes, a 4-byte row number and two 4-byte score terms
 per link) beside the refinement's own bytes and the adjacency (``2 M`` 4-byte neighbours) - at
-1 bit and ``d = 784``, 3.5 KB for M = 16. ``memory_bytes()`` counts it.
+1 bit and ``d = 784``, 3.5 KB for M = 16. ``memory_bytes()`` counts it. The layout sits on
+2 MiB pages where Linux gives them (``tqvec.ops.pages``): a search reads it at random.
 
 Changes: ``add`` extends the graph by faiss's HNSW insertion; faiss's index (with its own
 copy of the vectors) is held only from an add to the next search, which lays the graph out and

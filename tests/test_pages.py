@@ -5,6 +5,7 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from tqvec.ops import pages
 
@@ -42,3 +43,15 @@ def test_a_refused_mapping_falls_back_to_the_heap(monkeypatch):
     monkeypatch.setattr(pages, "_huge_mapping", refuse)
     a = pages.empty((pages.MIN_BYTES,), np.uint8)
     assert a.shape == (pages.MIN_BYTES,) and not pages.on_huge_pages(a)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64])
+def test_host_cat_joins_rows(dtype):
+    a = torch.arange(12).reshape(4, 3).to(dtype)
+    b = torch.arange(12, 18).reshape(2, 3).to(dtype)
+    out = pages.host_cat([a, b])
+    assert out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out, torch.cat([a, b]))
+    big = pages.host_cat([torch.ones(pages.MIN_BYTES // 4, dtype=torch.float32)])
+    assert (big.data_ptr() % pages.HUGE_PAGE == 0) == pages._POSSIBLE  # on its own mapping
+    assert float(big.sum()) == pages.MIN_BYTES // 4

@@ -58,6 +58,7 @@ from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec, Codes, LutTerm
 from ..codecs.turbo import TurboQuant
+from ..ops import pages
 from .base import CodesIndex
 from .fused import FlatSearch
 from .metrics import (
@@ -253,7 +254,7 @@ class FlatIndex(CodesIndex):
         codes = self.codec.encode(td)
         ref = None
         if self.refine == "flat":
-            ref = t.to(torch.float32).cpu().clone()
+            ref = pages.host_cat([t.to(torch.float32).cpu()])  # a copy, on huge pages
         elif isinstance(self.refine, Codec):
             ref = self.refine.encode(td)
         sqn = sqnorms_of(self.codec, codes, self._scoring, self.device)

@@ -17,6 +17,7 @@ import torch
 
 from .. import _validate as V
 from ..codecs.base import Codes, concat_codes
+from ..ops import pages
 
 __all__ = ["Rows", "PayloadSource"]
 
@@ -32,7 +33,19 @@ def _concat(old: Codes | torch.Tensor | None, new: Codes | torch.Tensor
             ) -> Codes | torch.Tensor:
     if old is None:
         return new
-    return concat_codes([old, new]) if isinstance(new, Codes) else torch.cat([old, new])
+    if isinstance(new, Codes):
+        return concat_codes([old, new])
+    # exact vectors, which a re-rank reads at random: kept on huge pages
+    return pages.host_cat([old, new]) if new.device.type == "cpu" else torch.cat([old, new])
+
+
+def _kept(ref: Codes | torch.Tensor, keep: torch.Tensor) -> Codes | torch.Tensor:
+    """The rows of ref where keep is set (exact vectors on the CPU onto huge pages)."""
+    if isinstance(ref, Codes) or ref.device.type != "cpu":
+        return ref[keep.to(ref.device)]
+    rows = torch.nonzero(keep).squeeze(1)
+    return torch.index_select(ref, 0, rows,
+                              out=pages.host_empty((len(rows), *ref.shape[1:]), ref.dtype))
 
 
 class Rows:
@@ -143,7 +156,7 @@ class Rows:
         self._payload = self._payload[kd]
         self._scalars = {k: v[kd] for k, v in self._scalars.items()}
         if self.ref is not None:
-            self.ref = self.ref[keep.to(self.ref.device)]
+            self.ref = _kept(self.ref, keep)
         for name, values in self.per_row.items():
             if values.numel():
                 self.per_row[name] = values[keep.to(values.device)]

@@ -15,8 +15,9 @@ import mmap
 import sys
 
 import numpy as np
+import torch
 
-__all__ = ["HUGE_PAGE", "MIN_BYTES", "empty", "on_huge_pages"]
+__all__ = ["HUGE_PAGE", "MIN_BYTES", "empty", "host_cat", "host_empty", "on_huge_pages"]
 
 HUGE_PAGE = 2 << 20
 # Smaller arrays stay on the heap: an array's last huge page is faulted in whole (up to 2 MiB
@@ -59,6 +60,23 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
     raw = np.frombuffer(m, dtype=np.uint8)
     start = -raw.ctypes.data % HUGE_PAGE  # THP maps only 2 MiB-aligned ranges
     return raw[start:start + nbytes].view(dtype).reshape(shape)
+
+
+def host_cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The CPU tensors ``parts`` (one dtype, equal trailing shapes) joined along dim 0 into a
+    new contiguous tensor, on huge pages where ``empty`` gives them: for rows a search reads at
+    random (a refinement's exact vectors)."""
+    shape = (sum(int(p.shape[0]) for p in parts), *parts[0].shape[1:])
+    return torch.cat(parts, out=host_empty(shape, parts[0].dtype))
+
+
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """``empty`` as a CPU torch tensor (``torch.empty`` for a dtype numpy lacks)."""
+    try:
+        np_dtype = torch.empty(0, dtype=dtype).numpy().dtype
+    except TypeError:  # bfloat16
+        return torch.empty(shape, dtype=dtype)
+    return torch.from_numpy(empty(shape, np_dtype))
 
 
 def on_huge_pages(a: np.ndarray) -> bool:

@@ -26,15 +26,15 @@ namespace {
 using fastscan::kRows;
 using fastscan::Lut;
 
-// The search pool: the ef best estimates seen, sorted best first, each marked once expanded;
-// `next` is the first unexpanded one. An insertion is a binary search and a move of the worse
-// entries (NSG's and DiskANN's search list): best-first search with a bounded pool needs no
-// separate candidate heap, since a candidate that falls out of the pool would never be
-// expanded.
+// The search pool: the ef best estimates seen, sorted best first, each marked once expanded
+// (and once its record was prefetched); `next` is the first unexpanded one. An insertion is a
+// binary search and a move of the worse entries (NSG's and DiskANN's search list): best-first
+// search with a bounded pool needs no separate candidate heap, since a candidate that falls
+// out of the pool would never be expanded.
 struct Pool {
   std::vector<float> s;
   std::vector<int32_t> row;
-  std::vector<uint8_t> done;
+  std::vector<uint8_t> done, fetched;
   int64_t size = 0, cap = 0, next = 0;
   void reset(int64_t ef) {
     cap = ef;
@@ -42,6 +42,7 @@ struct Pool {
     s.resize(static_cast<size_t>(ef + 1));
     row.resize(static_cast<size_t>(ef + 1));
     done.resize(static_cast<size_t>(ef + 1));
+    fetched.resize(static_cast<size_t>(ef + 1));
   }
   // the score an entry must beat to enter
   float worst() const {
@@ -59,10 +60,12 @@ struct Pool {
       std::memmove(&s[static_cast<size_t>(lo + 1)], &s[static_cast<size_t>(lo)], m * 4);
       std::memmove(&row[static_cast<size_t>(lo + 1)], &row[static_cast<size_t>(lo)], m * 4);
       std::memmove(&done[static_cast<size_t>(lo + 1)], &done[static_cast<size_t>(lo)], m);
+      std::memmove(&fetched[static_cast<size_t>(lo + 1)], &fetched[static_cast<size_t>(lo)], m);
     }
     s[static_cast<size_t>(lo)] = v;
     row[static_cast<size_t>(lo)] = r;
     done[static_cast<size_t>(lo)] = 0;
+    fetched[static_cast<size_t>(lo)] = 0;
     size = std::min(size + 1, cap);
     next = std::min(next, lo);
   }
@@ -73,11 +76,16 @@ struct Pool {
     done[static_cast<size_t>(next)] = 1;
     return next++;
   }
-  // the row of the best unexpanded entry (for a prefetch), or -1
-  int32_t peek() const {
-    for (int64_t i = next; i < size; ++i)
-      if (!done[static_cast<size_t>(i)]) return row[static_cast<size_t>(i)];
-    return -1;
+  // Calls fetch(row) for the best unexpanded entry - again where fetched before, which
+  // measured faster (a prefetch the full miss queue dropped is made again) - and for each of
+  // the next depth - 1 not fetched before.
+  template <class Fetch>
+  void fetch_next(int depth, Fetch&& fetch) {
+    for (int64_t i = next, j = 0; i < size && j < depth; ++i) {
+      if (done[static_cast<size_t>(i)]) continue;
+      if (j++ == 0 || !fetched[static_cast<size_t>(i)]) fetch(row[static_cast<size_t>(i)]);
+      fetched[static_cast<size_t>(i)] = 1;
+    }
   }
 };
 
@@ -227,11 +235,9 @@ void search_one(const GraphArgs& g, const float* qr, const float* q,
       if (!sc.visit(r)) continue;
       pool.insert(v, r);
     }
-    // The node expanded next is known now (often a neighbour just found): its record and
-    // vector are requested before this node's exact score. (Deeper or earlier prefetches, huge pages and
-    // an exact score lagged behind its vector's prefetch measured no faster.)
-    const int32_t nxt = pool.peek();
-    if (nxt >= 0) prefetch_node(g, B, nxt, rb);
+    // The node expanded next is known now (often a neighbour just found), and the one after
+    // it likely: their records and vectors are requested before this node's exact score.
+    pool.fetch_next(2, [&](int32_t r) { prefetch_node(g, B, r, rb); });
     if (exact && allowed(c)) score_exactly(c);
   }
   if (!exact)  // the pool's allowed rows, by their estimates

@@ -2,11 +2,11 @@
 
 A graph search reads a few kilobytes at each of tens of nodes scattered over hundreds of
 megabytes: on 4 KiB pages nearly every read also misses the TLB and walks the page table,
-and a prefetch into a page the TLB lacks waits on that walk (or is dropped). Linux backs an anonymous private
-mapping with transparent huge pages where the process asks (``madvise(MADV_HUGEPAGE)``; the
-common ``madvise`` setting gives them to no one else), and 2 MiB pages cover a gigabyte with
-the TLB's few thousand entries. Elsewhere (another OS, THP off, a small array) ``empty`` is
-``np.empty``: only speed differs.
+and a prefetch into a page the TLB lacks waits on that walk (or is dropped). Linux backs an
+anonymous private mapping with transparent huge pages where the process asks
+(``madvise(MADV_HUGEPAGE)``; the common ``madvise`` setting gives them to no one else), and
+2 MiB pages cover a gigabyte with the TLB's few thousand entries. Elsewhere (another OS, THP
+off, a small array) ``empty`` is ``np.empty``: only speed differs.
 """
 
 from __future__ import annotations

@@ -124,11 +124,11 @@ const auto worst_first = [](const Scored& a, const Scored& b) { return a.s > b.s
 // buffers and stall the expansion that requests them.
 inline void prefetch_node(const GraphArgs& g, const GraphLayer& L, int64_t node, int64_t rb) {
   const int64_t R = L.degree;
-  prefetch_span_l2(L.codes + node * R * rb, R * rb);
-  prefetch_span_l2(L.mult + node * R, R * 4);
-  prefetch_span_l2(L.add + node * R, R * 4);
-  prefetch_span_l2(L.nbr + node * R, R * 4);
-  if (g.exact_x != nullptr) prefetch_span_l2(g.exact_x + node * g.d, g.d * 4);
+  prefetch_span<Cache::L2>(L.codes + node * R * rb, R * rb);
+  prefetch_span<Cache::L2>(L.mult + node * R, R * 4);
+  prefetch_span<Cache::L2>(L.add + node * R, R * 4);
+  prefetch_span<Cache::L2>(L.nbr + node * R, R * 4);
+  if (g.exact_x != nullptr) prefetch_span<Cache::L2>(g.exact_x + node * g.d, g.d * 4);
 }
 
 // The estimated scores of node `node`'s R neighbours (-inf for padding) into s.

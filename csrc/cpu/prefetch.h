@@ -7,43 +7,33 @@
 
 namespace tqvec {
 
-// One cache line into L1 (prefetch_line) or into L2 only (prefetch_line_l2). Inline assembly,
-// not __builtin_prefetch: GCC 12's dead-code elimination removed whole loops of the builtin
-// (every prefetch of the graph search was gone), and a volatile asm statement is never removed.
+// Where a prefetch puts a line: L1 (and the outer caches), or the outer caches only (L2 on
+// x86) - for kilobytes requested at once, whose lines would otherwise wait on L1's few miss
+// buffers.
+enum class Cache { L1, L2 };
+
+// One cache line. Inline assembly, not __builtin_prefetch: GCC 12's dead-code elimination
+// removed whole loops of the builtin (every prefetch of the graph search was gone), and a
+// volatile asm statement is never removed.
+template <Cache C = Cache::L1>
 inline void prefetch_line(const void* p) {
 #if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht0 (%0)" : : "r"(p));
+  if constexpr (C == Cache::L1) asm volatile("prefetcht0 (%0)" : : "r"(p));
+  else asm volatile("prefetcht1 (%0)" : : "r"(p));
 #elif defined(__aarch64__)
-  asm volatile("prfm pldl1keep, [%0]" : : "r"(p));
+  if constexpr (C == Cache::L1) asm volatile("prfm pldl1keep, [%0]" : : "r"(p));
+  else asm volatile("prfm pldl2keep, [%0]" : : "r"(p));
 #else
-  __builtin_prefetch(p);
+  __builtin_prefetch(p, 0, C == Cache::L1 ? 3 : 2);
 #endif
 }
 
-inline void prefetch_line_l2(const void* p) {
-#if defined(__x86_64__) || defined(__i386__)
-  asm volatile("prefetcht1 (%0)" : : "r"(p));
-#elif defined(__aarch64__)
-  asm volatile("prfm pldl2keep, [%0]" : : "r"(p));
-#else
-  __builtin_prefetch(p, 0, 2);
-#endif
-}
-
+template <Cache C = Cache::L1>
 inline void prefetch_span(const void* p, int64_t bytes) {
   if (bytes <= 0) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   for (uintptr_t line = a & ~uintptr_t{63}; line < a + static_cast<uintptr_t>(bytes); line += 64)
-    prefetch_line(reinterpret_cast<const void*>(line));
-}
-
-// The same into L2 only: for a span of kilobytes requested at once, whose lines would
-// otherwise wait on L1's few miss buffers.
-inline void prefetch_span_l2(const void* p, int64_t bytes) {
-  if (bytes <= 0) return;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-  for (uintptr_t line = a & ~uintptr_t{63}; line < a + static_cast<uintptr_t>(bytes); line += 64)
-    prefetch_line_l2(reinterpret_cast<const void*>(line));
+    prefetch_line<C>(reinterpret_cast<const void*>(line));
 }
 
 // One byte of every cache line of a byte range, summed: a load where a prefetch does not do.

@@ -337,3 +337,22 @@ def test_layout_in_chunks_is_the_same(monkeypatch):
     rows = np.where(live[3, 32:], nb[3, 32:], 0)
     expect = ops.block_codes(torch.from_numpy(packed[rows]), d, b).numpy()[0]
     np.testing.assert_array_equal(codes[3, 1], expect)
+
+
+def test_exact_vectors_read_into_memory_go_onto_huge_pages(tmp_path, monkeypatch):
+    """A file read into memory puts Refine(Flat)'s vectors where added rows go (huge pages
+    where the system gives them); a memory-mapped file keeps its mapping."""
+    from tqvec.ops import pages
+    monkeypatch.setattr(pages, "MIN_BYTES", 1 << 12)
+    x = low_rank(200, 64)
+    idx = index_factory(64, "HNSW16,TQ2,Refine(Flat)")
+    idx.add(x)
+    path = str(tmp_path / "g.tqv")
+    write_index(idx, path)
+    read = read_index(path)
+    mapped = read_index(path, mmap=True)
+    aligned = read._rows.ref.data_ptr() % pages.HUGE_PAGE == 0
+    assert aligned == pages._POSSIBLE
+    np.testing.assert_array_equal(read._rows.ref.numpy(), x)
+    for other in (read, mapped):
+        np.testing.assert_array_equal(other.search(x[:5], 5)[1], idx.search(x[:5], 5)[1])

@@ -19,6 +19,7 @@ from .. import _validate as V
 from ..codecs.base import Codec, Codes
 from ..codecs.storage import check_fingerprint, codec_from_header, codes_from_arrays
 from ..errors import FormatError
+from ..ops import pages
 from .flat import FlatIndex
 from .graph import Graph, GraphIndex
 from .ivf import IVFIndex
@@ -227,6 +228,8 @@ def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any,
             ref = codes_from_arrays(where, ref_codec, arrays, "refine.", ntotal, mapped)
         elif ref_codec == "flat":
             ref = _float_rows(arrays, "refine.vectors", (ntotal, index.d))
+            if mapped is None:  # read into memory: onto huge pages, as added rows are
+                ref = pages.host_cat([ref])
         if ivf:
             lists = arrays["ivf.lists"]
             if lists.dtype != np.int64 or lists.shape != (ntotal,) or (

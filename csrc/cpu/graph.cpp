@@ -77,8 +77,8 @@ struct Pool {
     return next++;
   }
   // Calls fetch(row) for the best unexpanded entry - again where fetched before, which
-  // measured faster (a prefetch the full miss queue dropped is made again) - and for each of
-  // the next depth - 1 not fetched before.
+  // measured faster (perhaps a prefetch dropped on a full miss queue is made again) - and for
+  // each of the next depth - 1 not fetched before.
   template <class Fetch>
   void fetch_next(int depth, Fetch&& fetch) {
     for (int64_t i = next, j = 0; i < size && j < depth; ++i) {

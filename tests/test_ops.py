@@ -431,19 +431,24 @@ def test_fast_scan_two_stage_few_queries_path(d1_bytes, rng):
     """A few queries (fewer than 3 per thread) store every first-pass score and select the k1
     best once; more queries keep shortlists. Both keep the same rows (the k1 best approximate
     scores, ties included), so one query at a time gives the batch's results; k1 >= n (a
-    threshold sample that leaves too few rows falls back to every finite row) is exact."""
+    threshold sample that leaves too few rows falls back to every finite row) is exact. At
+    6,000 rows the shortlists start from a threshold sampled on a few runs of blocks; rows whose
+    scores fall with their position put the best rows in the first run, where that threshold
+    leaves fewer than k1 rows and the query is scanned again."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled CPU kernels not built")
-    n, d, nq, k = 4000, 64, 8, 10
+    n, d, nq, k = 6000, 64, 8, 10
     qr, packed, c, mult, add = scan_case(rng, nq, n, d, 1, excluded_every=7)
     signs = ops.block_codes(packed[:, :d1_bytes].contiguous(), 8 * d1_bytes, 1)
     add1 = torch.where(torch.isinf(add), add, torch.zeros_like(add))
     high = add1.clone()
     high[::64] += 1000.0  # the threshold's sample (rows 0, 64, ...) leads: too few survive
+    falling = add1 + torch.linspace(1000.0, 0.0, n)  # the first rows lead
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        for k1, first in ((37, add1), (300, add1), (n, add1), (300, high)):
+        for k1, first in ((37, add1), (300, add1), (n, add1), (300, high), (37, falling),
+                          (300, falling)):
             vb, pb = ops.fast_scan_two_stage(qr, signs, n, c, packed, 1, c, mult, add, first, k1,
                                              k, backend="cpu")  # 8 queries: shortlists
             for i in range(nq):  # one query: stored scores

@@ -51,6 +51,34 @@ inline std::vector<Shortlist*> pointers(std::vector<Shortlist>& sls) {
   return parts;
 }
 
+// A long approximate shortlist (a two-stage scan's first pass keeps k1 = 100 or more rows)
+// admits ~k (1 + ln(n / k)) rows from a threshold that starts at -inf and lags behind the
+// compactions - ~1,000 for k = 100 of 60,000 rows, each an append and a share of a selection.
+// Started instead from the r-th best score of a sample of the blocks (kSampleRuns runs spread
+// over the rows, one kSampleBlocks-th of them; r a little above the k n_sample / n of the k
+// best expected there, by three standard deviations), it admits ~2-3 k rows. A threshold that
+// came out too high (ordered data) is caught by short_of_k and the query scanned again.
+constexpr int64_t kSampledMinK = 32;  // shorter shortlists admit few rows anyway
+constexpr int64_t kSampleRuns = 8, kSampleBlocks = 16 * kSampleRuns;
+
+// scan(shortlists, c0, c1) scans blocks [c0, c1) of every query into its shortlist.
+template <class Scan>
+void start_from_sample(int64_t nb, int64_t n, int64_t k, std::vector<Shortlist>& sls,
+                       Scan&& scan) {
+  const int64_t run = nb / kSampleBlocks;
+  const double mu = static_cast<double>(k) * static_cast<double>(kSampleRuns * run * kRows) /
+                    static_cast<double>(n);
+  const int64_t r =
+      std::min<int64_t>(k, static_cast<int64_t>(std::ceil(mu + 3.0 * std::sqrt(mu))) + 1);
+  std::vector<Shortlist> probe(sls.size(), Shortlist(r));
+  std::vector<Shortlist*> pp = pointers(probe);
+  for (int64_t i = 0; i < kSampleRuns; ++i) {
+    const int64_t c0 = i * nb / kSampleRuns;
+    scan(pp.data(), c0, c0 + run);
+  }
+  for (size_t g = 0; g < sls.size(); ++g) sls[g].start_at(final_threshold({pp[g]}, r));
+}
+
 // fast_scan's query/thread schedule with the shortlist length k_scan and a finisher
 // fin(qi, lut, shortlists) that writes query qi's results. approx: tables without the exact
 // float copy and with a zero error bound, so a shortlist holds the rows of the best
@@ -95,13 +123,21 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
         for (size_t g = 0; g < ng; ++g) lp.push_back(&luts[g]), sp.push_back(&sls[g]);
         const std::vector<float> zero(ng, 0.0f);
         const size_t grouped = qpp > 0 ? ng / qpp * qpp : 0;
-        for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks) {
-          const int64_t c1 = std::min(nb, c0 + chunk_blocks);
-          scan_query_groups(qpp, lp.data(), sp.data(), static_cast<int64_t>(grouped), blocked,
-                            rb, n, c0, c1, mult, add, zero.data());
+        auto scan = [&](Shortlist* const* to, int64_t c0, int64_t c1) {
+          scan_query_groups(qpp, lp.data(), to, static_cast<int64_t>(grouped), blocked, rb, n,
+                            c0, c1, mult, add, zero.data());
           for (size_t g = grouped; g < ng; ++g)
-            scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, sls[g]);
-        }
+            scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, *to[g]);
+        };
+        const bool sampled = approx && k_scan >= kSampledMinK && nb >= kSampleBlocks;
+        if (sampled) start_from_sample(nb, n, k_scan, sls, scan);
+        for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks)
+          scan(sp.data(), c0, std::min(nb, c0 + chunk_blocks));
+        for (size_t g = 0; sampled && g < ng; ++g)
+          if (sls[g].short_of_k()) {  // the sample's threshold was too high: scan again from -inf
+            sls[g] = Shortlist(k_scan);
+            scan_blocks(luts[g], blocked, rb, n, 0, nb, mult, add, 0.f, sls[g]);
+          }
         for (size_t g = 0; g < luts.size(); ++g)
           fin(g0 + static_cast<int64_t>(g), luts[g], std::vector<Shortlist*>{&sls[g]});
       }

@@ -38,6 +38,11 @@ struct Shortlist {
   std::vector<Cand> cand;
   explicit Shortlist(int64_t kk) : k(kk) { lbs.reserve(static_cast<size_t>(3 * kk + 1)); }
   float threshold() const { return th; }
+  // Starts the threshold at t (only ever raised) for a shortlist of scores without error
+  // bounds (lb = ub): every row scoring at least t is admitted, so the result is the same as
+  // from -inf wherever at least k rows reach t - short_of_k() says where they did not.
+  void start_at(float t) { th = std::max(th, t); }
+  bool short_of_k() const { return static_cast<int64_t>(lbs.size()) < k; }
   void admit(float lb, float ub, int64_t i, float off) {
     cand.emplace_back(ub, i, off);
     lbs.push_back(lb);

@@ -54,22 +54,17 @@ inline std::vector<Shortlist*> pointers(std::vector<Shortlist>& sls) {
 // A long approximate shortlist (a two-stage scan's first pass keeps k1 = 100 or more rows)
 // admits ~k (1 + ln(n / k)) rows from a threshold that starts at -inf and lags behind the
 // compactions - ~1,000 for k = 100 of 60,000 rows, each an append and a share of a selection.
-// Started instead from the r-th best score of a sample of the blocks (kSampleRuns runs spread
-// over the rows, one kSampleBlocks-th of them; r a little above the k n_sample / n of the k
-// best expected there, by three standard deviations), it admits ~2-3 k rows. A threshold that
-// came out too high (ordered data) is caught by short_of_k and the query scanned again.
+// Started instead from a threshold sampled on a few runs of blocks (sample_rank), it admits
+// ~2-3 k rows; one that came out too high (ordered rows) is caught by short_of_k and the query
+// scanned again.
 constexpr int64_t kSampledMinK = 32;  // shorter shortlists admit few rows anyway
-constexpr int64_t kSampleRuns = 8, kSampleBlocks = 16 * kSampleRuns;
 
 // scan(shortlists, c0, c1) scans blocks [c0, c1) of every query into its shortlist.
 template <class Scan>
 void start_from_sample(int64_t nb, int64_t n, int64_t k, std::vector<Shortlist>& sls,
                        Scan&& scan) {
   const int64_t run = nb / kSampleBlocks;
-  const double mu = static_cast<double>(k) * static_cast<double>(kSampleRuns * run * kRows) /
-                    static_cast<double>(n);
-  const int64_t r =
-      std::min<int64_t>(k, static_cast<int64_t>(std::ceil(mu + 3.0 * std::sqrt(mu))) + 1);
+  const int64_t r = sample_rank(k, kSampleRuns * run * kRows, n);
   std::vector<Shortlist> probe(sls.size(), Shortlist(r));
   std::vector<Shortlist*> pp = pointers(probe);
   for (int64_t i = 0; i < kSampleRuns; ++i) {

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../kernels.h"
+#include "../parallel.h"
 #include "../topk.h"
 #include "tables.h"
 
@@ -135,68 +136,175 @@ inline void finish_approx(const std::vector<Shortlist*>& parts, int64_t k, float
   write_topk(hits, k, vals, idx);
 }
 
-// The rows i with s[i] >= t and s[i] > -inf, in order, of s[0, n) (AVX2: 8 at a time, a
-// compare and a mask; the portable loop the tail and all of it elsewhere).
+// A threshold sampled before a scan: the r-th best score over kSampleRuns runs of
+// nb / kSampleBlocks blocks spread over the rows, r a little above the k m / n of the k best
+// expected among the sample's m rows (by three standard deviations), so that at least k rows
+// reach it unless the rows are ordered - which the caller checks, scanning again from -inf.
+constexpr int64_t kSampleRuns = 8, kSampleBlocks = 16 * kSampleRuns;
+
+inline int64_t sample_rank(int64_t k, int64_t m, int64_t n) {
+  const double mu = static_cast<double>(k) * static_cast<double>(m) / static_cast<double>(n);
+  return std::min<int64_t>(k, static_cast<int64_t>(std::ceil(mu + 3.0 * std::sqrt(mu))) + 1);
+}
+
+// Appends rows base + i of s[0, m) with s[i] >= t and s[i] > -inf, and their scores, in order:
+// one compare with max(t, -FLT_MAX) (a NaN fails it too) - AVX-512 16 rows at a time, AVX2 8,
+// the portable loop the tail and all of it elsewhere.
 #ifdef TQVEC_X86
-__attribute__((target("avx2"))) inline int64_t rows_at_least_avx2(const float* s, int64_t n,
-                                                                  float t,
-                                                                  std::vector<int64_t>& rows) {
-  const __m256 vt = _mm256_set1_ps(t), ninf = _mm256_set1_ps(-INFINITY);
+__attribute__((target("avx2,avx512f"))) inline int64_t append_at_least_avx512(
+    const float* s, int64_t m, float t, int64_t base, std::vector<int64_t>& rows,
+    std::vector<float>& vals) {
+  const __m512 vt = _mm512_set1_ps(t);
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(s + i);
-    int bits = _mm256_movemask_ps(
-        _mm256_and_ps(_mm256_cmp_ps(v, vt, _CMP_GE_OQ), _mm256_cmp_ps(v, ninf, _CMP_GT_OQ)));
-    while (bits) {
-      rows.push_back(i + __builtin_ctz(bits));
-      bits &= bits - 1;
+  for (; i + 16 <= m; i += 16) {
+    for (unsigned bits = _mm512_cmp_ps_mask(_mm512_loadu_ps(s + i), vt, _CMP_GE_OQ); bits;
+         bits &= bits - 1) {
+      const int u = __builtin_ctz(bits);
+      rows.push_back(base + i + u);
+      vals.push_back(s[i + u]);
+    }
+  }
+  return i;
+}
+
+__attribute__((target("avx2"))) inline int64_t append_at_least_avx2(
+    const float* s, int64_t m, float t, int64_t base, std::vector<int64_t>& rows,
+    std::vector<float>& vals) {
+  const __m256 vt = _mm256_set1_ps(t);
+  int64_t i = 0;
+  for (; i + 8 <= m; i += 8) {
+    int bits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(s + i), vt, _CMP_GE_OQ));
+    for (; bits; bits &= bits - 1) {
+      const int u = __builtin_ctz(bits);
+      rows.push_back(base + i + u);
+      vals.push_back(s[i + u]);
     }
   }
   return i;
 }
 #endif
 
-inline void rows_at_least(const float* s, int64_t n, float t, std::vector<int64_t>& rows) {
-  rows.clear();
+inline void append_at_least(const float* s, int64_t m, float t, int64_t base,
+                            std::vector<int64_t>& rows, std::vector<float>& vals) {
+  t = std::max(t, std::numeric_limits<float>::lowest());
   int64_t i = 0;
 #ifdef TQVEC_X86
-  if (simd_avx2()) i = rows_at_least_avx2(s, n, t, rows);
+  if (simd_vbmi() || simd_avx512())
+    i = append_at_least_avx512(s, m, t, base, rows, vals);
+  else if (simd_avx2())
+    i = append_at_least_avx2(s, m, t, base, rows, vals);
 #endif
-  for (; i < n; ++i)
-    if (s[i] >= t && s[i] > -std::numeric_limits<float>::infinity()) rows.push_back(i);
+  for (; i < m; ++i)
+    if (s[i] >= t) {
+      rows.push_back(base + i);
+      vals.push_back(s[i]);
+    }
 }
 
-// The rows whose score s[i] (n of them) reaches the k-th largest finite score (ties included;
-// all finite rows where fewer than k): what a shortlist of k approximate scores keeps
-// (final_threshold, then ub >= th). A threshold from a strided sample first (its r-th largest,
-// r chosen for ~2k survivors), one pass keeping the rows at or above it, and the exact select
-// among those; a sample that leaves fewer than k survivors is retried at a 4x larger rank.
-inline void rows_reaching_kth(const float* s, int64_t n, int64_t k, std::vector<int64_t>& rows) {
-  constexpr int64_t kStride = 64;
+// The r-th largest of the finite values of s[0, m) (-inf where fewer than r), by a min-heap of
+// the r best so far: one compare per value for the small r of a sampled threshold.
+inline float rth_largest_finite(const float* s, int64_t m, int64_t r, std::vector<float>& heap) {
+  heap.clear();
+  const auto greater = std::greater<float>();
+  for (int64_t i = 0; i < m; ++i) {
+    const float v = s[i];
+    if (!(v > -std::numeric_limits<float>::infinity())) continue;  // -inf, NaN
+    if (static_cast<int64_t>(heap.size()) < r) {
+      heap.push_back(v);
+      std::push_heap(heap.begin(), heap.end(), greater);
+    } else if (v > heap.front()) {
+      std::pop_heap(heap.begin(), heap.end(), greater);
+      heap.back() = v;
+      std::push_heap(heap.begin(), heap.end(), greater);
+    }
+  }
+  return static_cast<int64_t>(heap.size()) < r ? -std::numeric_limits<float>::infinity()
+                                               : heap.front();
+}
+
+// The rows of [0, n) whose score reaches the k-th largest finite score (ties included; every
+// finite row where fewer than k) - what a shortlist of k approximate scores keeps
+// (final_threshold, then ub >= th), in no particular order - without storing the n scores:
+// scores(j0, j1, out) writes those of blocks [j0, j1) (rows 32 j0 ..) to out. The sample runs
+// (sample_rank) are scored first and give the threshold; the other blocks follow, `workers`
+// threads over them, each chunk's scores in L1, and only the rows reaching it are kept (~2-3 k).
+// Where fewer than k rows reach it, every block is scored again from -inf. The exact selection
+// among the kept rows follows.
+template <class Scores>
+void rows_reaching_kth(int64_t n, int64_t k, int64_t workers, Scores&& scores,
+                       std::vector<int64_t>& rows) {
+  constexpr int64_t kChunk = 16;  // blocks per call: 2 KB of scores
   const float ninf = -std::numeric_limits<float>::infinity();
-  thread_local std::vector<float> sample, vals, tmp;
-  sample.clear();
-  for (int64_t i = 0; i < n; i += kStride)
-    if (s[i] > ninf) sample.push_back(s[i]);  // finite (no NaN: a NaN fails the test too)
-  const int64_t m = static_cast<int64_t>(sample.size());
-  int64_t r = std::min(m, 2 * ((k + kStride - 1) / kStride) + 8);
+  const int64_t nb = (n + kRows - 1) / kRows;
+  auto rows_in = [&](int64_t c0, int64_t c1) { return std::min(n, c1 * kRows) - c0 * kRows; };
+  thread_local std::vector<float> buf_tls, vals_tls, tmp_tls;
+  std::vector<float>& buf = buf_tls;  // references: a thread_local costs a call per use
+  std::vector<float>& vals = vals_tls;
+  std::vector<float>& tmp = tmp_tls;
+  rows.clear(), vals.clear();
+  std::vector<int64_t> runs;  // the sample runs' first blocks; each is nb / kSampleBlocks long
+  const int64_t run = nb / kSampleBlocks;
+  float t = ninf;
+  if (run > 0) {
+    buf.resize(static_cast<size_t>(kSampleRuns * run * kRows));
+    int64_t m = 0;
+    for (int64_t i = 0; i < kSampleRuns; ++i) {
+      runs.push_back(i * nb / kSampleRuns);
+      scores(runs.back(), runs.back() + run, buf.data() + m);
+      m += rows_in(runs.back(), runs.back() + run);
+    }
+    t = rth_largest_finite(buf.data(), m, sample_rank(k, m, n), tmp);
+    for (int64_t i = 0, at = 0; i < kSampleRuns; ++i) {
+      const int64_t c0 = runs[i], mi = rows_in(c0, c0 + run);
+      append_at_least(buf.data() + at, mi, t, c0 * kRows, rows, vals);
+      at += mi;
+    }
+  }
+  const int64_t w = std::max<int64_t>(1, std::min(workers, nb));
+  std::vector<std::vector<int64_t>> wrows(static_cast<size_t>(w));
+  std::vector<std::vector<float>> wvals(static_cast<size_t>(w));
   for (;;) {
-    const float t = r >= 1 && r < m ? select_kth_largest(sample.data(), m, r, tmp) : ninf;
-    rows_at_least(s, n, t, rows);
-    if (static_cast<int64_t>(rows.size()) >= k || t == ninf) break;
-    r = 4 * r;  // too few survivors: a lower threshold (the sample was reordered, not changed)
+    const int64_t per = (nb + w - 1) / w;
+    run_workers(w, [&](int64_t x) {
+      std::vector<float> out(static_cast<size_t>(kChunk * kRows));
+      std::vector<int64_t>& rx = wrows[static_cast<size_t>(x)];
+      std::vector<float>& vx = wvals[static_cast<size_t>(x)];
+      rx.clear(), vx.clear();
+      rx.reserve(static_cast<size_t>(4 * k)), vx.reserve(static_cast<size_t>(4 * k));
+      const int64_t j1 = std::min(nb, (x + 1) * per);
+      size_t r = 0;  // the next sample run that may lie ahead
+      for (int64_t c0 = std::min(nb, x * per); c0 < j1;) {
+        while (r < runs.size() && runs[r] + run <= c0) ++r;
+        if (r < runs.size() && runs[r] <= c0) {  // inside a sample run: scored already
+          c0 = runs[r] + run;
+          continue;
+        }
+        const int64_t c1 = std::min({j1, c0 + kChunk, r < runs.size() ? runs[r] : nb});
+        scores(c0, c1, out.data());
+        append_at_least(out.data(), rows_in(c0, c1), t, c0 * kRows, rx, vx);
+        c0 = c1;
+      }
+    });
+    size_t got = rows.size();
+    for (const auto& rx : wrows) got += rx.size();
+    if (static_cast<int64_t>(got) >= k || t == ninf) break;
+    t = ninf;  // too few rows reach the sample's threshold (ordered rows): every block again
+    runs.clear(), rows.clear(), vals.clear();
+  }
+  for (int64_t x = 0; x < w; ++x) {
+    rows.insert(rows.end(), wrows[x].begin(), wrows[x].end());
+    vals.insert(vals.end(), wvals[x].begin(), wvals[x].end());
   }
   const int64_t c = static_cast<int64_t>(rows.size());
   if (c <= k) return;
-  vals.resize(static_cast<size_t>(c));
-  for (int64_t i = 0; i < c; ++i) vals[i] = s[rows[i]];
-  const float th = select_kth_largest(vals.data(), c, k, tmp);
-  int64_t w = 0;
+  tmp.assign(vals.begin(), vals.end());
+  const float th = select_kth_largest(tmp.data(), c, k, buf);
+  int64_t kept = 0;
   for (int64_t i = 0; i < c; ++i) {
-    rows[w] = rows[i];
-    w += s[rows[i]] >= th;
+    rows[kept] = rows[i];
+    kept += vals[i] >= th;
   }
-  rows.resize(static_cast<size_t>(w));
+  rows.resize(static_cast<size_t>(kept));
 }
 
 }  // namespace tqvec::fastscan

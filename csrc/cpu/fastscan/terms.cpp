@@ -147,13 +147,13 @@ void scan_terms(const std::vector<TermScan>& ts, int64_t n, int64_t j0, int64_t 
 
 #ifdef TQVEC_X86
 // One full block's first-pass scores (below) with AVX2 intrinsics: first_scores_terms' float
-// operations in its order, 8 rows per vector, straight from add to s (no copy through a row
+// operations in its order, 8 rows per vector, straight from add to out (no copy through a row
 // array, which compiles to `rep movs`).
 __attribute__((target("avx2"))) void first_scores_block_avx2(const std::vector<TermScan>& ts,
                                                              size_t nfirst,
                                                              uint32_t (*tot)[4 * kRows], int u,
                                                              int64_t base, const float* add,
-                                                             float* s) {
+                                                             float* out) {
   for (int g = 0; g < kRows; g += 8) {
     __m256 acc = _mm256_loadu_ps(add + base + g);
     for (size_t x = 0; x < nfirst; ++x) {
@@ -163,15 +163,15 @@ __attribute__((target("avx2"))) void first_scores_block_avx2(const std::vector<T
                                      _mm256_set1_ps(ts[x].L.bias));
       acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(ts[x].mult + base + g), v));
     }
-    _mm256_storeu_ps(s + base + g, acc);
+    _mm256_storeu_ps(out + g, acc);
   }
 }
 #endif
 
 // The first pass of a two-stage scan over several terms: the approximate (8-bit table) scores
 // of rows [32 j0, 32 j1) from the leading nfirst terms only, s_i = add_i + sum_{t < nfirst}
-// mult_t[i] (delta_t tot_t + bias_t), added in term order - no bound: the second pass re-scores
-// what it keeps.
+// mult_t[i] (delta_t tot_t + bias_t), added in term order, written to s[i - 32 j0] - no bound:
+// the second pass re-scores what it keeps.
 void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t n, int64_t j0,
                         int64_t j1, const float* add, float* s) {
   alignas(32) uint32_t tot[kMaxTerms][4 * kRows];
@@ -181,9 +181,10 @@ void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t 
     term_sums(ts, nfirst, j, nb, simd, tot);
     for (int u = 0; u < nb; ++u, ++j) {
       const int64_t base = j * kRows, rows = std::min(kRows, n - base);
+      float* out = s + (j - j0) * kRows;
 #ifdef TQVEC_X86
       if (simd && rows == kRows) {
-        first_scores_block_avx2(ts, nfirst, tot, u, base, add, s);
+        first_scores_block_avx2(ts, nfirst, tot, u, base, add, out);
         continue;
       }
 #endif
@@ -193,7 +194,7 @@ void first_scores_terms(const std::vector<TermScan>& ts, size_t nfirst, int64_t 
           acc += ts[x].mult[base + t] *
                  (ts[x].L.delta * static_cast<float>(static_cast<int32_t>(tot[x][u * kRows + t])) +
                   ts[x].L.bias);
-        s[base + t] = acc;
+        out[t] = acc;
       }
     }
   }
@@ -302,29 +303,23 @@ void fast_scan_terms(const ScanTerm* terms, int nterms, int64_t nq, int64_t n, c
     return ts;
   };
   if (nfirst > 0) {
-    // Two stages: the first nfirst terms' table scores of every row stored, the rows of the k1
-    // best selected once (rows_reaching_kth), then their exact scores with every term.
-    auto two_stage = [&](int64_t qi, std::vector<float>& s, int workers) {
+    // Two stages: the first nfirst terms' table scores, the rows of the k1 best kept as they
+    // come (rows_reaching_kth), then their exact scores with every term.
+    auto two_stage = [&](int64_t qi, int64_t workers) {
       const auto ts = make(qi, nfirst, false);
-      const int64_t chunk = (nb + workers - 1) / workers;
-      run_workers(workers, [&](int64_t w) {
-        first_scores_terms(ts, static_cast<size_t>(nfirst), n, std::min(nb, w * chunk),
-                           std::min(nb, (w + 1) * chunk), add, s.data());
-      });
       thread_local std::vector<int64_t> rows;
-      rows_reaching_kth(s.data(), n, k1, rows);
+      rows_reaching_kth(n, k1, workers,
+                        [&](int64_t j0, int64_t j1, float* s) {
+                          first_scores_terms(ts, static_cast<size_t>(nfirst), n, j0, j1, add, s);
+                        },
+                        rows);
       rescore_terms(terms, nterms, qi, rows, add, k, out_vals + qi * k, out_idx + qi * k);
     };
     if (threads_over_queries(nq, nb, t)) {
-      const int64_t tq = std::min<int64_t>(t, nq);
-      run_workers(tq, [&](int64_t w) {
-        std::vector<float> s(static_cast<size_t>(n));
-        for (int64_t qi = w; qi < nq; qi += tq) two_stage(qi, s, 1);
-      });
+      for_each_query(nq, t, [&](int64_t qi) { two_stage(qi, 1); });
     } else {  // few queries: threads over blocks for the first pass
-      std::vector<float> s(static_cast<size_t>(n));
-      const int workers = static_cast<int>(std::min<int64_t>(t, nb / kMinBlocksPerSplit));
-      for (int64_t qi = 0; qi < nq; ++qi) two_stage(qi, s, workers);
+      const int64_t workers = std::min<int64_t>(t, nb / kMinBlocksPerSplit);
+      for (int64_t qi = 0; qi < nq; ++qi) two_stage(qi, workers);
     }
     return;
   }

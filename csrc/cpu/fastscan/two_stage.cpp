@@ -23,9 +23,9 @@ namespace fastscan {
 namespace {
 
 // The approximate scores (8-bit table sums, as consider() forms them) of the rows of blocks
-// [j0, j1), written to s[row]: a two-stage scan's first pass at a few queries, which then keeps
-// the k1 best of them by one selection (a shortlist of k1 rows would compact itself every k1
-// admissions; a store per 8 rows and one pass over n floats cost less).
+// [j0, j1), written to s[row - 32 j0]: a two-stage scan's first pass at a few queries, which
+// keeps the k1 best of them by rows_reaching_kth (a shortlist of k1 rows would compact itself
+// every k1 admissions; a store per 8 rows and a pass over them in L1 cost less).
 #ifdef TQVEC_X86
 __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint8_t* blocked,
                                                         int64_t rb, int64_t n, int64_t j0,
@@ -45,9 +45,10 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
     for (int u = 0; u < nb; ++u, ++j) {
       const int64_t base = j * kRows, rows = std::min(kRows, n - base);
       const uint32_t* bt = tot + u * kRows;
+      float* out = s + (j - j0) * kRows;
       if (rows < kRows) {  // last, partial block: consider()'s float operations
         for (int64_t t = 0; t < rows; ++t)
-          s[base + t] =
+          out[t] =
               mult[base + t] * (L.delta * static_cast<float>(bt[t]) + L.bias) + add[base + t];
         continue;
       }
@@ -58,7 +59,7 @@ __attribute__((target("avx2"))) void approx_scores_avx2(const Lut& L, const uint
             _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(mult + base + g),
                                         _mm256_add_ps(_mm256_mul_ps(vdelta, sum), vbias)),
                           _mm256_loadu_ps(add + base + g));
-        _mm256_storeu_ps(s + base + g, v);
+        _mm256_storeu_ps(out + g, v);
       }
     }
   }
@@ -76,7 +77,8 @@ void approx_scores_any(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t
     block_sums_one(L, blocked + j * rb * kRows, rb, tot);
     const int64_t base = j * kRows, rows = std::min(kRows, n - base);
     for (int64_t t = 0; t < rows; ++t)
-      s[base + t] = mult[base + t] * (L.delta * static_cast<float>(tot[t]) + L.bias) + add[base + t];
+      s[(j - j0) * kRows + t] =
+          mult[base + t] * (L.delta * static_cast<float>(tot[t]) + L.bias) + add[base + t];
   }
 }
 
@@ -98,18 +100,17 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
   };
   const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
   if ((simd_avx2() || simd_neon()) && nq < 3 * t && nb >= kMinBlocksPerSplit) {
-    // A few queries: every first-pass score stored (threads over blocks), one select
+    // A few queries: the first pass's scores a chunk at a time (threads over blocks), the
+    // rows of the k1 best kept as they come (rows_reaching_kth)
     const int64_t rb1 = fs_row_bytes(d1, 1);
-    std::vector<float> s(static_cast<size_t>(n));
     std::vector<int64_t> rows;
     for (int64_t qi = 0; qi < nq; ++qi) {
       Lut L = build_lut(qr + qi * d, d1, 1, c1, rb1, false);
-      const int64_t tb = std::min<int64_t>(t, nb / kMinBlocksPerSplit), chunk = (nb + tb - 1) / tb;
-      run_workers(tb, [&](int64_t w) {
-        const int64_t j0 = std::min(nb, w * chunk), j1 = std::min(nb, (w + 1) * chunk);
-        approx_scores_any(L, signs, rb1, n, j0, j1, mult1, add1, s.data());
-      });
-      rows_reaching_kth(s.data(), n, k1, rows);
+      rows_reaching_kth(n, k1, std::min<int64_t>(t, nb / kMinBlocksPerSplit),
+                        [&](int64_t j0, int64_t j1, float* s) {
+                          approx_scores_any(L, signs, rb1, n, j0, j1, mult1, add1, s);
+                        },
+                        rows);
       second(qi, rows);
     }
     return;

@@ -578,7 +578,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     gives the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
-    ||q||^2 and <q, v>."""
+    ||q||^2 and <q, v>, and decode attention over key and value codes of every width."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -655,6 +655,22 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "        out += [t.numpy() for t in fs.search([qq], 10, approx=True)]\n"
         "    out += [t.numpy() for t in ops.ivf_fast_scan(qr, bl, c, m2, a2, lb, probes, off,\n"
         "                                                 b, 10, approx=True)]\n"
+        "# decode attention over codes: every width the KV cache stores, d with a tail\n"
+        "for kb, vb, d in [(3, 3, 128), (4, 2, 100), (2, 4, 72), (8, 1, 96), (1, 8, 44)]:\n"
+        "    qr = torch.from_numpy(rng.standard_normal((2, 3, d)).astype(np.float32))\n"
+        "    qb = torch.from_numpy(rng.standard_normal((2, 3)).astype(np.float32))\n"
+        "    kp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << kb, (600, d)).astype(\n"
+        "        np.uint8)), kb).reshape(2, 300, -1)\n"
+        "    vp = ops.pack_bits(torch.from_numpy(rng.integers(0, 1 << vb, (600, d)).astype(\n"
+        "        np.uint8)), vb).reshape(2, 300, -1)\n"
+        "    kn, vn = (torch.from_numpy(rng.uniform(0.5, 2, (2, 300)).astype(np.float32))\n"
+        "              for _ in range(2))\n"
+        "    kc, vc = (torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))\n"
+        "              for b in (kb, vb))\n"
+        "    lo, hi = torch.tensor([0, 7], dtype=torch.int32), torch.tensor([300, 299],\n"
+        "                                                                  dtype=torch.int32)\n"
+        "    out += [t.numpy() for t in ops.decode_attention(qr, qb, kp, kn, kc, kb, vp, vn, vc,\n"
+        "                                                     vb, lo, hi, 0.1, backend='cpu')]\n"
         "out.append(np.array([ops.simd_path()]))\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)

@@ -10,9 +10,11 @@
 //   m, l (BH, G), acc (BH, G, d) float32: max score, sum of exp(s - m), sum of exp(s - m) times
 //   the value (rotated domain, unnormalized); m = -inf, l = 0, acc = 0 for an empty range.
 // Each KV head's tokens split into parts (threads take parts, not only heads); per part each
-// key row unpacked and decoded once and scored for its G query rows by 8-lane dots, the exp
+// key row decoded once (with AVX2: eight indices per step, shifted into their lanes and looked
+// up in the centroids by one vpermps) and scored for its G query rows by 8-lane dots, the exp
 // weights, then each value row decoded once and added to all G rows; the parts' softmax states
-// merged per head. Scores are summed in another order than the reference's GEMM: equal within
+// merged per head. The AVX2 and portable paths do the same float operations in the same order
+// (same bits); scores are summed in another order than the reference's GEMM: equal within
 // float rounding.
 #include <algorithm>
 #include <atomic>
@@ -21,6 +23,7 @@
 #include <limits>
 #include <vector>
 
+#include "arch.h"
 #include "kernels.h"
 #include "parallel.h"
 
@@ -66,6 +69,167 @@ inline float dot8(const float* __restrict a, const float* __restrict b, int64_t 
   return s;
 }
 
+// One packed row of b-bit indices decoded to its centroids: out[j] = cent[index j].
+void decode_row(const uint8_t* row, int64_t d, int b, const float* cent, uint8_t* idx,
+                float* out) {
+  unpack_row(row, d, b, idx);
+  for (int64_t j = 0; j < d; ++j) out[j] = cent[idx[j]];
+}
+
+// A key row against g query rows q[r d ..]: dots[r] = dot8(q_r, the decoded row). Scratch:
+// idx, row (d each).
+void score_row(const float* q, int64_t g, const uint8_t* packed, int64_t d, int b,
+               const float* cent, uint8_t* idx, float* row, float* dots) {
+  decode_row(packed, d, b, cent, idx, row);
+  for (int64_t r = 0; r < g; ++r) dots[r] = dot8(q + r * d, row, d);
+}
+
+// A value row added to g accumulator rows: acc[r d + j] += w[r] x the decoded row's j-th value,
+// rows with w[r] = 0 left alone.
+void add_row(const float* w, int64_t g, const uint8_t* packed, int64_t d, int b,
+             const float* cent, uint8_t* idx, float* row, float* acc) {
+  decode_row(packed, d, b, cent, idx, row);
+  for (int64_t r = 0; r < g; ++r) {
+    if (w[r] == 0.0f) continue;
+    float* out = acc + r * d;
+    for (int64_t j = 0; j < d; ++j) out[j] += w[r] * row[j];
+  }
+}
+
+#ifdef TQVEC_X86
+// score_row and add_row with AVX2 and the same float operations per lane, in the same order
+// (mul then add, no FMA). The row is decoded eight coordinates per step - the step's B bytes
+// broadcast and shifted into the lanes, then looked up in the centroids (zero-padded to 16) by
+// one vpermps (two and a blend for B = 4), or gathered for B = 8 - and its dots with up to 8
+// query rows run side by side (one row's chain of dependent adds would bound the loop by the
+// add latency). Other widths take the portable functions.
+template <int B>
+__attribute__((target("avx2"))) void decode_row_avx2(const uint8_t* row, int64_t d,
+                                                     const float* cent, float* out) {
+  const int64_t rb = (d * B + 7) / 8, d8 = d / 8 * 8;
+  if constexpr (B == 8) {
+    for (int64_t j = 0; j < d8; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(cent, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
+                                                              reinterpret_cast<const __m128i*>(row + j))),
+                                                    4));
+  } else {
+    alignas(32) float tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+    std::memcpy(tab, cent, sizeof(float) << B);
+    const __m256 t0 = _mm256_load_ps(tab), t1 = _mm256_load_ps(tab + 8);
+    const __m256i shift = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+    const __m256i mask = _mm256_set1_epi32((1 << B) - 1);
+    for (int64_t j = 0; j < d8; j += 8) {
+      const int64_t at = j * B / 8;  // the step's B bytes; 4 loaded where the row has them
+      uint32_t w = 0;
+      if (at + 4 <= rb)
+        std::memcpy(&w, row + at, 4);
+      else
+        for (int y = 0; y < B; ++y) w |= static_cast<uint32_t>(row[at + y]) << (8 * y);
+      const __m256i ix = _mm256_and_si256(
+          _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), shift), mask);
+      __m256 v = _mm256_permutevar8x32_ps(t0, ix);
+      if constexpr (B == 4)  // indices 8-15: the upper table, picked by bit 3 moved to the sign
+        v = _mm256_blendv_ps(v, _mm256_permutevar8x32_ps(t1, ix),
+                             _mm256_castsi256_ps(_mm256_slli_epi32(ix, 28)));
+      _mm256_storeu_ps(out + j, v);
+    }
+  }
+  for (int64_t j = d8; j < d; ++j) {
+    const int64_t bit = j * B;
+    const uint32_t lo8 = row[bit >> 3];
+    const uint32_t hi8 = ((bit & 7) + B > 8) ? row[(bit >> 3) + 1] : 0u;
+    out[j] = cent[(((hi8 << 8) | lo8) >> (bit & 7)) & ((1u << B) - 1u)];
+  }
+}
+
+// false where the width has no vector decode
+__attribute__((target("avx2"))) bool decode_any_avx2(const uint8_t* row, int64_t d, int b,
+                                                     const float* cent, float* out) {
+  switch (b) {
+    case 1: decode_row_avx2<1>(row, d, cent, out); return true;
+    case 2: decode_row_avx2<2>(row, d, cent, out); return true;
+    case 3: decode_row_avx2<3>(row, d, cent, out); return true;
+    case 4: decode_row_avx2<4>(row, d, cent, out); return true;
+    case 8: decode_row_avx2<8>(row, d, cent, out); return true;
+    default: return false;
+  }
+}
+
+template <int G>
+__attribute__((target("avx2"))) void dots_avx2(const float* q, int64_t d, const float* x,
+                                               float* dots) {
+  __m256 acc[G];
+  for (int r = 0; r < G; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t j = 0; j < d8; j += 8) {
+    const __m256 x8 = _mm256_loadu_ps(x + j);
+    for (int r = 0; r < G; ++r)
+      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(q + r * d + j), x8));
+  }
+  for (int r = 0; r < G; ++r) {
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, acc[r]);
+    float s = 0.f;
+    for (int64_t j = d8; j < d; ++j) s += q[r * d + j] * x[j];
+    for (int u = 0; u < 8; ++u) s += lane[u];
+    dots[r] = s;
+  }
+}
+
+template <int G>
+__attribute__((target("avx2"))) void add_rows_avx2(const float* w, int64_t d, const float* x,
+                                                   float* acc) {
+  const int64_t d8 = d / 8 * 8;
+  for (int r = 0; r < G; ++r) {
+    if (w[r] == 0.0f) continue;
+    const __m256 vw = _mm256_set1_ps(w[r]);
+    float* out = acc + r * d;
+    for (int64_t j = 0; j < d8; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_add_ps(_mm256_loadu_ps(out + j),
+                                              _mm256_mul_ps(vw, _mm256_loadu_ps(x + j))));
+    for (int64_t j = d8; j < d; ++j) out[j] += w[r] * x[j];
+  }
+}
+
+__attribute__((target("avx2"))) void score_row_avx2(const float* q, int64_t g,
+                                                    const uint8_t* packed, int64_t d, int b,
+                                                    const float* cent, uint8_t* idx, float* row,
+                                                    float* dots) {
+  if (!decode_any_avx2(packed, d, b, cent, row)) decode_row(packed, d, b, cent, idx, row);
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {  // 4 rows at a time: 4 chains cover the add latency
+    const float* qq = q + r0 * d;
+    switch (std::min<int64_t>(4, g - r0)) {
+      case 1: dots_avx2<1>(qq, d, row, dots + r0); break;
+      case 2: dots_avx2<2>(qq, d, row, dots + r0); break;
+      case 3: dots_avx2<3>(qq, d, row, dots + r0); break;
+      default: dots_avx2<4>(qq, d, row, dots + r0); break;
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void add_row_avx2(const float* w, int64_t g,
+                                                  const uint8_t* packed, int64_t d, int b,
+                                                  const float* cent, uint8_t* idx, float* row,
+                                                  float* acc) {
+  if (!decode_any_avx2(packed, d, b, cent, row)) decode_row(packed, d, b, cent, idx, row);
+  add_rows_avx2<1>(w, d, row, acc);
+  for (int64_t r = 1; r < g; ++r) add_rows_avx2<1>(w + r, d, row, acc + r * d);
+}
+#endif
+
+// The row functions of the path present (kernels.h: simd_avx2).
+struct RowOps {
+  void (*score)(const float*, int64_t, const uint8_t*, int64_t, int, const float*, uint8_t*,
+                float*, float*) = score_row;
+  void (*add)(const float*, int64_t, const uint8_t*, int64_t, int, const float*, uint8_t*,
+              float*, float*) = add_row;
+  RowOps() {
+#ifdef TQVEC_X86
+    if (simd_avx2()) score = score_row_avx2, add = add_row_avx2;
+#endif
+  }
+};
+
 }  // namespace
 
 void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
@@ -85,8 +249,10 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
   std::vector<float> pm(static_cast<size_t>(units * g)), pl(static_cast<size_t>(units * g));
   std::vector<float> pacc(static_cast<size_t>(units * g * d));
   std::atomic<int64_t> next{0};
+  const RowOps ops;
   run_workers(workers, [&](int64_t) {
-    std::vector<float> scores, krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
+    std::vector<float> scores, tdots, twgt, krow(static_cast<size_t>(d)),
+        vrow(static_cast<size_t>(d));
     std::vector<uint8_t> kidx(static_cast<size_t>(d)), vidx(static_cast<size_t>(d));
     for (int64_t u; (u = next.fetch_add(1)) < units;) {
       const int64_t h = u / P, part = u % P;
@@ -106,14 +272,16 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
       scores.resize(static_cast<size_t>(g * n));
       const uint8_t* kh = kpacked + h * t * rbk;
       const float* knh = knorm + h * t;
-      // each key decoded once to floats (its centroids), then one 8-lane dot per query row
+      // each key decoded once and scored for the g query rows (their dots kept token-major)
+      std::vector<float>& dots = tdots;
+      dots.resize(static_cast<size_t>(g));
       for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = a + i;
-        unpack_row(kh + tok * rbk, d, kb, kidx.data());
-        for (int64_t j = 0; j < d; ++j) krow[static_cast<size_t>(j)] = kcent[kidx[static_cast<size_t>(j)]];
+        ops.score(qr + h * g * d, g, kh + tok * rbk, d, kb, kcent, kidx.data(), krow.data(),
+                  dots.data());
         for (int64_t r = 0; r < g; ++r)
           scores[static_cast<size_t>(r * n + i)] =
-              scale * (knh[tok] * dot8(qr + (h * g + r) * d, krow.data(), d)) + qbias[h * g + r];
+              scale * (knh[tok] * dots[static_cast<size_t>(r)]) + qbias[h * g + r];
       }
       for (int64_t r = 0; r < g; ++r) {
         float* s = scores.data() + r * n;
@@ -130,16 +298,13 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
       }
       const uint8_t* vh = vpacked + h * t * rbv;
       const float* vnh = vnorm + h * t;
+      std::vector<float>& wgt = twgt;
+      wgt.resize(static_cast<size_t>(g));
       for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = a + i;
-        unpack_row(vh + tok * rbv, d, vb, vidx.data());
-        for (int64_t j = 0; j < d; ++j) vrow[static_cast<size_t>(j)] = vcent[vidx[static_cast<size_t>(j)]];
-        for (int64_t r = 0; r < g; ++r) {
-          const float wgt = scores[static_cast<size_t>(r * n + i)] * vnh[tok];
-          if (wgt == 0.0f) continue;
-          float* out = acch + r * d;
-          for (int64_t j = 0; j < d; ++j) out[j] += wgt * vrow[static_cast<size_t>(j)];
-        }
+        for (int64_t r = 0; r < g; ++r)
+          wgt[static_cast<size_t>(r)] = scores[static_cast<size_t>(r * n + i)] * vnh[tok];
+        ops.add(wgt.data(), g, vh + tok * rbv, d, vb, vcent, vidx.data(), vrow.data(), acch);
       }
     }
   });

@@ -12,12 +12,12 @@ is what keeps sliding windows, padding and BalanceKV's sparse token sets right. 
 attention function alone makes transformers build *no* mask for it, so the sdpa mask builder
 is registered under the same name.
 
-The code segment goes through the fused decode-attention op (``ops.decode_attention``:
-csrc/cuda/attention.cu on GPUs, flash-decoding over the packed codes; csrc/cpu/attention.cpp on
-the CPU) when the layer allows it - TurboQuant-mse keys and values (optionally channel-scaled),
-one code segment that every current query may see in full, no BalanceKV weights, no softcap -
-and its softmax state (max, sum, rotated-domain accumulator) is merged with the exact segments'
-scores here. ``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also
+The code segments (the codes proper and the window's 8-bit codes) go through the fused
+decode-attention op (``ops.decode_attention``: csrc/cuda/attention.cu on GPUs, flash-decoding
+over the packed codes; csrc/cpu/attention.cpp on the CPU) when the layer allows it -
+TurboQuant-mse keys and values (optionally channel-scaled), code segments that every current
+query may see in full, no BalanceKV weights, no softcap - and their softmax states (max, sum,
+rotated-domain accumulator) are merged with the exact segments' scores here. ``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also
 the op's torch reference), "never" (the per-segment torch path below, which the tests compare
 with).
 
@@ -76,6 +76,15 @@ def tqvec_attention(module, query, key, value, attention_mask, dropout: float = 
         layer.flush()
 
 
+def _all_visible(m: torch.Tensor) -> bool:
+    """Whether a mask slice hides nothing (bool: all True; additive: all 0). On the CPU through
+    numpy: a torch reduction and its host read cost ~0.1 ms per call, per layer and step."""
+    if m.device.type == "cpu":
+        a = m.numpy()
+        return bool(a.all()) if a.dtype == bool else not a.any()
+    return bool(m.all() if m.dtype == torch.bool else (m == 0).all())
+
+
 def _bias(mask, pos, qpos: torch.Tensor, kv_offset: int, B: int, H: int, G: int
           ) -> torch.Tensor | None:
     """Additive mask (B or 1, H or 1, G*Q, n) for keys at positions ``pos``: a (start, stop)
@@ -105,6 +114,8 @@ def _bias(mask, pos, qpos: torch.Tensor, kv_offset: int, B: int, H: int, G: int
                 raise RuntimeError("stored positions fall outside the mask's key range")
             m = torch.gather(mask.expand(B, H, Q, kv_len), 3,
                              col[:, :, None, :].expand(B, H, Q, col.shape[-1]))
+        if isinstance(pos, tuple) and _all_visible(m):
+            return None  # decode steps: nothing hidden
         if m.dtype == torch.bool:
             allowed = m
         else:
@@ -156,7 +167,8 @@ def _mse_parts(quantizer):
 
 
 def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
-    """The fused op's inputs' sources when it applies to this call (module docstring)."""
+    """The fused op's inputs for each code segment - ((key quantizer, its ChannelScale or None),
+    (value ...), key buffer, value buffer) - when it applies to this call (module docstring)."""
     if CODES_KERNEL == "never":
         return None
     if CODES_KERNEL == "auto" and not q.is_cuda:
@@ -164,20 +176,22 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
             return None
     if softcap is not None or layer.mr is not None:
         return None
-    codes = [s for s in segs if s[0] == "codes"]
-    if len(codes) != 1 or not isinstance(codes[0][3], tuple) or codes[0][4]:
-        return None
-    kp, vp = _mse_parts(layer.kq), _mse_parts(layer.vq)
-    if kp is None or vp is None:
-        return None
-    if mask is not None:  # every current query must see every code (decode, no padding)
-        a, b = codes[0][3][0] - kv_offset, codes[0][3][1] - kv_offset
-        if a < 0 or b > mask.shape[-1]:
+    plans = []
+    for kind, _, _, pos, logw, coder in segs:
+        if kind != "codes":
+            continue
+        if not isinstance(pos, tuple) or logw:
             return None
-        m = mask[..., a:b]
-        if not bool(m.all() if m.dtype == torch.bool else (m == 0).all()):
+        kq, vq, kbuf, vbuf = coder
+        kp, vp = _mse_parts(kq), _mse_parts(vq)
+        if kp is None or vp is None:
             return None
-    return kp, vp
+        if mask is not None:  # every current query must see every code (decode, no padding)
+            a, b = pos[0] - kv_offset, pos[1] - kv_offset
+            if a < 0 or b > mask.shape[-1] or not _all_visible(mask[..., a:b]):
+                return None
+        plans.append((kp, vp, kbuf, vbuf))
+    return plans or None
 
 
 def _field_norms(quantizer, data: dict) -> torch.Tensor:
@@ -190,19 +204,20 @@ def _field_norms(quantizer, data: dict) -> torch.Tensor:
     return nrm.float()
 
 
-def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling):
-    """``_attend_rows`` with the code segment through ``ops.decode_attention``."""
-    (kq, ks), (vq, vs) = plan
+def _codes_state(kp, vp, kbuf, vbuf, q, scaling):
+    """One code segment's softmax state (max, sum, value accumulator in d-space) for the rows
+    q (B, H, R, D), through ``ops.decode_attention``."""
+    (kq, ks), (vq, vs) = kp, vp
     B, H, R, D = q.shape
     qk, qbias = q, torch.zeros((B, H, R), dtype=torch.float32, device=q.device)
     if ks is not None:  # <q, k> = <q, mu> + <q s, (k - mu) / s>
         mu, sc = ks.stats(q.device)
         qk, qbias = q * sc, scaling * (q * mu).sum(-1)
     qr = kq.codec.query_terms(qk.reshape(-1, D))[0].reshape(B * H, R, D)
-    kd, vd = layer.kbuf.data, layer.vbuf.data
+    kd, vd = kbuf.data, vbuf.data
     cap = kd["payload"].shape[2]
-    lo = torch.full((B * H,), layer.kbuf.start, dtype=torch.int32, device=q.device)
-    hi = torch.full((B * H,), layer.kbuf.stop, dtype=torch.int32, device=q.device)
+    lo = torch.full((B * H,), kbuf.start, dtype=torch.int32, device=q.device)
+    hi = torch.full((B * H,), kbuf.stop, dtype=torch.int32, device=q.device)
     m, l, acc = ops.decode_attention(
         qr.contiguous(), qbias.reshape(B * H, R).contiguous(),
         kd["payload"].reshape(B * H, cap, -1), _field_norms(kq, kd).reshape(B * H, cap),
@@ -214,20 +229,33 @@ def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
     if vs is not None:  # sum_t p_t (s y_t + mu) = s sum_t p_t y_t + mu sum_t p_t
         mu, sc = vs.stats(q.device)
         acc = acc * sc + l[..., None] * mu
+    return m, l, acc
+
+
+def _attend_rows_kernel(layer, plans, segs, q, G, qpos, mask, kv_offset, scaling):
+    """``_attend_rows`` with every code segment through ``ops.decode_attention``, their
+    softmax states merged with the exact segments' scores."""
+    B, H = q.shape[:2]
+    states = [_codes_state(*plan, q, scaling) for plan in plans]
     exact = []
-    for kind, k, v, pos, _ in segs:
+    for kind, k, v, pos, _, _ in segs:
         if kind == "codes":
             continue
         s = (q @ k.float().transpose(-1, -2)) * scaling
         bias = _bias(mask, pos, qpos, kv_offset, B, H, G)
         exact.append((s + bias if bias is not None else s, v))
-    top = m
+    top = states[0][0]
+    for m, _, _ in states[1:]:
+        top = torch.maximum(top, m)
     for s, _ in exact:
         if s.shape[-1]:
             top = torch.maximum(top, s.amax(-1))
     ref = torch.where(torch.isfinite(top), top, torch.zeros_like(top))[..., None]
-    w = torch.exp(m[..., None] - ref)  # 0 where the codes are all masked (m = -inf)
-    total, out = l[..., None] * w, acc * w
+    total = out = None
+    for m, l, acc in states:
+        w = torch.exp(m[..., None] - ref)  # 0 where the codes are all masked (m = -inf)
+        total = l[..., None] * w if total is None else total + l[..., None] * w
+        out = acc * w if out is None else out + acc * w
     for s, v in exact:
         p = torch.exp(s - ref)
         total = total + p.sum(-1, keepdim=True)
@@ -238,14 +266,14 @@ def _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
 
 def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
     """q: (B, H, G*Q, D) float32 rows for queries at positions qpos (Q,)."""
-    plan = _kernel_plan(layer, segs, q, mask, kv_offset, softcap)
-    if plan is not None:
-        return _attend_rows_kernel(layer, plan, segs, q, G, qpos, mask, kv_offset, scaling)
+    plans = _kernel_plan(layer, segs, q, mask, kv_offset, softcap)
+    if plans is not None:
+        return _attend_rows_kernel(layer, plans, segs, q, G, qpos, mask, kv_offset, scaling)
     B, H = q.shape[:2]
     scores = []
-    for kind, k, _, pos, logw in segs:
+    for kind, k, _, pos, logw, coder in segs:
         if kind == "codes":
-            s = layer.kq.scores(q, k)
+            s = coder[0].scores(q, k)
         else:
             s = q @ k.float().transpose(-1, -2)
         s = s * scaling
@@ -263,7 +291,7 @@ def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
     # only by accident of the kernel, so define it: zero output.
     p = torch.nan_to_num(p, nan=0.0)
     out = None
-    for (kind, _, v, _, _), pp in zip(segs, torch.split(p, sizes, dim=-1), strict=True):
-        o = layer.vq.weighted_sum(pp, v) if kind == "codes" else pp @ v.float()
+    for (kind, _, v, _, _, coder), pp in zip(segs, torch.split(p, sizes, dim=-1), strict=True):
+        o = coder[1].weighted_sum(pp, v) if kind == "codes" else pp @ v.float()
         out = o if out is None else out + o
     return out

@@ -7,9 +7,9 @@ Tokens live in up to four segments, oldest first, per (batch, KV head):
 * pending: BalanceKV tokens still inside MergeAndReduce (full precision, weight 2^level);
 * window:  the most recent ``residual_length`` tokens plus the tokens of the current forward,
            full precision in the model's dtype; with ``residual_bits=8`` held as 8-bit
-           TurboQuant codes instead (decoded for each attention: ~0.6 % error per vector, half
-           the bytes of float16), coded in blocks of 16 tokens (the newest < 16 stay exact, and
-           a forward's own tokens are exact in its attention).
+           TurboQuant codes instead (attended from the codes like the code segment: ~0.6 %
+           error per vector, half the bytes of float16), coded in blocks of 16 tokens (the
+           newest < 16 stay exact, and a forward's own tokens are exact in its attention).
 
 Tokens move window -> (sink | balance ->) codes when the window overflows, each token encoded
 exactly once into its final code (from its 8-bit window code when ``residual_bits=8``: the 8-bit
@@ -398,31 +398,34 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- views for attention -----------------------------------------------------------------
     def segments(self):
-        """Yield (kind, keys, values, positions, log_weight) for every stored segment, oldest
-        first. kind 'exact': keys/values tensors (B, H, n, D); kind 'codes': field dicts.
-        positions: a (start, stop) range or a (B, H, n) tensor of absolute positions."""
+        """Yield (kind, keys, values, positions, log_weight, coder) for every stored segment,
+        oldest first. kind 'exact': keys/values tensors (B, H, n, D), coder None; kind 'codes':
+        field dicts, coder = (key quantizer, value quantizer, key buffer, value buffer) - the
+        codes proper, and the window's 8-bit codes (``residual_bits``). positions: a
+        (start, stop) range or a (B, H, n) tensor of absolute positions."""
         w = self.window_length()
         s = self.sink_k.shape[2]
         if s:
-            yield "exact", self.sink_k, self.sink_v, (0, s), 0.0
+            yield "exact", self.sink_k, self.sink_v, (0, s), 0.0, None
+        coder = (self.kq, self.vq, self.kbuf, self.vbuf)
         if len(self.kbuf):
             if self.code_pos is not None:
                 pos = self.code_pos.view()["pos"][..., 0].long()
                 yield ("codes", self.kbuf.view(), self.vbuf.view(), pos,
-                       self.balance.rounds * math.log(2.0))
+                       self.balance.rounds * math.log(2.0), coder)
             else:
                 yield ("codes", self.kbuf.view(), self.vbuf.view(),
-                       (self.code_start, self.code_start + len(self.kbuf)), 0.0)
+                       (self.code_start, self.code_start + len(self.kbuf)), 0.0, coder)
         if self.mr is not None:
             for level, k, v, pos in self.mr.pending():
-                yield "exact", k, v, pos, level * math.log(2.0)
+                yield "exact", k, v, pos, level * math.log(2.0), None
         start = self.cumulative_length - w
-        keys, values = self.keys, self.values
         if len(self.wkbuf):
-            k_c, v_c = self._coded_window()
-            keys = torch.cat([k_c, keys.float()], dim=2)
-            values = torch.cat([v_c, values.float()], dim=2)
-        yield "exact", keys, values, (start, self.cumulative_length), 0.0
+            n = len(self.wkbuf)
+            yield ("codes", self.wkbuf.view(), self.wvbuf.view(), (start, start + n), 0.0,
+                   (self.wkq, self.wvq, self.wkbuf, self.wvbuf))
+            start += n
+        yield "exact", self.keys, self.values, (start, self.cumulative_length), 0.0, None
 
     def only_window(self) -> bool:
         return not (self.sink_k.shape[2] or len(self.kbuf) or len(self.wkbuf)
@@ -431,9 +434,9 @@ class CompressedLayer(CacheLayerMixin):
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored tokens decoded to full tensors (the decode-then-SDPA reference)."""
         ks, vs = [], []
-        for kind, k, v, _, _ in self.segments():
+        for kind, k, v, _, _, coder in self.segments():
             if kind == "codes":
-                k, v = self.kq.decode(k), self.vq.decode(v)
+                k, v = coder[0].decode(k), coder[1].decode(v)
             ks.append(k.to(self.dtype))
             vs.append(v.to(self.dtype))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)

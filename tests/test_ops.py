@@ -463,6 +463,21 @@ def test_fast_scan_two_stage_few_queries_path(d1_bytes, rng):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("n,d,m", [(1, 784, 391), (9, 96, 43), (37, 33, 7), (0, 5, 3)])
+def test_row_project_matches_reference(backend, n, d, m, rng):
+    """x W (a PCA index's query map): within float rounding of the float64 product (each
+    entry a d-term sum, gamma(d) sum |x_j W_jc|), every tile width and remainder."""
+    x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    W = torch.from_numpy(rng.standard_normal((d, m)).astype(np.float32))
+    out = ops.row_project(*on(backend, x, W), backend=backend).cpu()
+    assert out.shape == (n, m) and out.dtype == torch.float32
+    exact = x.double() @ W.double()
+    bound = oracle.gamma(d) * (x.double().abs() @ W.double().abs())
+    assert ((out.double() - exact).abs() <= bound + 1e-30).all()
+    with pytest.raises(ValueError, match="W"):
+        ops.row_project(x, W[:-1] if d > 1 else W.T, backend=backend)
+
+
 @pytest.mark.parametrize("bh,g,d,t,kb,vb", [(3, 4, 128, 700, 3, 3), (2, 1, 64, 300, 4, 2),
                                             (4, 8, 96, 257, 2, 4), (3, 3, 64, 50, 8, 1)])
 def test_decode_attention_matches_reference(backend, bh, g, d, t, kb, vb, rng):
@@ -578,7 +593,8 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     gives the same results:
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
-    ||q||^2 and <q, v>, and decode attention over key and value codes of every width."""
+    ||q||^2 and <q, v>, the query map x W, and decode attention over key and value codes of
+    every width."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -629,6 +645,8 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    qs = torch.from_numpy(rng.standard_normal((10, d)).astype(np.float32))\n"
         "    cs = torch.from_numpy(rng.standard_normal((11, d)).astype(np.float32))\n"
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
+        "    wm = torch.from_numpy(rng.standard_normal((d, 43)).astype(np.float32))\n"
+        "    out += [ops.row_project(qs, wm).numpy(), ops.row_project(qs[:3], wm[:, :5]).numpy()]\n"
         "for b, d, n in [(1, 100, 1000), (2, 96, 777), (3, 1040, 1100), (4, 786, 1100),\n"
         "                (1, 120, 1000), (2, 92, 700), (4, 388, 500)]:\n"
         "    # 13 queries: groups of several queries per pass and a remainder; 786 4-bit\n"

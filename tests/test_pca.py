@@ -280,6 +280,37 @@ def test_pca_index_prefilter_keeps_the_exact_results(metric, rng, tmp_path):
         index.prefilter = -1
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip", "cosine"])
+@pytest.mark.parametrize("prefilter", [0, 10])
+def test_pca_one_call_search_equals_the_composed_search(metric, prefilter, rng, monkeypatch):
+    """Float32 numpy queries run in one compiled call (``FlatIndex.search_mapped``: the query
+    map, the scan over every run, ||q||^2 or <q, mu>, ids), with the composed steps' float
+    operations: the same D and I bit for bit, one query or several; a NaN query still gets the
+    general path's error."""
+    if not tqvec.ops.has_cpu_kernels():
+        pytest.skip("compiled CPU kernels not built")
+    x = _low_rank(rng, 6000)
+    q = _low_rank(rng, 9)
+    index = tqvec.index_factory(96, f"PCA,TQ2,Prefilter({prefilter})" if prefilter
+                                else "PCA,TQ2", metric)
+    index.train(x)
+    index.add(x)
+    one = [index.search(q, 10), index.search(q[:1], 10), index.search(q[3:4], 5)]
+    assert index.index.search_mapped(q, 10) is not None  # the one-call path ran
+    from tqvec.index.flat import FlatIndex
+
+    monkeypatch.setattr(FlatIndex, "search_mapped", lambda self, x, k: None)
+    composed = [index.search(q, 10), index.search(q[:1], 10), index.search(q[3:4], 5)]
+    for (D1, I1), (D2, I2) in zip(one, composed, strict=True):
+        np.testing.assert_array_equal(I1, I2)
+        np.testing.assert_array_equal(D1, D2)
+    monkeypatch.undo()
+    bad = q[:2].copy()
+    bad[1, 0] = np.nan
+    with pytest.raises(ValueError, match="NaN|finite"):
+        index.search(bad, 10)
+
+
 def test_first_pass_runs_holds_the_share_of_variance():
     var = np.array([50.0, 30, 10, 5, 3, 2])
     assert first_pass_runs([(2, 8), (2, 4), (2, 2)], var) == 2  # 0.80 < 0.9 <= 0.95

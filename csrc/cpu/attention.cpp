@@ -108,10 +108,10 @@ __attribute__((target("avx2"))) void decode_row_avx2(const uint8_t* row, int64_t
                                                      const float* cent, float* out) {
   const int64_t rb = (d * B + 7) / 8, d8 = d / 8 * 8;
   if constexpr (B == 8) {
-    for (int64_t j = 0; j < d8; j += 8)
-      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(cent, _mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                                                              reinterpret_cast<const __m128i*>(row + j))),
-                                                    4));
+    for (int64_t j = 0; j < d8; j += 8) {
+      const __m128i b8 = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j));
+      _mm256_storeu_ps(out + j, _mm256_i32gather_ps(cent, _mm256_cvtepu8_epi32(b8), 4));
+    }
   } else {
     alignas(32) float tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
     std::memcpy(tab, cent, sizeof(float) << B);

@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "arch.h"
 
@@ -187,6 +188,12 @@ void row_sqnorms(const float* x, int64_t n, int64_t d, float* out);
 // function for the one-call and the general path.
 void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out);
 
+// out (n, m) = x (n, d) W (d, m), float32, every entry summed over j = 0 .. d-1 in order by
+// fused multiply-adds (rescore.cpp; row_project_ref): a PCA index's query map, one function for
+// the one-call and the general path (same bits).
+void row_project(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out,
+                 int nthreads);
+
 // Exact re-ranking of candidates (rescore.cpp; rescore_topk_ref): query i's candidates
 // j = rows[i, r] (-1 = none) of x (n, d) float32, scored by the metric's similarity
 // kRescoreIP <q, x_j>, kRescoreL2 2 <q, x_j> - ||x_j||^2 - ||q||^2 (= -||q - x_j||^2),
@@ -254,6 +261,28 @@ struct FlatSearchArgs {
 };
 void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                  int64_t* I, int nthreads);
+
+// A whole search of a flat index over several terms whose queries come from one product
+// (search.cpp; PCA,TQ{b}): unit rows (normalize) or q - center, then t = q W (row_project),
+// term x's queries the columns [cols[x], cols[x] + terms[x].d) of t; fast_scan_terms (nfirst
+// > 0: two stages, prefilter * kk rows kept); for l2 the score minus ||q||^2 (row_sqnorms),
+// plus <q, ip_center> where given; D, I (nq, k) as faiss returns them.
+struct TermsSearchArgs {
+  int64_t d, m, n;
+  const float* W;               // (d, m)
+  std::vector<ScanTerm> terms;  // their qr set by each search
+  std::vector<int64_t> cols;
+  const float* add;             // (n)
+  int nfirst;
+  int64_t prefilter;
+  const int64_t* ids;
+  int metric;
+  const float* center;          // (d) or nullptr
+  bool normalize;
+  const float* ip_center;       // (d) or nullptr
+};
+void terms_search(const TermsSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                  int64_t* I, int nthreads);
 
 // A whole IVF search (search.cpp): probe the nprobe nearest of nlist centroids (d), rotate
 // the queries (rot), ivf_fast_scan the probed lists (blocked codes `scan` of 32 nb padded rows,

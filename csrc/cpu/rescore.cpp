@@ -203,6 +203,83 @@ void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out) 
   for (int64_t i = 0; i < n; ++i) out[i] = dot(x + i * d, v, d);
 }
 
+namespace {
+
+// Rows [r0, r0 + R) of x W, columns [c0, c0 + 8 C): R x C accumulators of 8 columns, j in
+// order, each step one fused multiply-add - the portable loop's std::fmaf, the same bits.
+#ifdef TQVEC_X86
+template <int R, int C>
+__attribute__((target("avx2,fma"))) void project_tile(const float* x, int64_t d, const float* W,
+                                                      int64_t m, int64_t c0, float* out) {
+  __m256 acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+  for (int64_t j = 0; j < d; ++j) {
+    __m256 w[C];
+    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(W + j * m + c0 + 8 * c);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * d + j);
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * m + c0 + 8 * c, acc[r][c]);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void project_rows_avx2(const float* x, int64_t d,
+                                                           const float* W, int64_t m,
+                                                           float* out) {
+  int64_t c0 = 0;
+  for (; c0 + 16 <= m; c0 += 16) project_tile<R, 2>(x, d, W, m, c0, out);
+  for (; c0 + 8 <= m; c0 += 8) project_tile<R, 1>(x, d, W, m, c0, out);
+  for (; c0 < m; ++c0)
+    for (int r = 0; r < R; ++r) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < d; ++j) s = std::fmaf(x[r * d + j], W[j * m + c0], s);
+      out[r * m + c0] = s;
+    }
+}
+#endif
+
+void project_rows_portable(const float* x, int64_t n, int64_t d, const float* W, int64_t m,
+                           float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    float* o = out + i * m;
+    std::fill(o, o + m, 0.0f);
+    for (int64_t j = 0; j < d; ++j) {
+      const float xj = x[i * d + j];
+      const float* w = W + j * m;
+      for (int64_t c = 0; c < m; ++c) o[c] = std::fmaf(xj, w[c], o[c]);
+    }
+  }
+}
+
+void project_rows(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out) {
+#ifdef TQVEC_X86
+  if (simd_avx2() && __builtin_cpu_supports("fma")) {
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) project_rows_avx2<4>(x + i * d, d, W, m, out + i * m);
+    for (; i < n; ++i) project_rows_avx2<1>(x + i * d, d, W, m, out + i * m);
+    return;
+  }
+#endif
+  project_rows_portable(x, n, d, W, m, out);
+}
+
+}  // namespace
+
+void row_project(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out,
+                 int nthreads) {
+  // many rows: a contiguous share per thread (each share reads W once per 4 rows)
+  const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / 16));
+  const int64_t per = (n + t - 1) / t;
+  run_workers(t, [&](int64_t w) {
+    const int64_t lo = std::min(n, w * per), hi = std::min(n, lo + per);
+    project_rows(x + lo * d, hi - lo, d, W, m, out + lo * m);
+  });
+}
+
 constexpr int64_t kAhead = 4;  // candidate rows requested ahead of the one summed
 
 void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const int64_t* rows,

@@ -127,6 +127,55 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   write_results(vals.data(), idx.data(), nq, kk, k, l2, off, a.ids, D, I);
 }
 
+void terms_search(const TermsSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                  int64_t* I, int nthreads) {
+  const int64_t d = a.d, m = a.m, n = a.n, kk = std::min(k, n);
+  const size_t nqs = static_cast<size_t>(nq);
+  std::vector<float> qc, qsq, qoff, t(nqs * m);
+  if (a.normalize) {
+    q = unit_rows(q, nq, d, qsq, qc);
+  } else if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
+    qc.resize(nqs * d);
+    for (size_t i = 0; i < nqs; ++i)
+      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];
+    q = qc.data();
+  }
+  if (a.ip_center != nullptr) {
+    qoff.resize(nqs);
+    row_dots(q, nq, d, a.ip_center, qoff.data());
+  }
+  const bool l2 = a.metric == kRescoreL2;
+  if (l2) {
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+  }
+  row_project(q, nq, d, a.W, m, t.data(), nthreads);
+  // each term's queries as contiguous rows (one query: a view of t)
+  std::vector<ScanTerm> terms = a.terms;
+  std::vector<std::vector<float>> tq(terms.size());
+  for (size_t x = 0; x < terms.size(); ++x) {
+    const int64_t dt = terms[x].d;
+    if (nq == 1) {
+      terms[x].qr = t.data() + a.cols[x];
+      continue;
+    }
+    tq[x].resize(nqs * dt);
+    for (size_t i = 0; i < nqs; ++i)
+      std::copy_n(t.data() + i * m + a.cols[x], dt, tq[x].data() + i * dt);
+    terms[x].qr = tq[x].data();
+  }
+  std::vector<float> vals(nqs * kk);
+  std::vector<int64_t> idx(nqs * kk);
+  fast_scan_terms(terms.data(), static_cast<int>(terms.size()), nq, n, a.add,
+                  {kk, vals.data(), idx.data()}, nthreads, a.nfirst,
+                  a.nfirst > 0 ? capped_product(a.prefilter, kk, n) : 0);
+  if (l2)
+    for (size_t i = 0; i < nqs; ++i)
+      for (int64_t r = 0; r < kk; ++r) vals[i * kk + r] = vals[i * kk + r] - qsq[i];
+  write_results(vals.data(), idx.data(), nq, kk, k, l2, qoff.empty() ? nullptr : qoff.data(),
+                a.ids, D, I);
+}
+
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                 int64_t* I, int nthreads) {
   // Many queries: each thread runs the whole search for a contiguous share of them (one thread

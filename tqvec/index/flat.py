@@ -60,7 +60,7 @@ from ..codecs.base import Codec, Codes, LutTerm
 from ..codecs.turbo import TurboQuant
 from ..ops import pages
 from .base import CodesIndex
-from .fused import FlatSearch
+from .fused import FlatSearch, TermsSearch
 from .metrics import (
     METRIC_COSINE,
     METRIC_INNER_PRODUCT,
@@ -167,6 +167,7 @@ class FlatIndex(CodesIndex):
         self._scoring = (METRIC_INNER_PRODUCT if self.centered and
                          self.metric_type == METRIC_COSINE else self.metric_type)
         self._prefilter = 0
+        self._query_map: tuple[torch.Tensor, list[slice], torch.Tensor] | None = None
         self._layout = BlockedCodes()  # the codes' fast-scan layout, kept across appends
         self._invalidate()
         self.prefilter = prefilter
@@ -189,6 +190,21 @@ class FlatIndex(CodesIndex):
         with self._lock:
             self._prefilter = v
             self._scan = None  # the scan state holds the sign plane or the full blocked codes
+            self._snap = None
+
+    @property
+    def query_map(self) -> tuple[torch.Tensor, list[slice], torch.Tensor] | None:
+        """(W, slices, mu) of an index that owns this one and maps its queries into these
+        codes' terms by one product (``PCAIndex``): term t's queries are the columns
+        ``slices[t]`` of (q - mu) W (L2) or of q W (inner products, plus <q, mu>; cosine on
+        unit rows). With it ``search_mapped`` runs such queries in one compiled call."""
+        return self._query_map
+
+    @query_map.setter
+    def query_map(self, value: tuple[torch.Tensor, list[slice], torch.Tensor] | None) -> None:
+        with self._lock:
+            self._query_map = value
+            self._scan = None  # the scan state holds the one-call search built from it
             self._snap = None
 
     # -- faiss surface ------------------------------------------------------------------------
@@ -401,6 +417,7 @@ class FlatIndex(CodesIndex):
                                         packed=scan.packed if first else None, first=first)
         if fast:
             scan.fused = self._fused(scan)
+            scan.mapped = self._one_call_mapped(scan)
         self._scan = scan
         return scan
 
@@ -436,6 +453,19 @@ class FlatIndex(CodesIndex):
                                   center=mu if l2 else None,
                                   normalize=self.metric_type == METRIC_COSINE,
                                   ip_center=None if l2 else mu, ref_x=ref_x, ref_codes=ref_codes)
+
+    def _one_call_mapped(self, scan: FlatScan) -> TermsSearch | None:
+        """``search_mapped``'s one compiled call (``query_map``): several terms on the CPU
+        kernels, no refinement."""
+        if self._query_map is None or scan.scanner is None or self.refine is not None:
+            return None
+        W, slices, mu = self._query_map
+        l2 = self._scoring == METRIC_L2
+        return TermsSearch.prepare(W, slices, scan.scanner, self._rows.ids.numpy(),
+                                   metric_name(self._scoring), self._prefilter,
+                                   center=mu.numpy() if l2 else None,
+                                   normalize=self.metric_type == METRIC_COSINE,
+                                   ip_center=None if l2 else mu.numpy())
 
     def _snapshot(self) -> Snapshot:
         """What a search reads, taken together (call with the lock held). The scan state first:
@@ -527,6 +557,18 @@ class FlatIndex(CodesIndex):
         if scan.scanner.first:  # the leading terms first (first_pass_terms)
             return scan.scanner.search(qts, kk, add, k1=self._prefilter * kk)
         return scan.scanner.search(qts, kk, add, approx=self.refine is not None)
+
+    def search_mapped(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``search`` of queries in the owner's space (``query_map``) in one compiled call -
+        the same bits as ``search_prepared`` with the owner's preparation -, or None where it
+        does not run (no query map, not the CPU fast scan, too few rows per result, a NaN or
+        an infinity in x: the caller's general path then reports it). x: (nq, d_owner)
+        C-contiguous float32."""
+        snap = self._current()
+        kk = self._candidates(snap.n, k)
+        if snap.scan is None or snap.scan.mapped is None or not self._fast_rows_ok(snap.n, kk):
+            return None
+        return snap.scan.mapped.search(x, k)
 
     def search_prepared(self, k: int, prepare: Callable[[], tuple[list[np.ndarray],
                                                                   torch.Tensor,

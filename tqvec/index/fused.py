@@ -14,7 +14,7 @@ import torch
 
 from .. import ops
 
-__all__ = ["FlatSearch", "IVFSearch"]
+__all__ = ["FlatSearch", "TermsSearch", "IVFSearch"]
 
 def _code_refinement(ref_codes: tuple | None) -> dict | None:
     """The compiled searchers' ``refine_codes`` from ``ref_codes`` = (rotate, packed, b,
@@ -91,6 +91,48 @@ class FlatSearch:
         D = np.empty((q.shape[0], k), dtype=np.float32)
         I = np.empty((q.shape[0], k), dtype=np.int64)
         if not self._searcher.search(q, D, I, ops.threads(), int(k_factor)):
+            return None
+        return D, I
+
+
+class TermsSearch:
+    """A whole search of float32 numpy queries of another space mapped into a flat index's
+    terms by one product (``PCAIndex``: its basis and every run's rotation in W) in one compiled
+    call: unit rows (``normalize``) or minus ``center`` -> ``ops.row_project`` (x W) -> each
+    term's columns -> ``FastScan.search`` over the terms (two stages with a prefilter) -> for
+    l2 the score minus ``row_sqnorms`` -> ``(D, I)`` as faiss returns them (plus
+    ``row_dots(q, ip_center)`` where given), with the float operations of the composed ops
+    (``FlatIndex.search_prepared`` with the PCA index's ``prepare``), so the same bits.
+    ``prepare`` returns None where the scan is not on the compiled CPU kernels."""
+
+    def __init__(self, searcher: Any):
+        self._searcher = searcher  # holds (and keeps alive) the arrays it reads
+
+    @classmethod
+    def prepare(cls, W: torch.Tensor, slices: list[slice], scan: ops.FastScan, ids: np.ndarray,
+                metric: str, prefilter: int = 0, center: np.ndarray | None = None,
+                normalize: bool = False, ip_center: np.ndarray | None = None
+                ) -> TermsSearch | None:
+        if metric not in ops.RESCORE_METRICS:
+            raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
+        h = scan.host
+        if h is None or scan.n == 0 or (scan.first and prefilter < 1):
+            return None
+        searcher = ops.compiled_terms_searcher(
+            W=np.ascontiguousarray(W.numpy(), np.float32), cols=[sl.start for sl in slices],
+            blocked=h.blocked, centroids=h.centroids, mults=h.mults, bits=list(scan.bits),
+            n=scan.n, add=h.add, ids=np.ascontiguousarray(ids, np.int64),
+            metric=ops.RESCORE_METRICS.index(metric), nfirst=int(scan.first),
+            prefilter=int(prefilter), packed=list(h.packed or []), center=_optional(center),
+            normalize=bool(normalize), ip_center=_optional(ip_center))
+        return None if searcher is None else cls(searcher)
+
+    def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """q (nq, d) C-contiguous float32 -> (D (nq, k) float32, I (nq, k) int64); None if q
+        holds a NaN or an infinity."""
+        D = np.empty((q.shape[0], k), dtype=np.float32)
+        I = np.empty((q.shape[0], k), dtype=np.int64)
+        if not self._searcher.search(q, D, I, ops.threads()):
             return None
         return D, I
 

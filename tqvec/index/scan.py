@@ -10,7 +10,7 @@ import torch
 
 from .. import ops
 from ..codecs.base import Codec, Codes, LutTerm
-from .fused import FlatSearch
+from .fused import FlatSearch, TermsSearch
 from .metrics import METRIC_COSINE, METRIC_L2
 
 __all__ = ["FlatScan", "BlockedCodes", "metric_terms", "rows_from_blocked"]
@@ -34,6 +34,7 @@ class FlatScan:
     scanner: ops.FastScan | None = None
     signs: ops.FastScan | None = None
     fused: FlatSearch | None = field(default=None, repr=False)
+    mapped: TermsSearch | None = field(default=None, repr=False)  # FlatIndex.search_mapped
 
     @property
     def fast(self) -> bool:

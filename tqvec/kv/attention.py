@@ -17,9 +17,9 @@ decode-attention op (``ops.decode_attention``: csrc/cuda/attention.cu on GPUs, f
 over the packed codes; csrc/cpu/attention.cpp on the CPU) when the layer allows it -
 TurboQuant-mse keys and values (optionally channel-scaled), code segments that every current
 query may see in full, no BalanceKV weights, no softcap - and their softmax states (max, sum,
-rotated-domain accumulator) are merged with the exact segments' scores here. ``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also
-the op's torch reference), "never" (the per-segment torch path below, which the tests compare
-with).
+rotated-domain accumulator) are merged with the exact segments' scores here.
+``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also the op's
+torch reference), "never" (the per-segment torch path below, which the tests compare with).
 
 Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
 "tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which

@@ -23,10 +23,10 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "lut_rescore", "block_codes", "unblock_codes", "fast_scan", "fast_scan_terms",
            "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
-           "row_sqnorms", "row_dots", "decode_attention", "row_bytes", "fast_scan_row_bytes",
-           "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS", "compiled_flat_searcher",
-           "compiled_ivf_searcher", "compiled_graph_searcher", "threads", "simd_path",
-           "has_cpu_kernels"]
+           "row_sqnorms", "row_dots", "row_project", "decode_attention", "row_bytes",
+           "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS",
+           "compiled_flat_searcher", "compiled_terms_searcher", "compiled_ivf_searcher",
+           "compiled_graph_searcher", "threads", "simd_path", "has_cpu_kernels"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
@@ -473,6 +473,12 @@ def compiled_flat_searcher(**args: Any) -> Any | None:
     return _cpu.flat_searcher(**args) if _cpu.available() else None
 
 
+def compiled_terms_searcher(**args: Any) -> Any | None:
+    """The compiled one-call search over several terms from one query product
+    (``tqvec.index.fused.TermsSearch``), as ``compiled_flat_searcher``."""
+    return _cpu.terms_searcher(**args) if _cpu.available() else None
+
+
 def compiled_ivf_searcher(**args: Any) -> Any | None:
     """The compiled one-call IVF search, as ``compiled_flat_searcher``."""
     return _cpu.ivf_searcher(**args) if _cpu.available() else None
@@ -502,6 +508,17 @@ def row_dots(x: torch.Tensor, v: torch.Tensor, backend: str = "auto") -> torch.T
                          f"{tuple(v.shape)}")
     return pick("row_dots", x.device, backend)(x.to(torch.float32).contiguous(),
                                                  v.to(x.device, torch.float32).contiguous())
+
+
+def row_project(x: torch.Tensor, W: torch.Tensor, backend: str = "auto") -> torch.Tensor:
+    """x (n, d) W (d, m): (n, m) float32 - a PCA index's query map. Its composed search and its
+    one-call search (``TermsSearch``) both use this one function (the compiled kernel sums
+    each entry in order by fused multiply-adds), so that they agree bit for bit."""
+    if x.dim() != 2 or W.dim() != 2 or W.shape[0] != x.shape[1]:
+        raise ValueError(f"x must be (n, d) and W (d, m), got shapes {tuple(x.shape)} and "
+                         f"{tuple(W.shape)}")
+    return pick("row_project", x.device, backend)(x.to(torch.float32).contiguous(),
+                                                    W.to(x.device, torch.float32).contiguous())
 
 
 def rescore_topk(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metric: str, k: int,

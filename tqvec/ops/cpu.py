@@ -270,6 +270,12 @@ def row_sqnorms_cpu(x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out)
 
 
+def row_project_cpu(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    out = np.empty((x.shape[0], W.shape[1]), dtype=np.float32)
+    _C.row_project(x.numpy(), W.numpy(), out, threads())
+    return torch.from_numpy(out)
+
+
 def row_dots_cpu(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     out = np.empty(x.shape[0], dtype=np.float32)
     _C.row_dots(x.numpy(), v.numpy(), out)
@@ -310,6 +316,12 @@ def flat_searcher(*, rotation: tuple, prefilter: dict | None = None,
     return _C.FlatSearcher(rotation=_C.Rotation(*rotation),
                            prefilter=None if prefilter is None else _C.Prefilter(**prefilter),
                            refine_codes=_code_refinement(refine_codes), **args)
+
+
+def terms_searcher(**args: object) -> object:
+    """The one-call search of a flat index over several terms from one query product
+    (``terms_search``; keyword arguments: csrc/cpu/bind/searchers.cpp ``TermsSearcher``)."""
+    return _C.TermsSearcher(**args)
 
 
 def ivf_searcher(*, rotation: tuple, refine_codes: dict | None = None, **args: object) -> object:

@@ -57,6 +57,7 @@ OPS: dict[str, Op] = {
     "ivf_probe": Op(_ref.ivf_probe_ref, _cpu.ivf_probe_cpu),
     "row_sqnorms": Op(_ref.row_sqnorms_ref, _cpu.row_sqnorms_cpu),
     "row_dots": Op(_ref.row_dots_ref, _cpu.row_dots_cpu),
+    "row_project": Op(_ref.row_project_ref, _cpu.row_project_cpu),
     "rescore_topk": Op(_ref.rescore_topk_ref, _cpu.rescore_topk_cpu),
     "decode_attention": Op(_ref.decode_attention_ref, _cpu.decode_attention_cpu,
                            _cuda.decode_attention_cuda),

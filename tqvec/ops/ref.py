@@ -345,6 +345,12 @@ def row_sqnorms_ref(x: torch.Tensor) -> torch.Tensor:
     return (x * x).sum(1)
 
 
+def row_project_ref(x: torch.Tensor, W: torch.Tensor) -> torch.Tensor:
+    """x (n, d) @ W (d, m) in float32: a PCA index's query map (the basis and every run's
+    rotation in one matrix)."""
+    return x @ W
+
+
 def row_dots_ref(x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """<x_i, v> of each row of x (n, d) float32 with v (d,): (n,) float32 (a centred
     inner-product index's <q, mu>)."""

@@ -100,6 +100,15 @@ void bind_codes(nb::module_& m) {
     nb::gil_scoped_release rel;
     row_dots(x.data(), dim(x, 0), dim(x, 1), v.data(), out.data());
   });
+
+  m.def("row_project", [](CArr<const float> x, CArr<const float> W, CArr<float> out,
+                          int nthreads) {
+    check_shape(x, {kAny, kAny}, "row_project", "x");
+    check_shape(W, {dim(x, 1), kAny}, "row_project", "W");
+    check_shape(out, {dim(x, 0), dim(W, 1)}, "row_project", "out");
+    nb::gil_scoped_release rel;
+    row_project(x.data(), dim(x, 0), dim(x, 1), W.data(), dim(W, 1), out.data(), nthreads);
+  });
 }
 
 }  // namespace tqvec::bind

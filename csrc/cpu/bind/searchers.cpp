@@ -2,6 +2,7 @@
 // argument objects (Rotation, Prefilter, CodeRefinement), checked once when the searcher is
 // built, kept alive by it, and read by every search.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
 
 #include <algorithm>
 #include <cmath>
@@ -85,6 +86,69 @@ struct IvfSearcher {
   std::optional<CodeRefinement> refine_codes;
   IvfSearchArgs args;
 };
+
+// A flat index over several terms whose queries are one product x W (PCA,TQ{b}): W (d, m),
+// each term's first column, blocked codes, centroids, multipliers and width; with nfirst > 0
+// every term's packed rows too (two stages).
+struct TermsSearcher {
+  CArr<const float> W;
+  std::vector<CArr<const uint8_t>> blocked, packed;
+  std::vector<CArr<const float>> centroids, mults;
+  CArr<const float> add;
+  CArr<const int64_t> ids;
+  OptF center, ip_center;
+  TermsSearchArgs args;
+};
+
+void build_terms(TermsSearcher* self, CArr<const float> W, std::vector<int64_t> cols,
+                 std::vector<CArr<const uint8_t>> blocked, std::vector<CArr<const float>> centroids,
+                 std::vector<CArr<const float>> mults, std::vector<int> bits, int64_t n,
+                 CArr<const float> add, CArr<const int64_t> ids, int metric, int nfirst,
+                 int64_t prefilter, std::vector<CArr<const uint8_t>> packed, OptF center,
+                 bool normalize, OptF ip_center) {
+  const char* op = "TermsSearcher";
+  check_shape(W, {kAny, kAny}, op, "W");
+  const int64_t d = dim(W, 0), m = dim(W, 1);
+  const size_t T = cols.size();
+  require(T >= 1 && T <= 8 && blocked.size() == T && centroids.size() == T &&
+              mults.size() == T && bits.size() == T,
+          op, ": 1 to 8 terms, each with a first column, blocked codes, centroids, "
+          "multipliers and bits");
+  require(n >= 1, op, ": n must be >= 1");
+  check_shape(add, {n}, op, "add");
+  check_shape(ids, {n}, op, "ids");
+  check_metric(metric, op);
+  require(nfirst >= 0 && nfirst <= static_cast<int>(T) &&
+              (nfirst == 0 || (packed.size() == T && prefilter >= 1)),
+          op, ": nfirst must be 0, or 1 to the number of terms with packed codes for every "
+          "term and prefilter >= 1");
+  TermsSearchArgs a{};
+  a.d = d, a.m = m, a.n = n, a.W = W.data(), a.add = add.data(), a.ids = ids.data();
+  a.nfirst = nfirst, a.prefilter = prefilter, a.metric = metric;
+  require(!(normalize && center), op, ": normalize or center, not both");
+  require(!ip_center || metric != kRescoreL2, op, ": ip_center goes with ip or cosine");
+  a.center = optional_vector(center, d, op, "center");
+  a.normalize = normalize;
+  a.ip_center = optional_vector(ip_center, d, op, "ip_center");
+  int64_t covered = 0;  // the terms' columns lie side by side in W
+  for (size_t x = 0; x < T; ++x) {
+    require(cols[x] >= 0 && cols[x] < m, op, ": each term's first column must lie in W");
+    const int64_t end = x + 1 < T ? cols[x + 1] : m;
+    const int64_t dt = end - cols[x];
+    require(dt >= 1, op, ": the terms' columns must be increasing");
+    const CodeTable c = blocked_table(blocked[x], n, dt, bits[x], centroids[x], mults[x], add, op);
+    const uint8_t* rows = nullptr;
+    if (nfirst > 0) {
+      check_shape(packed[x], {n, packed_row_bytes(dt, c.b)}, op, "packed codes");
+      rows = packed[x].data();
+    }
+    a.terms.push_back({nullptr, dt, c.codes, c.b, c.centroids, c.mult, rows});
+    covered += dt;
+  }
+  require(cols[0] == 0 && covered == m, op, ": the terms' columns must cover W's");
+  a.cols = cols;
+  new (self) TermsSearcher{W, blocked, packed, centroids, mults, add, ids, center, ip_center, a};
+}
 
 void build_flat(FlatSearcher* self, const Rotation& rotation, CArr<const uint8_t> blocked,
                 int64_t n, int bits, CArr<const float> centroids, CArr<const float> mult,
@@ -233,6 +297,27 @@ void bind_searchers(nb::module_& m) {
         if (nq) ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
       }, arg("q"), arg("nprobe"), arg("kk"), arg("D"), arg("I"), arg("nthreads"));
+
+  nb::class_<TermsSearcher>(m, "TermsSearcher")
+      .def("__init__", &build_terms, nb::kw_only(), arg("W"), arg("cols"), arg("blocked"),
+           arg("centroids"), arg("mults"), arg("bits"), arg("n"), arg("add"), arg("ids"),
+           arg("metric"), arg("nfirst"), arg("prefilter"), arg("packed"),
+           arg("center").none() = nb::none(), arg("normalize") = false,
+           arg("ip_center").none() = nb::none())
+      .def("search", [](TermsSearcher& s, CArr<const float> q, CArr<float> D, CArr<int64_t> I,
+                        int nthreads) {
+        const char* op = "TermsSearcher.search";
+        check_shape(q, {kAny, s.args.d}, op, "q");
+        const int64_t nq = dim(q, 0);
+        check_shape(D, {nq, kAny}, op, "D");
+        check_shape(I, {nq, dim(D, 1)}, op, "I");
+        const int64_t k = dim(D, 1);
+        require(k >= 1, op, ": k must be >= 1");
+        nb::gil_scoped_release rel;
+        if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
+        if (nq) terms_search(s.args, q.data(), nq, k, D.data(), I.data(), nthreads);
+        return true;
+      }, arg("q"), arg("D"), arg("I"), arg("nthreads"));
 
   nb::class_<FlatSearcher>(m, "FlatSearcher")
       .def("__init__", &build_flat, nb::kw_only(), arg("rotation"), arg("blocked"), arg("n"),

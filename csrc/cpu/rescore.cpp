@@ -205,40 +205,73 @@ void row_dots(const float* x, int64_t n, int64_t d, const float* v, float* out) 
 
 namespace {
 
-// Rows [r0, r0 + R) of x W, columns [c0, c0 + 8 C): R x C accumulators of 8 columns, j in
-// order, each step one fused multiply-add - the portable loop's std::fmaf, the same bits.
+// Rows [0, R) of x W over 8 C columns: W points at the tile's first column, its rows ldw
+// floats apart; out likewise, ldo apart. R x C accumulators of 8 columns, j in order, each
+// step one fused multiply-add - the portable loop's std::fmaf, the same bits.
 #ifdef TQVEC_X86
 template <int R, int C>
 __attribute__((target("avx2,fma"))) void project_tile(const float* x, int64_t d, const float* W,
-                                                      int64_t m, int64_t c0, float* out) {
+                                                      int64_t ldw, float* out, int64_t ldo) {
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
   for (int64_t j = 0; j < d; ++j) {
     __m256 w[C];
-    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(W + j * m + c0 + 8 * c);
+    for (int c = 0; c < C; ++c) w[c] = _mm256_loadu_ps(W + j * ldw + 8 * c);
     for (int r = 0; r < R; ++r) {
       const __m256 xv = _mm256_broadcast_ss(x + r * d + j);
       for (int c = 0; c < C; ++c) acc[r][c] = _mm256_fmadd_ps(xv, w[c], acc[r][c]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * m + c0 + 8 * c, acc[r][c]);
+    for (int c = 0; c < C; ++c) _mm256_storeu_ps(out + r * ldo + 8 * c, acc[r][c]);
 }
 
-template <int R>
-__attribute__((target("avx2,fma"))) void project_rows_avx2(const float* x, int64_t d,
+// Columns [c0, c1) of one row: tiles of 8 C columns, then 8, then single columns.
+template <int C>
+__attribute__((target("avx2,fma"))) void project_row(const float* x, int64_t d, const float* W,
+                                                     int64_t m, int64_t c0, int64_t c1,
+                                                     float* out) {
+  for (; c0 + 8 * C <= c1; c0 += 8 * C) project_tile<1, C>(x, d, W + c0, m, out + c0, m);
+  for (; c0 + 8 <= c1; c0 += 8) project_tile<1, 1>(x, d, W + c0, m, out + c0, m);
+  for (; c0 < c1; ++c0) {
+    float s = 0.0f;
+    for (int64_t j = 0; j < d; ++j) s = std::fmaf(x[j], W[j * m + c0], s);
+    out[c0] = s;
+  }
+}
+
+// A few rows: each row by tiles of 64 columns (8 accumulators cover the FMA latency). More:
+// W's panels of 16 columns copied once into contiguous, aligned d x 16 blocks (W comes from
+// memory once per block of 64 rows, each panel from L2, one cache line per step), and each
+// tile of 4 rows of a block runs through a panel before the next panel; the columns past the
+// last whole panel row by row.
+__attribute__((target("avx2,fma"))) void project_rows_avx2(const float* x, int64_t n, int64_t d,
                                                            const float* W, int64_t m,
                                                            float* out) {
-  int64_t c0 = 0;
-  for (; c0 + 16 <= m; c0 += 16) project_tile<R, 2>(x, d, W, m, c0, out);
-  for (; c0 + 8 <= m; c0 += 8) project_tile<R, 1>(x, d, W, m, c0, out);
-  for (; c0 < m; ++c0)
-    for (int r = 0; r < R; ++r) {
-      float s = 0.0f;
-      for (int64_t j = 0; j < d; ++j) s = std::fmaf(x[r * d + j], W[j * m + c0], s);
-      out[r * m + c0] = s;
+  constexpr int64_t kBlock = 64, kPack = 8;  // rows per block; fewer than kPack: no packing
+  if (n < kPack) {
+    for (int64_t i = 0; i < n; ++i) project_row<8>(x + i * d, d, W, m, 0, m, out + i * m);
+    return;
+  }
+  const int64_t panels = m / 16;
+  std::vector<float> buf(static_cast<size_t>(panels * d * 16 + 16));
+  float* packed = buf.data() + (16 - (reinterpret_cast<uintptr_t>(buf.data()) / 4) % 16) % 16;
+  for (int64_t p = 0; p < panels; ++p)
+    for (int64_t j = 0; j < d; ++j)
+      std::copy_n(W + j * m + 16 * p, 16, packed + (p * d + j) * 16);
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    const int64_t i1 = std::min(n, i0 + kBlock);
+    for (int64_t p = 0; p < panels; ++p) {
+      const float* panel = packed + p * d * 16;
+      int64_t i = i0;
+      for (; i + 4 <= i1; i += 4)
+        project_tile<4, 2>(x + i * d, d, panel, 16, out + i * m + 16 * p, m);
+      for (; i < i1; ++i) project_tile<1, 2>(x + i * d, d, panel, 16, out + i * m + 16 * p, m);
     }
+    for (int64_t i = i0; i < i1; ++i)
+      project_row<1>(x + i * d, d, W, m, 16 * panels, m, out + i * m);
+  }
 }
 #endif
 
@@ -257,12 +290,7 @@ void project_rows_portable(const float* x, int64_t n, int64_t d, const float* W,
 
 void project_rows(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out) {
 #ifdef TQVEC_X86
-  if (simd_avx2() && __builtin_cpu_supports("fma")) {
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) project_rows_avx2<4>(x + i * d, d, W, m, out + i * m);
-    for (; i < n; ++i) project_rows_avx2<1>(x + i * d, d, W, m, out + i * m);
-    return;
-  }
+  if (simd_avx2() && __builtin_cpu_supports("fma")) return project_rows_avx2(x, n, d, W, m, out);
 #endif
   project_rows_portable(x, n, d, W, m, out);
 }

@@ -56,7 +56,7 @@ CYCLE = 16
 
 
 # -- models and text ---------------------------------------------------------------------------
-def load_model(name: str):
+def load_model(name: str, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if name == "smollm2":
@@ -79,6 +79,7 @@ def load_model(name: str):
         raise SystemExit(f"unknown model {name!r}")
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=fname)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname, dtype=torch.float32)
+    model = model.to(dtype)
     model.eval()
     model.config._attn_implementation = "sdpa"
     return model, tok
@@ -597,60 +598,100 @@ def cache_bytes(cache) -> int:
                for t in (layer.keys, layer.values))
 
 
+def _rss_bytes() -> int:
+    """The process's resident set now (Linux /proc; 0 elsewhere), after glibc hands freed heap
+    memory back (``malloc_trim``): what the process holds, not what its allocator caches."""
+    import ctypes
+    import ctypes.util
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return 0
+
+
 def run_speed(args) -> None:
+    """Every cache of a (model, context) prefilled in the same process, then their decode steps
+    alternating (one step of each in turn, the order rotated each round), so that the host's
+    drifts fall on all of them alike. Memory: the bytes the cache's tensors hold, and the
+    growth of the process's resident set over the cache's prefill (after the prefill's own
+    activations are freed and glibc has returned its free heap: an upper bound on what the
+    cache holds, activations torch keeps alive included)."""
+    import gc
+
     from transformers import DynamicCache
     rows = []
+    dtype = getattr(torch, args.dtype)
     for model_name in args.models:
-        model, tok = load_model(model_name)
+        model, tok = load_model(model_name, dtype)
         hay = haystack(tok, max(args.contexts) + args.steps + 1)
-        cands = {"dynamic (fp32)": None}
+        cands = {f"dynamic ({args.dtype})": None}
         cands.update({m: method(model_name, model.config.head_dim, m)
                       for m in args.methods})
         for context in args.contexts:
             ids = hay[None, :context + args.steps]
-            for name, st in cands.items():
-                model.config._attn_implementation = "sdpa"
-                cache = (DynamicCache(config=model.config) if st is None
-                         else kv.TurboQuantCache(model.config, **st))
-                with torch.no_grad():
+            caches, prefill, rss = {}, {}, {}
+            with torch.no_grad():
+                for name, st in cands.items():
+                    model.config._attn_implementation = "sdpa"
+                    gc.collect()
+                    r0 = _rss_bytes()
+                    cache = (DynamicCache(config=model.config) if st is None
+                             else kv.TurboQuantCache(model.config, **st))
                     t0 = time.perf_counter()
                     model(ids[:, :context], past_key_values=cache)
-                    prefill = time.perf_counter() - t0
-                    steps = []
-                    for t in range(context, context + args.steps):
+                    prefill[name] = time.perf_counter() - t0
+                    gc.collect()
+                    rss[name] = _rss_bytes() - r0
+                    caches[name] = cache
+                steps = {name: [] for name in cands}
+                names = list(cands)
+                for i, t in enumerate(range(context, context + args.steps)):
+                    for name in names[i % len(names):] + names[:i % len(names)]:
                         t0 = time.perf_counter()
-                        model(ids[:, t:t + 1], past_key_values=cache)
-                        steps.append(time.perf_counter() - t0)
-                n = context + args.steps
-                steps.sort()
+                        model(ids[:, t:t + 1], past_key_values=caches[name])
+                        steps[name].append(time.perf_counter() - t0)
+            n = context + args.steps
+            for name, st in cands.items():
+                ts = sorted(steps[name])
+                cache = caches[name]
                 row = {"model": model_name, "context": context, "method": name,
-                       "bytes_per_token": cache_bytes(cache) / n,
+                       "dtype": args.dtype, "bytes_per_token": cache_bytes(cache) / n,
+                       "cache_bytes": cache_bytes(cache), "rss_growth_bytes": rss[name],
                        "bits": cache.bits_per_element() if st is not None else None,
-                       "prefill_s": prefill, "decode_ms_median": 1000 * steps[len(steps) // 2],
-                       "decode_ms_p90": 1000 * steps[int(0.9 * (len(steps) - 1))],
+                       "prefill_s": prefill[name], "decode_ms_median": 1000 * ts[len(ts) // 2],
+                       "decode_ms_p90": 1000 * ts[int(0.9 * (len(ts) - 1))],
                        "threads": torch.get_num_threads()}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
-                write(args.out or "kv_speed", {"machine": machine_info(), "rows": rows},
-                      speed_md(rows))
+            del caches
+            write(args.out or "kv_speed", {"machine": machine_info(), "rows": rows},
+                  speed_md(rows))
         del model
 
 
 def speed_md(rows) -> str:
-    base = {(r["model"], r["context"]): r for r in rows if r["method"].startswith("dynamic")}
-    out = ["| model | context | method | bits/element | KB/token | vs fp32 | vs fp16 | "
-           "prefill s | decode ms/token (median) | vs DynamicCache |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+    base = {(r["model"], r["context"], r.get("dtype", "float32")): r for r in rows
+            if r["method"].startswith("dynamic")}
+    out = ["| model | dtype | context | method | bits/element | cache MB | KB/token | "
+           "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/token (median) | "
+           "decode vs DynamicCache |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b = base.get((r["model"], r["context"]))
+        b = base.get((r["model"], r["context"], r.get("dtype", "float32")))
         kb = r["bytes_per_token"] / 1024
         mem = f"{b['bytes_per_token'] / r['bytes_per_token']:.1f}x smaller" if b else "-"
-        mem16 = f"{b['bytes_per_token'] / 2 / r['bytes_per_token']:.1f}x smaller" if b else "-"
-        speed = f"{r['decode_ms_median'] / b['decode_ms_median']:.2f}x time" if b else "-"
-        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)"
-        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {bits} | {kb:.1f} | "
-                   f"{mem} | {mem16} | {r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | "
-                   f"{speed} |")
+        speed = (f"{b['decode_ms_median'] / r['decode_ms_median']:.2f}x speed" if b else "-")
+        bits = f"{r['bits']:.2f}" if r["bits"] else "-"
+        cache_mb = r.get("cache_bytes", r["bytes_per_token"] * r["context"]) / 2**20
+        rss = f"{r['rss_growth_bytes'] / 2**20:.0f}" if "rss_growth_bytes" in r else "-"
+        out.append(f"| {r['model']} | {r.get('dtype', 'float32')} | {r['context']} | "
+                   f"{r['method']} | {bits} | {cache_mb:.1f} | {kb:.2f} | {mem} | {rss} | "
+                   f"{r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | {speed} |")
     return "\n".join(out) + "\n"
 
 
@@ -729,7 +770,8 @@ def main(argv=None) -> None:
     v.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     v.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
     v.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
-    v.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3"])
+    v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
+    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)

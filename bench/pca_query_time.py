@@ -13,9 +13,10 @@ One thread, one query per call (the single-query regime), best of --reps passes 
 * the same pass over the first run only (with recall@10 of the search that would use it);
 * faiss ``PQ{M}x4fs`` at the same bytes (the comparison), single-query.
 
-Writes bench/results/pca_query_time_tq{bits}.{json,md}. The floor: a pass reads every row's
-leading-run bytes (n x their bytes), the query map d x m x 4 bytes; at ~4-6 GB/s on one thread
-here those bound the single-query time, as PQ fast-scan's n x M/2 bytes bound its.
+Writes bench/results/pca_query_time_tq{bits}[_p{P}].{json,md} (_p{P} where --prefilter is not
+10). The floor: a pass reads every row's leading-run bytes (n x their bytes), the query map
+d x m x 4 bytes; at ~4-6 GB/s on one thread here those bound the single-query time, as PQ
+fast-scan's n x M/2 bytes bound its.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def main() -> int:
     terms = []
     for i in range(nq):
         q = torch.from_numpy(xq[i: i + 1])
-        t = (q - mu if metric == "l2" else q) @ W
+        t = tqvec.ops.row_project(q - mu if metric == "l2" else q, W)  # the search's query map
         terms.append([t[:, s].contiguous() for s in slices])
     one = lambda i: index.search(xq[i: i + 1], k)  # noqa: E731
     row: dict = {"dataset": args.dataset, "spec": spec, "n": n, "d": d, "runs": index.groups,
@@ -91,12 +92,12 @@ def main() -> int:
     row["search_us"] = _per_query_us(one, nq, args.reps)
     row["query_map_after_scan_us"] = _per_query_us(
         lambda i: (scanner.search(terms[i], k, None, k1=args.prefilter * k),
-                   torch.from_numpy(xq[i: i + 1]) @ W), nq, args.reps)
+                   tqvec.ops.row_project(torch.from_numpy(xq[i: i + 1]), W)), nq, args.reps)
     row["scan_k1_Pk_us"] = _per_query_us(
         lambda i: scanner.search(terms[i], k, None, k1=args.prefilter * k), nq, args.reps)
     row["query_map_after_scan_us"] -= row["scan_k1_Pk_us"]
-    row["query_map_hot_us"] = _per_query_us(lambda i: torch.from_numpy(xq[i: i + 1]) @ W,
-                                            nq, args.reps)
+    row["query_map_hot_us"] = _per_query_us(
+        lambda i: tqvec.ops.row_project(torch.from_numpy(xq[i: i + 1]), W), nq, args.reps)
     row["scan_k1_k_us"] = _per_query_us(lambda i: scanner.search(terms[i], k, None, k1=k), nq,
                                         args.reps)
     row["rescore_us_per_row"] = ((row["scan_k1_Pk_us"] - row["scan_k1_k_us"])
@@ -131,7 +132,9 @@ def main() -> int:
     out = {"machine": machine_info(), "command": " ".join(["python bench/pca_query_time.py"]
                                                           + sys.argv[1:]), "result": row}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"pca_query_time_tq{args.bits}.json"), "w") as f:
+    stem = f"pca_query_time_tq{args.bits}" + (f"_p{args.prefilter}" if args.prefilter != 10
+                                              else "")
+    with open(os.path.join(args.out, f"{stem}.json"), "w") as f:
         json.dump(out, f, indent=1)
     lines = [f"# One `{spec}` query on {args.dataset}, one thread", "",
              f"Command: `{out['command']}`. Machine: {cpu_label(out['machine'])}. Best of "
@@ -152,7 +155,7 @@ def main() -> int:
               + (f"; first run only: {row['recall_at_10_first_run_only']:.3f}"
                  if "recall_at_10_first_run_only" in row else "")
               + (f"; faiss {row['faiss']}: {row['faiss_recall_at_10']:.3f}" if pq else "")]
-    with open(os.path.join(args.out, f"pca_query_time_tq{args.bits}.md"), "w") as f:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

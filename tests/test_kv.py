@@ -147,6 +147,29 @@ def test_accounting_is_exact():
 
 
 @pytest.mark.parametrize("make", [llama, gemma3])
+@pytest.mark.parametrize("residual_bits", [None, 8])
+def test_the_cache_holds_no_more_than_it_counts(make, residual_bits):
+    """After a prefill and decode steps, the tensors a layer holds take no more storage than
+    ``memory_bytes`` counts, up to the code buffers' spare capacity (a quarter): the window's
+    exact tokens must not be slices of the prompt's full-precision keys and values, which
+    would keep all of them alive."""
+    model = make()
+    ids = torch.randint(0, 97, (1, 200), generator=torch.Generator().manual_seed(3))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=8,
+                               residual_bits=residual_bits)
+    run(model, ids, cache, 180)
+    held = 0
+    for layer in cache.layers:
+        tensors = [layer.keys, layer.values, layer.sink_k, layer.sink_v]
+        for buf in (layer.kbuf, layer.vbuf, layer.wkbuf, layer.wvbuf):
+            tensors += list(buf.data.values())
+        held += sum(t.untyped_storage().nbytes() for t in tensors)
+        for t in (layer.keys, layer.values):  # the window: its own storage
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    assert held <= 1.3 * cache.memory_bytes() + 64 * 1024
+
+
+@pytest.mark.parametrize("make", [llama, gemma3])
 def test_represented_elements_are_what_a_dynamic_cache_holds(make):
     """bits/element divides by the elements a DynamicCache holds after the same run (a sliding
     layer keeps window - 1 tokens): the oracle is transformers' own cache, with sinks on."""

@@ -71,13 +71,15 @@ class _Buffer:
         n = next(iter(f.values())).shape[2]
         # Spare capacity is zero-filled: the fused decode-attention op reads whole buffers
         # (tokens [start, stop) count), so no slot may hold NaN/Inf garbage.
+        # Capacity grows by a quarter (amortized O(1) appends; doubling left up to half of a
+        # prefill's codes allocated and unused).
         if not self.data:
-            self.data = {k: v.new_zeros((*v.shape[:2], max(64, 2 * n), *v.shape[3:]))
+            self.data = {k: v.new_zeros((*v.shape[:2], max(64, n + n // 4), *v.shape[3:]))
                          for k, v in f.items()}
         cap = next(iter(self.data.values())).shape[2]
         if self.stop + n > cap:
             live = len(self)
-            new_cap = max(2 * (live + n), 64)
+            new_cap = max(live + n + (live + n) // 4, 64)
             self.data = {k: torch.cat([v[:, :, self.start: self.stop],
                                        v.new_zeros((*v.shape[:2], new_cap - live, *v.shape[3:]))],
                                       dim=2) for k, v in self.data.items()}
@@ -103,6 +105,13 @@ class _Buffer:
     def nbytes(self) -> int:
         return sum(v[0, 0, 0].numel() * v.element_size() * v.shape[0] * v.shape[1]
                    for v in self.data.values()) * len(self)
+
+
+def _window(x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
+    """Tokens [start, stop) of a (B, H, T, D) window, in storage of their own: a slice would
+    keep its source alive - after a prefill, every prompt token's full-precision keys and values
+    (SmolLM2 at 4k tokens: ~190 MB held beside ~19 MB of codes)."""
+    return x[:, :, start:stop].clone()
 
 
 class CompressedLayer(CacheLayerMixin):
@@ -238,7 +247,7 @@ class CompressedLayer(CacheLayerMixin):
         drop = self.cumulative_length - keep
         w = self.keys.shape[2]
         cut = min(drop, w)
-        self.keys, self.values = self.keys[:, :, : w - cut], self.values[:, :, : w - cut]
+        self.keys, self.values = _window(self.keys, 0, w - cut), _window(self.values, 0, w - cut)
         drop -= cut
         for kb, vb in ((self.wkbuf, self.wvbuf), (self.kbuf, self.vbuf)):  # newest first
             n = len(kb)
@@ -300,11 +309,11 @@ class CompressedLayer(CacheLayerMixin):
             if n_sink and not len(self.wkbuf) and not len(self.kbuf):
                 self.sink_k = torch.cat([self.sink_k, self.keys[:, :, :n_sink]], dim=2)
                 self.sink_v = torch.cat([self.sink_v, self.values[:, :, :n_sink]], dim=2)
-                self.keys, self.values = self.keys[:, :, n_sink:], self.values[:, :, n_sink:]
+                self.keys, self.values = _window(self.keys, n_sink), _window(self.values, n_sink)
             # what stays in the window is held as 8-bit codes from now on
             self.wkbuf.append(self.wkq.encode_heads(self.keys.float().contiguous()))
             self.wvbuf.append(self.wvq.encode_heads(self.values.float().contiguous()))
-            self.keys, self.values = self.keys[:, :, :0], self.values[:, :, :0]
+            self.keys, self.values = _window(self.keys, 0, 0), _window(self.values, 0, 0)
 
     def window_length(self) -> int:
         return len(self.wkbuf) + self.keys.shape[2]
@@ -326,7 +335,7 @@ class CompressedLayer(CacheLayerMixin):
             self.wvbuf.drop_front(n_coded)
         n_exact = over - n_coded
         k_old, v_old = self.keys[:, :, :n_exact], self.values[:, :, :n_exact]
-        self.keys, self.values = self.keys[:, :, n_exact:], self.values[:, :, n_exact:]
+        self.keys, self.values = _window(self.keys, n_exact), _window(self.values, n_exact)
         if n_coded:
             k_old = torch.cat([k_c.to(self.dtype), k_old], dim=2)
             v_old = torch.cat([v_c.to(self.dtype), v_old], dim=2)
@@ -387,7 +396,7 @@ class CompressedLayer(CacheLayerMixin):
         w = self.keys.shape[2]
         if first_visible > wstart:
             cut = min(first_visible - wstart, w)
-            self.keys, self.values = self.keys[:, :, cut:], self.values[:, :, cut:]
+            self.keys, self.values = _window(self.keys, cut), _window(self.values, cut)
 
     def observe_queries(self, query: torch.Tensor) -> None:
         """Record per-KV-head query channel energy (once, at prefill) for key calibration."""

@@ -33,6 +33,34 @@ const float* unit_rows(const float* q, int64_t nq, int64_t d, std::vector<float>
   return qc.data();
 }
 
+// The queries as an index scores them (the general path's float operations): unit rows
+// (normalize), or q - center (the torch subtraction), in qc; <q, ip_center> per query in qoff
+// (a centred inner product); ||q||^2 in qsq for l2 (in Python these steps cost ~20 us per
+// query). Returns the queries to use.
+const float* prepare_queries(const float* q, int64_t nq, int64_t d, bool normalize,
+                             const float* center, const float* ip_center, bool l2,
+                             std::vector<float>& qc, std::vector<float>& qsq,
+                             std::vector<float>& qoff) {
+  const size_t nqs = static_cast<size_t>(nq);
+  if (normalize) {
+    q = unit_rows(q, nq, d, qsq, qc);
+  } else if (center != nullptr) {
+    qc.resize(nqs * d);
+    for (size_t i = 0; i < nqs; ++i)
+      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - center[j];
+    q = qc.data();
+  }
+  if (ip_center != nullptr) {
+    qoff.resize(nqs);
+    row_dots(q, nq, d, ip_center, qoff.data());
+  }
+  if (l2) {
+    qsq.resize(nqs);
+    row_sqnorms(q, nq, d, qsq.data());
+  }
+  return q;
+}
+
 // faiss's output from best-first (vals, idx) of m columns per query: L2 as distances, plus a
 // per-query offset where one is given (a centred index's <q, mu>), ids, padding (+-FLT_MAX, -1)
 // past m and wherever a value is not finite.
@@ -76,22 +104,8 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   const int64_t d = a.d, n = a.scan.n, kk = std::min(k, n);
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qr(nqs * d), qc, qsq, qoff;
-  if (a.normalize) {
-    q = unit_rows(q, nq, d, qsq, qc);
-  } else if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
-    qc.resize(nqs * d);
-    for (size_t i = 0; i < nqs; ++i)
-      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];
-    q = qc.data();
-  }
-  if (a.ip_center != nullptr) {  // <q, mu>, added to the values (a centred inner product)
-    qoff.resize(nqs);
-    row_dots(q, nq, d, a.ip_center, qoff.data());
-  }
-  if (a.metric == kRescoreL2) {  // in Python these two torch steps cost ~20 us per query
-    qsq.resize(nqs);
-    row_sqnorms(q, nq, d, qsq.data());
-  }
+  q = prepare_queries(q, nq, d, a.normalize, a.center, a.ip_center, a.metric == kRescoreL2, qc,
+                      qsq, qoff);
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
   const bool l2 = a.metric == kRescoreL2;
@@ -132,23 +146,8 @@ void terms_search(const TermsSearchArgs& a, const float* q, int64_t nq, int64_t 
   const int64_t d = a.d, m = a.m, n = a.n, kk = std::min(k, n);
   const size_t nqs = static_cast<size_t>(nq);
   std::vector<float> qc, qsq, qoff, t(nqs * m);
-  if (a.normalize) {
-    q = unit_rows(q, nq, d, qsq, qc);
-  } else if (a.center != nullptr) {  // q - mu, the general path's torch subtraction (same bits)
-    qc.resize(nqs * d);
-    for (size_t i = 0; i < nqs; ++i)
-      for (int64_t j = 0; j < d; ++j) qc[i * d + j] = q[i * d + j] - a.center[j];
-    q = qc.data();
-  }
-  if (a.ip_center != nullptr) {
-    qoff.resize(nqs);
-    row_dots(q, nq, d, a.ip_center, qoff.data());
-  }
   const bool l2 = a.metric == kRescoreL2;
-  if (l2) {
-    qsq.resize(nqs);
-    row_sqnorms(q, nq, d, qsq.data());
-  }
+  q = prepare_queries(q, nq, d, a.normalize, a.center, a.ip_center, l2, qc, qsq, qoff);
   row_project(q, nq, d, a.W, m, t.data(), nthreads);
   // each term's queries as contiguous rows (one query: a view of t)
   std::vector<ScanTerm> terms = a.terms;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <utility>
 
 #include "check.h"
 
@@ -63,6 +64,17 @@ const float* optional_vector(const OptF& v, int64_t d, const char* op, const cha
   if (!v) return nullptr;
   check_shape(*v, {d}, op, name);
   return v->data();
+}
+
+// (nq, k) of a one-call search's queries q (nq, d) and outputs D, I (nq, k), checked.
+std::pair<int64_t, int64_t> search_shape(const CArr<const float>& q, const CArr<float>& D,
+                                         const CArr<int64_t>& I, int64_t d, const char* op) {
+  check_shape(q, {kAny, d}, op, "q");
+  const int64_t nq = dim(q, 0);
+  check_shape(D, {nq, kAny}, op, "D");
+  check_shape(I, {nq, dim(D, 1)}, op, "I");
+  require(dim(D, 1) >= 1, op, ": k must be >= 1");
+  return {nq, dim(D, 1)};
 }
 
 struct FlatSearcher {
@@ -306,13 +318,7 @@ void bind_searchers(nb::module_& m) {
            arg("ip_center").none() = nb::none())
       .def("search", [](TermsSearcher& s, CArr<const float> q, CArr<float> D, CArr<int64_t> I,
                         int nthreads) {
-        const char* op = "TermsSearcher.search";
-        check_shape(q, {kAny, s.args.d}, op, "q");
-        const int64_t nq = dim(q, 0);
-        check_shape(D, {nq, kAny}, op, "D");
-        check_shape(I, {nq, dim(D, 1)}, op, "I");
-        const int64_t k = dim(D, 1);
-        require(k >= 1, op, ": k must be >= 1");
+        const auto [nq, k] = search_shape(q, D, I, s.args.d, "TermsSearcher.search");
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
         if (nq) terms_search(s.args, q.data(), nq, k, D.data(), I.data(), nthreads);
@@ -327,14 +333,8 @@ void bind_searchers(nb::module_& m) {
            arg("refine_x").none() = nb::none(), arg("refine_codes").none() = nb::none())
       .def("search", [](FlatSearcher& s, CArr<const float> q, CArr<float> D, CArr<int64_t> I,
                         int nthreads, int64_t k_factor) {
-        const char* op = "FlatSearcher.search";
-        require(k_factor >= 1, op, ": k_factor must be >= 1");
-        check_shape(q, {kAny, s.args.d}, op, "q");
-        const int64_t nq = dim(q, 0);
-        check_shape(D, {nq, kAny}, op, "D");
-        check_shape(I, {nq, dim(D, 1)}, op, "I");
-        const int64_t k = dim(D, 1);
-        require(k >= 1, op, ": k must be >= 1");
+        require(k_factor >= 1, "FlatSearcher.search", ": k_factor must be >= 1");
+        const auto [nq, k] = search_shape(q, D, I, s.args.d, "FlatSearcher.search");
         nb::gil_scoped_release rel;
         if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
         FlatSearchArgs a = s.args;  // the index's k_factor may change between searches

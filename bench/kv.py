@@ -628,12 +628,15 @@ def run_speed(args) -> None:
     dtype = getattr(torch, args.dtype)
     for model_name in args.models:
         model, tok = load_model(model_name, dtype)
-        hay = haystack(tok, max(args.contexts) + args.steps + 1)
+        # batch row b reads the text from its own offset (rows differ, as in a served batch)
+        shift = 997
+        hay = haystack(tok, max(args.contexts) + args.steps + 1 + shift * (args.batch - 1))
         cands = {f"dynamic ({args.dtype})": None}
         cands.update({m: method(model_name, model.config.head_dim, m)
                       for m in args.methods})
         for context in args.contexts:
-            ids = hay[None, :context + args.steps]
+            ids = torch.stack([hay[b * shift: b * shift + context + args.steps]
+                               for b in range(args.batch)])
             caches, prefill, rss = {}, {}, {}
             with torch.no_grad():
                 for name, st in cands.items():
@@ -660,7 +663,8 @@ def run_speed(args) -> None:
                 ts = sorted(steps[name])
                 cache = caches[name]
                 row = {"model": model_name, "context": context, "method": name,
-                       "dtype": args.dtype, "bytes_per_token": cache_bytes(cache) / n,
+                       "dtype": args.dtype, "batch": args.batch,
+                       "bytes_per_token": cache_bytes(cache) / (n * args.batch),
                        "cache_bytes": cache_bytes(cache), "rss_growth_bytes": rss[name],
                        "bits": cache.bits_per_element() if st is not None else None,
                        "prefill_s": prefill[name], "decode_ms_median": 1000 * ts[len(ts) // 2],
@@ -675,21 +679,24 @@ def run_speed(args) -> None:
 
 
 def speed_md(rows) -> str:
-    base = {(r["model"], r["context"], r.get("dtype", "float32")): r for r in rows
-            if r["method"].startswith("dynamic")}
-    out = ["| model | dtype | context | method | bits/element | cache MB | KB/token | "
-           "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/token (median) | "
+    def key(r: dict) -> tuple:
+        return r["model"], r["context"], r.get("dtype", "float32"), r.get("batch", 1)
+
+    base = {key(r): r for r in rows if r["method"].startswith("dynamic")}
+    out = ["| model | dtype | batch | context | method | bits/element | cache MB | KB/token | "
+           "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/step (median) | "
            "decode vs DynamicCache |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b = base.get((r["model"], r["context"], r.get("dtype", "float32")))
+        b = base.get(key(r))
         kb = r["bytes_per_token"] / 1024
         mem = f"{b['bytes_per_token'] / r['bytes_per_token']:.1f}x smaller" if b else "-"
         speed = (f"{b['decode_ms_median'] / r['decode_ms_median']:.2f}x speed" if b else "-")
         bits = f"{r['bits']:.2f}" if r["bits"] else "-"
         cache_mb = r.get("cache_bytes", r["bytes_per_token"] * r["context"]) / 2**20
         rss = f"{r['rss_growth_bytes'] / 2**20:.0f}" if "rss_growth_bytes" in r else "-"
-        out.append(f"| {r['model']} | {r.get('dtype', 'float32')} | {r['context']} | "
+        out.append(f"| {r['model']} | {r.get('dtype', 'float32')} | {r.get('batch', 1)} | "
+                   f"{r['context']} | "
                    f"{r['method']} | {bits} | {cache_mb:.1f} | {kb:.2f} | {mem} | {rss} | "
                    f"{r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | {speed} |")
     return "\n".join(out) + "\n"
@@ -772,6 +779,7 @@ def main(argv=None) -> None:
     v.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)

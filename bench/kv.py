@@ -624,7 +624,15 @@ def run_speed(args) -> None:
     import gc
 
     from transformers import DynamicCache
-    rows = []
+    stem = args.out or "kv_speed"
+    command = " ".join(["python bench/kv.py", *sys.argv[1:]])
+    rows, commands = [], [command]
+    path = RESULTS / f"{stem}.json"
+    if args.resume and path.exists():  # keep the stored rows this run does not measure again
+        stored = json.loads(path.read_text())
+        mine = {(m, c, args.dtype, args.batch) for m in args.models for c in args.contexts}
+        rows = [r for r in stored["rows"] if _speed_key(r) not in mine]
+        commands = [*stored.get("commands", []), command]
     dtype = getattr(torch, args.dtype)
     for model_name in args.models:
         model, tok = load_model(model_name, dtype)
@@ -673,22 +681,37 @@ def run_speed(args) -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del caches
-            write(args.out or "kv_speed", {"machine": machine_info(), "rows": rows},
-                  speed_md(rows))
+            machine = machine_info()
+            write(stem, {"machine": machine, "commands": commands, "rows": rows},
+                  speed_md(rows, commands, machine))
         del model
 
 
-def speed_md(rows) -> str:
-    def key(r: dict) -> tuple:
-        return r["model"], r["context"], r.get("dtype", "float32"), r.get("batch", 1)
+def _speed_key(r: dict) -> tuple:
+    return r["model"], r["context"], r.get("dtype", "float32"), r.get("batch", 1)
 
-    base = {key(r): r for r in rows if r["method"].startswith("dynamic")}
+
+def speed_md(rows, commands: list[str], machine: dict) -> str:
+    from tqvec._machine import cpu_label
+
+    base = {_speed_key(r): r for r in rows if r["method"].startswith("dynamic")}
+    head = ("# KV cache: decode speed and memory against DynamicCache\n\n"
+            "Commands (one process each): " + "; ".join(f"`{c}`" for c in commands)
+            + f". Machine: {cpu_label(machine)}, SIMD flags {', '.join(machine.get('simd', []))};"
+            f" {machine.get('torch_threads')} torch threads. Each (model, dtype, batch, context): "
+            "both caches prefilled in one process, then decode steps alternating between them "
+            "(median; a step decodes one token of every sequence of the batch). Cache MB: the "
+            "bytes its tensors hold; KB/token per token of one sequence; RSS growth: the "
+            "process's resident set over the cache's prefill, after the prefill's activations "
+            "are freed and glibc's free heap is returned (malloc_trim): an upper bound on what "
+            "the cache holds. `tq-k3v3-w8`: `TurboQuantCache(key_bits=3, value_bits=3, "
+            "residual_bits=8)`.\n\n")
     out = ["| model | dtype | batch | context | method | bits/element | cache MB | KB/token | "
            "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/step (median) | "
            "decode vs DynamicCache |",
            "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        b = base.get(key(r))
+        b = base.get(_speed_key(r))
         kb = r["bytes_per_token"] / 1024
         mem = f"{b['bytes_per_token'] / r['bytes_per_token']:.1f}x smaller" if b else "-"
         speed = (f"{b['decode_ms_median'] / r['decode_ms_median']:.2f}x speed" if b else "-")
@@ -699,7 +722,7 @@ def speed_md(rows) -> str:
                    f"{r['context']} | "
                    f"{r['method']} | {bits} | {cache_mb:.1f} | {kb:.2f} | {mem} | {rss} | "
                    f"{r['prefill_s']:.1f} | {r['decode_ms_median']:.0f} | {speed} |")
-    return "\n".join(out) + "\n"
+    return head + "\n".join(out) + "\n"
 
 
 def other_models_rows(stem: str, args) -> list[dict]:
@@ -780,6 +803,8 @@ def main(argv=None) -> None:
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    v.add_argument("--resume", action="store_true",
+                   help="keep the stored rows of other models, contexts, dtypes and batches")
     v.add_argument("--out")
     args = ap.parse_args(argv)
     torch.manual_seed(0)

@@ -299,7 +299,7 @@ void project_rows(const float* x, int64_t n, int64_t d, const float* W, int64_t 
 
 void row_project(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out,
                  int nthreads) {
-  // many rows: a contiguous share per thread (each share reads W once per 4 rows)
+  // many rows: a contiguous share per thread (each reads W once per block of 64 rows)
   const int64_t t = std::max<int64_t>(1, std::min<int64_t>(nthreads, n / 16));
   const int64_t per = (n + t - 1) / t;
   run_workers(t, [&](int64_t w) {

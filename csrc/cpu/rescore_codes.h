@@ -98,16 +98,14 @@ __attribute__((target("avx2"), always_inline)) inline __m256 nibble_lookup8(cons
                           _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
 }
 
-// The 8 products q_j v_j of coordinates j .. j + 7 (row_lanes' terms).
-template <bool Grid>
-__attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, const uint8_t* row,
-                                                            int64_t rb, int64_t j, int b,
-                                                            const float* c) {
-  const __m256i mask = _mm256_set1_epi32((1 << b) - 1);
-  __m256i v;
-  if (b == 8) {
-    v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
-  } else if (b <= 4) {  // b = 3, 4: the 8 indices lie in one 32-bit word, lane t at bit t b
+// The 8 indices of coordinates j .. j + 7 (j a multiple of 8) of a packed row of rb bytes, one
+// per 32-bit lane.
+__attribute__((target("avx2"), always_inline)) inline __m256i indices8_avx2(const uint8_t* row,
+                                                                           int64_t rb, int64_t j,
+                                                                           int b) {
+  if (b == 8)
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + j)));
+  if (b <= 4) {  // the 8 indices lie in one 32-bit word, lane t at bit t b
     const int64_t off = j / 8 * b;
     uint32_t w = 0;
     if (off + 4 <= rb)
@@ -116,23 +114,35 @@ __attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, cons
       for (int t = 0; t < b; ++t) w |= static_cast<uint32_t>(row[off + t]) << (8 * t);
     const __m256i sh = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
                                           _mm256_set1_epi32(b));
-    v = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh), mask);
-  } else {
-    alignas(32) uint32_t vb[8];
-    unpack8(row, rb, b, j, vb);
-    v = _mm256_load_si256(reinterpret_cast<const __m256i*>(vb));
+    return _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(w)), sh),
+                            _mm256_set1_epi32((1 << b) - 1));
   }
-  // grid: 2 idx - (K - 1), exactly, as a float; b <= 4: c[idx] by register permutes (a gather
-  // of 8 floats costs several times more)
-  __m256 cv;
-  if (Grid)
-    cv = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(v, v), mask));
-  else if (b == 3)
-    cv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(c), v);
-  else if (b == 4)
-    cv = nibble_lookup8(c, 0, v);
-  else
-    cv = _mm256_i32gather_ps(c, v, 4);
+  alignas(32) uint32_t vb[8];
+  unpack8(row, rb, b, j, vb);
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(vb));
+}
+
+// c[v] of the 8 indices v: b <= 3 by one register permute (c holds at least 8 floats: pad a
+// shorter codebook), b = 4 two and a blend, wider a gather (of 8 floats: several times the
+// cost of the permutes).
+__attribute__((target("avx2"), always_inline)) inline __m256 centroids8_avx2(__m256i v, int b,
+                                                                            const float* c) {
+  if (b <= 3) return _mm256_permutevar8x32_ps(_mm256_loadu_ps(c), v);
+  if (b == 4) return nibble_lookup8(c, 0, v);
+  return _mm256_i32gather_ps(c, v, 4);
+}
+
+// The 8 products q_j v_j of coordinates j .. j + 7 (row_lanes' terms; b >= 3).
+template <bool Grid>
+__attribute__((target("avx2"))) inline __m256 row_term_avx2(const float* q, const uint8_t* row,
+                                                            int64_t rb, int64_t j, int b,
+                                                            const float* c) {
+  const __m256i v = indices8_avx2(row, rb, j, b);
+  // grid: 2 idx - (K - 1), exactly, as a float
+  const __m256 cv =
+      Grid ? _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_add_epi32(v, v),
+                                                 _mm256_set1_epi32((1 << b) - 1)))
+           : centroids8_avx2(v, b, c);
   return _mm256_mul_ps(_mm256_loadu_ps(q + j), cv);
 }
 

@@ -191,7 +191,6 @@ class PCAIndex:
         self.basis: torch.Tensor | None = None  # (d, d) float32, columns = components
         self.variances: np.ndarray | None = None  # (d,) of the components, descending
         self.index: FlatIndex | None = None
-        self._query_map: tuple[torch.Tensor, list[slice], torch.Tensor] | None = None
 
     # -- training ---------------------------------------------------------------------------
     @property
@@ -273,20 +272,17 @@ class PCAIndex:
 
     def install(self, basis: torch.Tensor, variances: np.ndarray, index: FlatIndex) -> None:
         """Take a fit and the centred inner index that codes in its basis (``train``, or a
-        state read back)."""
+        state read back), and give that index the query map of this fit."""
         self.basis, self.variances, self.index = basis, variances, index
-        self._query_map = None
-        index.query_map = None
+        M, slices = self.codec.query_matrix()
+        mu = torch.from_numpy(np.asarray(index.center, dtype=np.float32))
+        index.query_map = ((basis @ M).contiguous(), slices, (mu @ basis.T).contiguous())
 
     def _fused_query_map(self) -> tuple[torch.Tensor, list[slice], torch.Tensor]:
         """(W, slices, mu): the basis and the runs' rotations as one (d, m) matrix W = V M
-        (``MixedTurboQuant.query_matrix``) and the centre in the original space, mu V^T."""
-        if self._query_map is None:
-            M, slices = self.codec.query_matrix()
-            mu = torch.from_numpy(np.asarray(self.index.center, dtype=np.float32))
-            self._query_map = ((self.basis @ M).contiguous(), slices,
-                               (mu @ self.basis.T).contiguous())
-        return self._query_map
+        (``MixedTurboQuant.query_matrix``) and the centre in the original space, mu V^T (the
+        inner index's ``query_map``, set by ``install``)."""
+        return self.index.query_map
 
     def _search_fused(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` of float32 numpy queries without a filter or refinement on the CPU fast
@@ -302,8 +298,6 @@ class PCAIndex:
                 and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
                 and index.refine is None):
             return None
-        if index.query_map is None:
-            index.query_map = self._fused_query_map()
         out = index.search_mapped(np.ascontiguousarray(x), k)  # all of it in one compiled call
         if out is not None:
             return out

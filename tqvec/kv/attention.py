@@ -232,7 +232,7 @@ def _codes_state(kp, vp, kbuf, vbuf, q, scaling):
     return m, l, acc
 
 
-def _attend_rows_kernel(layer, plans, segs, q, G, qpos, mask, kv_offset, scaling):
+def _attend_rows_kernel(plans, segs, q, G, qpos, mask, kv_offset, scaling):
     """``_attend_rows`` with every code segment through ``ops.decode_attention``, their
     softmax states merged with the exact segments' scores."""
     B, H = q.shape[:2]
@@ -268,7 +268,7 @@ def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
     """q: (B, H, G*Q, D) float32 rows for queries at positions qpos (Q,)."""
     plans = _kernel_plan(layer, segs, q, mask, kv_offset, softcap)
     if plans is not None:
-        return _attend_rows_kernel(layer, plans, segs, q, G, qpos, mask, kv_offset, scaling)
+        return _attend_rows_kernel(plans, segs, q, G, qpos, mask, kv_offset, scaling)
     B, H = q.shape[:2]
     scores = []
     for kind, k, _, pos, logw, coder in segs:

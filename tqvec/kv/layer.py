@@ -318,12 +318,10 @@ class CompressedLayer(CacheLayerMixin):
     def window_length(self) -> int:
         return len(self.wkbuf) + self.keys.shape[2]
 
-    def _coded_window(self, n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``n`` (default all) 8-bit coded window tokens, decoded (float32)."""
-        kf, vf = self.wkbuf.view(), self.wvbuf.view()
-        if n is not None:
-            kf = {k: v[:, :, :n] for k, v in kf.items()}
-            vf = {k: v[:, :, :n] for k, v in vf.items()}
+    def _coded_window(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first ``n`` 8-bit coded window tokens, decoded (float32), to move onward."""
+        kf = {k: v[:, :, :n] for k, v in self.wkbuf.view().items()}
+        vf = {k: v[:, :, :n] for k, v in self.wvbuf.view().items()}
         return self.wkq.decode(kf), self.wvq.decode(vf)
 
     def _flush_oldest(self, over: int, first: int) -> None:

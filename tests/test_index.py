@@ -272,6 +272,33 @@ def test_refinement_rotation_shared_or_its_own(metric, rng):
         assert_numpy_path_matches(index, [xq[:1], xq])
 
 
+@pytest.mark.parametrize("spec", ["IVF8,TQ2,Refine(TQ6)", "IVF8,TQ1,Refine(Flat)", "IVF8,TQ4"])
+@pytest.mark.parametrize("metric", ["ip", "l2", "cosine"])
+def test_ivf_candidates_one_call_equals_the_composition(spec, metric, rng, monkeypatch):
+    """search_candidates (what a sharded search merges) in one compiled call returns what the
+    composed kernels return, bit for bit: probed here or given the coordinator's probes, a
+    few queries (the kernels split) and many (each thread a share), k above the rows."""
+    if "cpu" not in tqvec.available_backends():
+        pytest.skip("compiled module missing")
+    from tqvec.index import IVFIndex
+
+    xb, xq = _data(rng, n=1500, d=40, nq=150)
+    index = tqvec.index_factory(40, spec, metric, seed=3)
+    index.train(xb)
+    index.add(xb)
+    index.nprobe = 3
+    with index._lock:
+        assert index._snapshot().scan.fused is not None
+    cases = [(q, k, probes) for q in (xq[:1], xq[:9], xq) for k in (1, 10, 2000)
+             for probes in (None, index.probe(q))]
+    fused = [index.search_candidates(q, k, rows=4000, probes=p) for q, k, p in cases]
+    monkeypatch.setattr(IVFIndex, "_fused_candidates", lambda *a: None)
+    for (q, k, p), got in zip(cases, fused, strict=True):
+        want = index.search_candidates(q, k, rows=4000, probes=p)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("spec,scale,codebook", [("TQ8g", "norm", "grid"),
                                                ("TQ2gu", "unbiased", "grid"),
                                                ("TQ3gf", "fit", "grid"),

@@ -306,6 +306,14 @@ struct IvfSearchArgs {
 };
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                 int64_t* I, int nthreads);
+// What ivf_search ranks, for merging the searches of several indexes over parts of one
+// collection (the index's search_candidates): probes (nq, nprobe) with their offsets, given
+// (probed once by a coordinator), or nullptr (probed here); scan, final, I (nq, kk): the scan's
+// kk best rows re-ranked by the refinement (best first by it: final) with their scan
+// similarities (without one: final = scan), ids; -inf and -1 where there is no row.
+void ivf_candidates(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t* probes,
+                    const float* offsets, float* scan, float* final_, int64_t* I,
+                    int nthreads);
 
 // A whole graph index search (search.cpp): unit rows for cosine, rotate the queries (rot),
 // graph_search with a pool of ef - with exact vectors ref_x (n, d) the best kk expanded rows

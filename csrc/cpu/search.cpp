@@ -175,56 +175,112 @@ void terms_search(const TermsSearchArgs& a, const float* q, int64_t nq, int64_t 
                 a.ids, D, I);
 }
 
-void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
-                int64_t* I, int nthreads) {
-  // Many queries: each thread runs the whole search for a contiguous share of them (one thread
-  // start, not one per step, and each share's candidates re-ranked while still cached).
-  if (split_queries(nq, nthreads, 64, [&](int64_t lo, int64_t hi) {
-        ivf_search(a, q + lo * a.d, hi - lo, k, D + lo * k, I + lo * k, 1);
-      }))
-    return;
+namespace {
+
+// What an IVF search ranks, for nq queries: the probes (given: probes_in /
+// offsets_in (nq, np), the coordinator's; or probed here), the scan's best kk positions by the
+// tables (the 8-bit ones under a refinement), cosine as 1 + 0.5 (-d^2); with a refinement the
+// best m of those kk by it. vals / pos (nq, m) best first; scan_of (nq, m) or nullptr: each
+// ranked row's scan similarity (the row's own where there is no refinement).
+void ivf_rank(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t* probes_in,
+              const float* offsets_in, int64_t m, float* vals_out, int64_t* pos_out,
+              float* scan_of, int nthreads) {
   const int64_t d = a.d, np = a.nprobe, kk = a.kk;
   const size_t nqs = static_cast<size_t>(nq);
-  std::vector<int64_t> probes(nqs * np), idx(nqs * kk);
-  std::vector<float> offsets(nqs * np), qr(nqs * d), vals(nqs * kk);
-  // l2 and cosine (unit vectors) probe by -||q - c||^2, inner product by <q, c>
-  ivf_probe(q, nq, d, a.centroids, a.nlist, a.csq, a.metric != kRescoreIP, np, probes.data(),
-            offsets.data(), nthreads);
+  std::vector<int64_t> probes, idx(nqs * kk);
+  std::vector<float> offsets, qr(nqs * d), vals(nqs * kk);
+  if (probes_in == nullptr) {
+    probes.resize(nqs * np);
+    offsets.resize(nqs * np);
+    // l2 and cosine (unit vectors) probe by -||q - c||^2, inner product by <q, c>
+    ivf_probe(q, nq, d, a.centroids, a.nlist, a.csq, a.metric != kRescoreIP, np, probes.data(),
+              offsets.data(), nthreads);
+    probes_in = probes.data();
+    offsets_in = offsets.data();
+  }
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
   // with a refinement, which re-ranks them, the candidates by the 8-bit tables alone
   const bool refine = a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
-  ivf_fast_scan(qr.data(), nq, a.scan, a.list_blocks, a.nlist,
-                {probes.data(), offsets.data(), np}, refine, {kk, vals.data(), idx.data()},
-                nthreads);
+  ivf_fast_scan(qr.data(), nq, a.scan, a.list_blocks, a.nlist, {probes_in, offsets_in, np},
+                refine, {kk, vals.data(), idx.data()}, nthreads);
   for (size_t t = 0; t < nqs * kk; ++t) {
     if (idx[t] >= 0) idx[t] = a.pos[idx[t]];  // padded row -> add-order position
     // cosine is ranked by the l2 estimate on unit vectors and reported as 1 - d^2 / 2
     if (a.metric == kRescoreCosine) vals[t] = 1.f + 0.5f * vals[t];
   }
-  int64_t m = kk;
-  if (refine) {
-    m = std::min(k, kk);
-    std::vector<int64_t> rows(nqs * kk);
-    for (size_t t = 0; t < nqs * kk; ++t) rows[t] = std::isfinite(vals[t]) ? idx[t] : -1;
-    std::vector<float> v2(nqs * m), qsq;
-    std::vector<int64_t> i2(nqs * m);
-    if (a.ref != nullptr) {
-      rescore_topk(q, nq, d, a.ref, rows.data(), kk, a.metric, m, v2.data(), i2.data(),
-                   nthreads);
-    } else {
-      if (a.metric == kRescoreL2) {
-        qsq.resize(nqs);
-        row_sqnorms(q, nq, d, qsq.data());
-      }
-      refine_by_codes(a.ref_codes, q, qr.data(), nq, rows.data(), kk,
-                      qsq.empty() ? nullptr : qsq.data(), {m, v2.data(), i2.data()}, nthreads);
-    }
-    vals.swap(v2);
-    idx.swap(i2);
+  if (!refine) {  // m == kk: the scan's rows are the result
+    std::copy(vals.begin(), vals.end(), vals_out);
+    std::copy(idx.begin(), idx.end(), pos_out);
+    if (scan_of != nullptr) std::copy(vals.begin(), vals.end(), scan_of);
+    return;
   }
-  write_results(vals.data(), idx.data(), nq, m, k, a.metric == kRescoreL2, nullptr, a.ids, D,
-                I);
+  std::vector<int64_t> rows(nqs * kk);
+  for (size_t t = 0; t < nqs * kk; ++t) rows[t] = std::isfinite(vals[t]) ? idx[t] : -1;
+  if (a.ref != nullptr) {
+    rescore_topk(q, nq, d, a.ref, rows.data(), kk, a.metric, m, vals_out, pos_out, nthreads);
+  } else {
+    std::vector<float> qsq;
+    if (a.metric == kRescoreL2) {
+      qsq.resize(nqs);
+      row_sqnorms(q, nq, d, qsq.data());
+    }
+    refine_by_codes(a.ref_codes, q, qr.data(), nq, rows.data(), kk,
+                    qsq.empty() ? nullptr : qsq.data(), {m, vals_out, pos_out}, nthreads);
+  }
+  if (scan_of == nullptr) return;
+  for (size_t i = 0; i < nqs; ++i)  // positions are distinct within a query's candidates
+    for (int64_t t = 0; t < m; ++t) {
+      const int64_t p = pos_out[i * m + t];
+      float s = -std::numeric_limits<float>::infinity();
+      for (int64_t j = 0; p >= 0 && j < kk; ++j)
+        if (rows[i * kk + j] == p) {
+          s = vals[i * kk + j];
+          break;
+        }
+      scan_of[i * m + t] = s;
+    }
+}
+
+}  // namespace
+
+void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
+                int64_t* I, int nthreads) {
+  const bool refine = a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
+  const int64_t m = refine ? std::min(k, a.kk) : a.kk;
+  // many queries: each thread runs the whole search for a contiguous share of them (one thread
+  // start, not one per step, and each share's candidates re-ranked while still cached); few:
+  // the kernels split each step
+  auto run = [&](int64_t lo, int64_t hi, int threads) {
+    const size_t n = static_cast<size_t>(hi - lo);
+    std::vector<float> vals(n * m);
+    std::vector<int64_t> pos(n * m);
+    ivf_rank(a, q + lo * a.d, hi - lo, nullptr, nullptr, m, vals.data(), pos.data(), nullptr,
+             threads);
+    write_results(vals.data(), pos.data(), hi - lo, m, k, a.metric == kRescoreL2, nullptr,
+                  a.ids, D + lo * k, I + lo * k);
+  };
+  if (!split_queries(nq, nthreads, 64, [&](int64_t lo, int64_t hi) { run(lo, hi, 1); }))
+    run(0, nq, nthreads);
+}
+
+void ivf_candidates(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t* probes,
+                    const float* offsets, float* scan, float* final_, int64_t* I,
+                    int nthreads) {
+  const int64_t kk = a.kk;
+  auto run = [&](int64_t lo, int64_t hi, int threads) {
+    const int64_t np = a.nprobe;
+    ivf_rank(a, q + lo * a.d, hi - lo, probes ? probes + lo * np : nullptr,
+             offsets ? offsets + lo * np : nullptr, kk, final_ + lo * kk, I + lo * kk,
+             scan + lo * kk, threads);
+    for (int64_t t = lo * kk; t < hi * kk; ++t) {  // positions -> ids; nothing where not finite
+      const bool ok = std::isfinite(final_[t]);
+      if (!ok) scan[t] = final_[t] = -std::numeric_limits<float>::infinity();
+      I[t] = ok ? a.ids[std::max<int64_t>(I[t], 0)] : -1;
+    }
+  };
+  if (!split_queries(nq, nthreads, 64, [&](int64_t lo, int64_t hi) { run(lo, hi, 1); }))
+    run(0, nq, nthreads);
 }
 
 void graph_index_search(const GraphSearchArgs& a, const float* q, int64_t nq, int64_t k,

@@ -43,7 +43,8 @@ class CodesIndex:
 
     Subclasses set ``codec``, ``d``, ``metric_type``, ``refine``, ``device``, ``is_trained``
     and ``_scoring`` (the metric the codes are scored with), call ``_init_rows`` and implement
-    ``_encode``, ``_queries`` and ``_scan_block`` (and ``_fused_search`` where they have one).
+    ``_encode``, ``_queries`` and ``_scan_block`` (and ``_fused_search`` /
+    ``_fused_candidates`` where they have them).
     """
 
     codec: Codec
@@ -89,6 +90,12 @@ class CodesIndex:
     def _fused_search(self, x: Any, snap: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
         """The whole search in one compiled call, where this index has one for x; None
         otherwise (and for queries holding NaN or Inf, which the composition reports)."""
+        return None
+
+    def _fused_candidates(self, q: torch.Tensor, snap: Any, kk: int, probes: Any
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """``search_candidates``' (scan, final, I) of prepared queries q (one block, no
+        ``allowed_ids``) in one compiled call, where this index has one; None otherwise."""
         return None
 
     def _snapshot(self) -> Any:
@@ -307,8 +314,12 @@ class CodesIndex:
             qe = min(nq, qs + QUERY_BLOCK)
             qb = q[qs:qe]
             pb = None if probes is None else (probes[0][qs:qe], probes[1][qs:qe])
-            vals, pos = self._scan_block(qb, snap, mask, kk, nq, route, pb)
             off = 0.0 if offsets is None else offsets[qs:qe, None]
+            fused = None if mask is not None else self._fused_candidates(qb, snap, kk, pb)
+            if fused is not None:
+                scan[qs:qe], final[qs:qe], I[qs:qe] = fused[0] + off, fused[1] + off, fused[2]
+                continue
+            vals, pos = self._scan_block(qb, snap, mask, kk, nq, route, pb)
             if self.refine is None:  # the scan's rows are the result (IVF with probes)
                 rv, rp, sv = vals, pos, vals
             else:

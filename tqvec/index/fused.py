@@ -188,3 +188,24 @@ class IVFSearch:
         if not self._searcher.search(q, nprobe, kk, D, I, ops.threads()):
             return None
         return D, I
+
+    def candidates(self, q: np.ndarray, nprobe: int, kk: int,
+                   probes: tuple[np.ndarray, np.ndarray] | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """What ``search`` ranks, as the index's ``search_candidates`` returns it: (scan,
+        final, I) (nq, kk) - the scan's kk best rows re-ranked by the refinement, best first,
+        with their scan and refined similarities (no refinement: both the scan's) and ids; -inf
+        and -1 past the rows there are. ``probes``: ``IVFIndex.probe``'s (lists, offsets) for q
+        (a coordinator's), else probed here. None if q holds a NaN or an infinity."""
+        nq = q.shape[0]
+        scan = np.empty((nq, kk), dtype=np.float32)
+        final = np.empty((nq, kk), dtype=np.float32)
+        I = np.empty((nq, kk), dtype=np.int64)
+        lists, offsets = (None, None) if probes is None else (
+            np.ascontiguousarray(probes[0], np.int64), np.ascontiguousarray(probes[1], np.float32))
+        if lists is not None:
+            nprobe = lists.shape[1]
+        if not self._searcher.candidates(q, nprobe, lists, offsets, scan, final, I,
+                                         ops.threads()):
+            return None
+        return scan, final, I

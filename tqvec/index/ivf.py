@@ -400,6 +400,13 @@ class IVFIndex(CodesIndex):
         return snap.scan.fused.search(q, min(snap.nprobe, self.nlist),
                                       self._candidates(snap.n, k), k)
 
+    def _fused_candidates(self, q: torch.Tensor, snap: IVFSnapshot, kk: int, probes: Any
+                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        if not (snap.n and snap.scan.fused is not None and q.device.type == "cpu"):
+            return None
+        return snap.scan.fused.candidates(np.ascontiguousarray(q.numpy(), np.float32),
+                                          min(snap.nprobe, self.nlist), kk, probes)
+
     def probe(self, x: Any) -> tuple[np.ndarray, np.ndarray]:
         """The lists a search of the queries x probes, best first, (nq, min(nprobe, nlist))
         int64, and the exact centroid part of each score (float32): what

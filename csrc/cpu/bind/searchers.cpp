@@ -308,7 +308,40 @@ void bind_searchers(nb::module_& m) {
         if (!all_finite(q.data(), nq * a.d)) return false;  // the caller reports it
         if (nq) ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
-      }, arg("q"), arg("nprobe"), arg("kk"), arg("D"), arg("I"), arg("nthreads"));
+      }, arg("q"), arg("nprobe"), arg("kk"), arg("D"), arg("I"), arg("nthreads"))
+      .def("candidates", [](IvfSearcher& s, CArr<const float> q, int64_t nprobe,
+                            std::optional<CArr<const int64_t>> probes,
+                            std::optional<CArr<const float>> offsets, CArr<float> scan,
+                            CArr<float> final_, CArr<int64_t> I, int nthreads) {
+        const char* op = "IVFSearcher.candidates";
+        check_shape(q, {kAny, s.args.d}, op, "q");
+        const int64_t nq = dim(q, 0);
+        require(nprobe >= 1 && nprobe <= s.args.nlist, op, ": nprobe must be in 1..nlist");
+        // given probes: lists outside 0..nlist-1 are none (ivf_fast_scan skips them)
+        require(probes.has_value() == offsets.has_value(), op,
+                ": probes and offsets come together");
+        if (probes) {
+          check_shape(*probes, {nq, nprobe}, op, "probes");
+          check_shape(*offsets, {nq, nprobe}, op, "offsets");
+        }
+        check_shape(scan, {nq, kAny}, op, "scan");
+        const int64_t kk = dim(scan, 1);
+        require(kk >= 1 && kk <= std::max<int64_t>(s.args.n, 1), op,
+                ": kk must be in 1..max(rows, 1)");
+        check_shape(final_, {nq, kk}, op, "final");
+        check_shape(I, {nq, kk}, op, "I");
+        IvfSearchArgs a = s.args;
+        a.nprobe = nprobe;
+        a.kk = kk;
+        const int64_t* p = probes ? probes->data() : nullptr;
+        const float* o = offsets ? offsets->data() : nullptr;
+        nb::gil_scoped_release rel;
+        if (!all_finite(q.data(), nq * a.d)) return false;  // the caller reports it
+        if (nq)
+          ivf_candidates(a, q.data(), nq, p, o, scan.data(), final_.data(), I.data(), nthreads);
+        return true;
+      }, arg("q"), arg("nprobe"), arg("probes").none(), arg("offsets").none(), arg("scan"),
+         arg("final"), arg("I"), arg("nthreads"));
 
   nb::class_<TermsSearcher>(m, "TermsSearcher")
       .def("__init__", &build_terms, nb::kw_only(), arg("W"), arg("cols"), arg("blocked"),

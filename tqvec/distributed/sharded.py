@@ -250,20 +250,22 @@ class ShardedIndex:
         ``ShardError``, and the result is ``(D, I, answered)``: the shard numbers that
         answered."""
         k = V.search_k(k, self.ntotal)
-        q, local = self._queries(x)
+        local = V.query_rows(x, "x", self.d, torch.device("cpu")).numpy()
         nq = local.shape[0]
         allowed = None if allowed_ids is None else V.id_array(allowed_ids, "allowed_ids")
-        if allowed is not None and allowed.nbytes > _INLINE_BYTES:
-            allowed = ray.put(allowed)
         n = self.ntotal
         probes = None
         if isinstance(self._template, IVFIndex):  # probed once, here (faiss's IndexShardsIVF)
             probes = self._template.probe(local)
-            if sum(p.nbytes for p in probes) > _INLINE_BYTES:
-                probes = ray.put(probes)
-        outs, answered = self._gather([h.search.remote(self._gens(i), q, k, allowed, n, probes)
+        request: Any = (local, k, allowed, n, probes)
+        if sum(a.nbytes for a in (local, allowed, *(probes or ())) if a is not None
+               ) > _INLINE_BYTES:
+            request = ray.put(request)  # the arrays once for all hosts
+        outs, answered = self._gather([h.search.remote(self._gens(i), request)
                                        for i, h in enumerate(self._hosts)], partial)
-        by_shard = {s: r for out in outs if out is not None for s, r in out.items()}
+        by_shard = {s: (a["scan"][j], a["final"][j], a["id"][j])
+                    for i, a in enumerate(outs) if a is not None
+                    for j, s in enumerate(self._shards_of(i))}
         parts = [by_shard[s] for s in sorted(by_shard)]
         refined = getattr(self._template, "refine", None) is not None
         kf = getattr(self._template, "k_factor", 1)

@@ -205,3 +205,30 @@ def test_parquet_input_with_list_column(dist, tmp_path):
         assert np.array_equal(I, I2) and ix.ntotal == N
     with pytest.raises(ValueError, match="column"):
         dist.build_sharded_index(paths, "TQ4", column="nope", id_column="id")
+
+
+def test_host_answers_pad_empty_and_short_shards(dist):
+    """A host's answer is one record array over its shards, padded to one width: an empty
+    shard and a shard with fewer rows than k merge into exactly one index's result."""
+    from tqvec.distributed.host import ANSWER, ShardHost
+    from tqvec.index import merge_candidates
+    from tqvec.index.state import index_state
+
+    spec, metric = "IVF8,TQ2,Refine(TQ6)", "l2"
+    one = _one(spec, metric)
+    template = tqvec.index_factory(D_, spec, metric, seed=3)
+    template.train(X[:1000])
+    host = ShardHost({s: {"state": index_state(template)} for s in range(3)}, threads=1)
+    host.add(1, 0, X[:20], np.arange(20))  # shard 0 stays empty; shard 1 holds 20 rows
+    host.add(2, 0, X[20:], np.arange(20, N))
+    one.nprobe = 3
+    host.set_param("nprobe", 3)
+    for k in (1, 10, 50):  # 50 > shard 1's rows
+        ans = host.search({0: 0, 1: 1, 2: 1}, (Q, k, None, N, one.probe(Q)))
+        assert ans.dtype == ANSWER and ans.shape[:2] == (3, len(Q))
+        assert np.all(ans["id"][0] == -1) and np.all(np.isneginf(ans["final"][0]))
+        parts = [(a["scan"], a["final"], a["id"]) for a in ans]
+        D2, I2 = merge_candidates(parts, k, min(N, k * one.k_factor), one.metric_type)
+        D, I = one.search(Q, k)
+        assert np.array_equal(I, I2)
+        np.testing.assert_allclose(D2, D, rtol=1e-5, atol=1e-4)

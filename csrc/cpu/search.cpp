@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -229,17 +230,19 @@ void ivf_rank(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t*
                     qsq.empty() ? nullptr : qsq.data(), {m, vals_out, pos_out}, nthreads);
   }
   if (scan_of == nullptr) return;
-  for (size_t i = 0; i < nqs; ++i)  // positions are distinct within a query's candidates
+  // each ranked row's scan similarity: its candidates sorted by position (distinct within a
+  // query), then a binary search per ranked row - O(kk log kk), not O(m kk) for a large k
+  const float none = -std::numeric_limits<float>::infinity();
+  std::vector<std::pair<int64_t, float>> by_pos(static_cast<size_t>(kk));
+  for (size_t i = 0; i < nqs; ++i) {
+    for (int64_t j = 0; j < kk; ++j) by_pos[j] = {rows[i * kk + j], vals[i * kk + j]};
+    std::sort(by_pos.begin(), by_pos.end());
     for (int64_t t = 0; t < m; ++t) {
       const int64_t p = pos_out[i * m + t];
-      float s = -std::numeric_limits<float>::infinity();
-      for (int64_t j = 0; p >= 0 && j < kk; ++j)
-        if (rows[i * kk + j] == p) {
-          s = vals[i * kk + j];
-          break;
-        }
-      scan_of[i * m + t] = s;
+      const auto it = std::lower_bound(by_pos.begin(), by_pos.end(), std::make_pair(p, none));
+      scan_of[i * m + t] = p >= 0 && it != by_pos.end() && it->first == p ? it->second : none;
     }
+  }
 }
 
 }  // namespace

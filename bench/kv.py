@@ -441,8 +441,20 @@ def replay_bits(model, ids: torch.Tensor, settings: dict) -> tuple[float, float]
     return cache.bits_per_element(), bits_fp16_window(cache)
 
 
-def run_ppl(args) -> None:
+def new_cache(config, st):
+    """The cache a candidate names: None -> ``DynamicCache``; ("hqq", bits, axis) ->
+    transformers' ``QuantizedCache`` (HQQ backend, groups of 64, a 128-token window); a dict
+    -> ``TurboQuantCache`` with those options."""
     from transformers import DynamicCache, QuantizedCache
+    if st is None:
+        return DynamicCache(config=config)
+    if isinstance(st, tuple):
+        return QuantizedCache(backend=st[0], config=config, nbits=st[1], axis_key=st[2],
+                              axis_value=st[2], residual_length=128, q_group_size=64)
+    return kv.TurboQuantCache(config, **st)
+
+
+def run_ppl(args) -> None:
     path = RESULTS / f"{args.out or 'kv_ppl'}.json"
     done = json.loads(path.read_text())["rows"] if path.exists() and args.resume else []
     have = {(r["model"], r["text"], r["method"]) for r in done}
@@ -469,14 +481,7 @@ def run_ppl(args) -> None:
                     continue
                 model.config._attn_implementation = "sdpa"
                 try:
-                    if st is None:
-                        cache = DynamicCache(config=model.config)
-                    elif isinstance(st, tuple):
-                        cache = QuantizedCache(backend=st[0], config=model.config, nbits=st[1],
-                                               axis_key=st[2], axis_value=st[2],
-                                               residual_length=128, q_group_size=64)
-                    else:
-                        cache = kv.TurboQuantCache(model.config, **st)
+                    cache = new_cache(model.config, st)
                     ppl, dt, bits, bits16 = perplexity(model, ids, args.prefill, cache)
                     row = {"model": model_name, "text": text, "method": name, "ppl": ppl,
                            "s_per_token": dt, "bits": bits, "bits_fp16": bits16,
@@ -538,41 +543,47 @@ def passkey_prompt(tok, context: int, depth: float, key: int) -> torch.Tensor:
 
 
 def run_passkey(args) -> None:
-    from transformers import DynamicCache
     rows = other_models_rows(args.out or "kv_passkey", args)
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
+    dtype = getattr(torch, args.dtype)
     for model_name in args.models:
-        model, tok = load_model(model_name)
+        model, tok = load_model(model_name, dtype)
         context = args.context or model.config.max_position_embeddings
-        cands = {"dynamic (fp32)": None}
+        cands = {"dynamic (fp32)" if dtype == torch.float32 else f"dynamic ({args.dtype})": None}
         cands.update({m: method(model_name, model.config.head_dim, m)
                       for m in args.methods})
-        for name, st in cands.items():
-            hits, answers = 0, []
-            t0 = time.time()
-            for depth in args.depths:
-                for key in keys:
-                    ids = passkey_prompt(tok, context, depth, key)
+        # every method answers each prompt in turn, and the rows are written after each
+        # prompt: a run stopped early holds the same trials for every method
+        mine = {name: {"model": model_name, "context": context, "dtype": args.dtype,
+                       "method": name, "bits": None, "found": 0, "trials": 0,
+                       "answers": [], "seconds": 0.0} for name in cands}
+        rows += mine.values()
+        for depth in args.depths:
+            for key in keys:
+                ids = passkey_prompt(tok, context, depth, key)
+                for name, st in cands.items():
+                    t0 = time.time()
                     model.config._attn_implementation = "sdpa"
-                    cache = (DynamicCache(config=model.config) if st is None
-                             else kv.TurboQuantCache(model.config, **st))
+                    cache = new_cache(model.config, st)
                     with torch.no_grad():
                         out = model.generate(ids, attention_mask=torch.ones_like(ids),
                                              past_key_values=cache, max_new_tokens=8,
                                              do_sample=False, pad_token_id=tok.eos_token_id)
                     text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
                     ok = str(key) in text
-                    hits += ok
-                    answers.append({"depth": depth, "key": key, "answer": text, "found": ok})
-            bits = cache.bits_per_element() if st is not None else None
-            row = {"model": model_name, "context": context, "method": name, "bits": bits,
-                   "found": hits, "trials": len(answers), "answers": answers,
-                   "seconds": time.time() - t0}
-            print(json.dumps({k: v for k, v in row.items() if k != "answers"}), flush=True)
-            rows.append(row)
-            write(args.out or "kv_passkey", {"machine": machine_info(), "rows": rows},
-                  passkey_md(rows, args.depths))
+                    row = mine[name]
+                    row["found"] += ok
+                    row["trials"] += 1
+                    row["answers"].append({"depth": depth, "key": key, "answer": text,
+                                           "found": ok})
+                    row["seconds"] += time.time() - t0
+                    if st is not None:
+                        row["bits"] = cache.bits_per_element()
+                    print(json.dumps({k: v for k, v in row.items() if k != "answers"}),
+                          flush=True)
+                write(args.out or "kv_passkey", {"machine": machine_info(), "rows": rows},
+                      passkey_md(rows, args.depths))
         del model
 
 
@@ -584,7 +595,9 @@ def passkey_md(rows, depths) -> str:
         for d in depths:
             got = [a["found"] for a in r["answers"] if a["depth"] == d]
             per.append(f"{sum(got)}/{len(got)}")
-        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)"
+        dt = r.get("dtype", "float32")
+        bits = (f"{r['bits']:.2f}" if r["bits"] else
+                {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}[dt])
         out.append(f"| {r['model']} | {r['context']} | {r['method']} | {bits} | "
                    f"{r['found']}/{r['trials']} | " + " | ".join(per) + " |")
     return "\n".join(out) + "\n"
@@ -594,8 +607,31 @@ def passkey_md(rows, depths) -> str:
 def cache_bytes(cache) -> int:
     if hasattr(cache, "memory_bytes"):
         return cache.memory_bytes()
-    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
-               for t in (layer.keys, layer.values))
+    seen, total = set(), 0
+
+    def walk(x):  # every tensor a layer holds: its window and, quantized, codes and scales
+        nonlocal total
+        if isinstance(x, torch.Tensor):
+            if x.numel() and x.data_ptr() not in seen:
+                seen.add(x.data_ptr())
+                total += x.numel() * x.element_size()
+        elif isinstance(x, (tuple, list)):
+            for y in x:
+                walk(y)
+        elif isinstance(x, dict):
+            for y in x.values():
+                walk(y)
+    for layer in cache.layers:
+        if layer.is_initialized:
+            walk([layer.keys, layer.values, getattr(layer, "_quantized_keys", None),
+                  getattr(layer, "_quantized_values", None)])
+    return total
+
+
+def kv_width(model) -> int:
+    """Key and value elements per token over all layers (full attention)."""
+    c = model.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim
 
 
 def _rss_bytes() -> int:
@@ -623,7 +659,6 @@ def run_speed(args) -> None:
     cache holds, activations torch keeps alive included)."""
     import gc
 
-    from transformers import DynamicCache
     stem = args.out or "kv_speed"
     command = " ".join(["python bench/kv.py", *sys.argv[1:]])
     rows, commands = [], [command]
@@ -642,39 +677,51 @@ def run_speed(args) -> None:
         cands = {f"dynamic ({args.dtype})": None}
         cands.update({m: method(model_name, model.config.head_dim, m)
                       for m in args.methods})
+        cands.update({f"QuantizedCache hqq{b} axis1": ("hqq", b, 1) for b in args.hqq})
         for context in args.contexts:
             ids = torch.stack([hay[b * shift: b * shift + context + args.steps]
                                for b in range(args.batch)])
-            caches, prefill, rss = {}, {}, {}
+            # a TurboQuantCache switches the model to its attention function, a shared config
+            # entry: each cache's steps run with the implementation it was built with
+            caches, prefill, rss, impl = {}, {}, {}, {}
             with torch.no_grad():
                 for name, st in cands.items():
                     model.config._attn_implementation = "sdpa"
                     gc.collect()
                     r0 = _rss_bytes()
-                    cache = (DynamicCache(config=model.config) if st is None
-                             else kv.TurboQuantCache(model.config, **st))
-                    t0 = time.perf_counter()
-                    model(ids[:, :context], past_key_values=cache)
+                    try:
+                        cache = new_cache(model.config, st)
+                        t0 = time.perf_counter()
+                        model(ids[:, :context], past_key_values=cache)
+                    except Exception as e:  # e.g. QuantizedCache refuses sliding layers
+                        print(f"{model_name} {name}: {type(e).__name__}: {e}"[:300], flush=True)
+                        continue
                     prefill[name] = time.perf_counter() - t0
                     gc.collect()
                     rss[name] = _rss_bytes() - r0
                     caches[name] = cache
-                steps = {name: [] for name in cands}
-                names = list(cands)
+                    impl[name] = model.config._attn_implementation
+                steps = {name: [] for name in caches}
+                names = list(caches)
                 for i, t in enumerate(range(context, context + args.steps)):
                     for name in names[i % len(names):] + names[:i % len(names)]:
+                        model.config._attn_implementation = impl[name]
                         t0 = time.perf_counter()
                         model(ids[:, t:t + 1], past_key_values=caches[name])
                         steps[name].append(time.perf_counter() - t0)
             n = context + args.steps
             for name, st in cands.items():
+                if name not in caches:
+                    continue
                 ts = sorted(steps[name])
                 cache = caches[name]
                 row = {"model": model_name, "context": context, "method": name,
                        "dtype": args.dtype, "batch": args.batch,
                        "bytes_per_token": cache_bytes(cache) / (n * args.batch),
                        "cache_bytes": cache_bytes(cache), "rss_growth_bytes": rss[name],
-                       "bits": cache.bits_per_element() if st is not None else None,
+                       "bits": (cache.bits_per_element() if isinstance(st, dict) else
+                                None if st is None else
+                                8 * cache_bytes(cache) / (n * args.batch * kv_width(model))),
                        "prefill_s": prefill[name], "decode_ms_median": 1000 * ts[len(ts) // 2],
                        "decode_ms_p90": 1000 * ts[int(0.9 * (len(ts) - 1))],
                        "threads": torch.get_num_threads()}
@@ -699,13 +746,15 @@ def speed_md(rows, commands: list[str], machine: dict) -> str:
             "Commands (one process each): " + "; ".join(f"`{c}`" for c in commands)
             + f". Machine: {cpu_label(machine)}, SIMD flags {', '.join(machine.get('simd', []))};"
             f" {machine.get('torch_threads')} torch threads. Each (model, dtype, batch, context): "
-            "both caches prefilled in one process, then decode steps alternating between them "
+            "the caches prefilled in one process, then decode steps alternating between them "
             "(median; a step decodes one token of every sequence of the batch). Cache MB: the "
             "bytes its tensors hold; KB/token per token of one sequence; RSS growth: the "
             "process's resident set over the cache's prefill, after the prefill's activations "
             "are freed and glibc's free heap is returned (malloc_trim): an upper bound on what "
             "the cache holds. `tq-k3v3-w8`: `TurboQuantCache(key_bits=3, value_bits=3, "
-            "residual_bits=8)`.\n\n")
+            "residual_bits=8)`; `QuantizedCache hqq4 axis1`: transformers' `QuantizedCache` "
+            "(HQQ 4-bit, axis 1, groups of 64, 128-token window; its bits/element from the "
+            "bytes its tensors hold).\n\n")
     out = ["| model | dtype | batch | context | method | bits/element | cache MB | KB/token | "
            "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/step (median) | "
            "decode vs DynamicCache |",
@@ -794,6 +843,7 @@ def main(argv=None) -> None:
     k.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     k.add_argument("--keys", type=int, default=2, help="pass keys tried per depth")
     k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
+    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     k.add_argument("--resume", action="store_true", help="keep other models' rows")
     k.add_argument("--out")
     v = sub.add_parser("speed")
@@ -803,6 +853,9 @@ def main(argv=None) -> None:
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    v.add_argument("--hqq", nargs="*", type=int, default=[],
+                   help="bit widths of transformers' QuantizedCache (HQQ, axis 1) measured too "
+                        "(pip install hqq; it refuses models with sliding-window layers)")
     v.add_argument("--resume", action="store_true",
                    help="keep the stored rows of other models, contexts, dtypes and batches")
     v.add_argument("--out")

@@ -927,3 +927,24 @@ def test_balance_cache_runs_and_saves_memory():
     got = run(model, ids, bal, 290)
     assert torch.isfinite(got).all()
     assert bal.memory_bytes() < 0.8 * plain.memory_bytes()
+
+
+def test_attention_switched_away_warns_once_and_still_answers():
+    """A cache built for attention from its codes whose model was switched to another attention
+    implementation since (e.g. by a cache built after it) still answers - from decoded codes -
+    and says once why it became slow."""
+    import warnings
+
+    model = llama()
+    ids = torch.randint(0, 97, (1, 40))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=8)
+    with torch.no_grad():
+        want = model(ids, past_key_values=cache).logits
+        model.config._attn_implementation = "sdpa"
+        with pytest.warns(UserWarning, match="decodes its codes at every step"):
+            step = model(ids[:, -1:], past_key_values=cache).logits
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(ids[:, -1:], past_key_values=cache)  # once only
+        assert not [w for w in caught if "decodes its codes" in str(w.message)]
+    assert torch.isfinite(step).all() and want.shape[1] == 40

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -115,13 +116,25 @@ class TurboQuantCache(Cache):
                                           self._codes_attention))
         self.layer_overrides = overrides
         super().__init__(layers=layers)
+        self._warned_decode = False
         if self.attention == "codes":
             _attention.register()
             config._attn_implementation = _attention.ATTENTION_NAME
 
     def _codes_attention(self) -> bool:
-        return (self.attention == "codes"
-                and self.config._attn_implementation == _attention.ATTENTION_NAME)
+        if self.attention != "codes":
+            return False
+        impl = self.config._attn_implementation
+        if impl != _attention.ATTENTION_NAME and not self._warned_decode:
+            # correct either way, but decoding every code each step is several times slower
+            self._warned_decode = True
+            warnings.warn(f"TurboQuantCache(attention='codes') set the model's attention to "
+                          f"{_attention.ATTENTION_NAME!r}, and something has set it to {impl!r} "
+                          f"since: the cache now decodes its codes at every step (same results, "
+                          f"several times slower); set model.config._attn_implementation = "
+                          f"{_attention.ATTENTION_NAME!r} again (harmless for other caches)",
+                          UserWarning, stacklevel=2)
+        return impl == _attention.ATTENTION_NAME
 
     # -- accounting ----------------------------------------------------------------------------
     def memory_bytes(self) -> int:

@@ -121,7 +121,7 @@ def search_rows(xb: np.ndarray, xq: np.ndarray, ray, dist) -> list[dict]:
             ix = sharded(shards)
             D, I = ix.search(xq, 10)
             # warm: a sharded index's first searches after the build run slower for ~1 s
-            # (Ray winds the build's data pipeline down on the same cores); both for 2 s
+            # (most likely Ray winding the build's pipeline down); both for 2 s
             end = time.perf_counter() + 2.0
             while time.perf_counter() < end:
                 one.search(xq, 10)

@@ -178,6 +178,10 @@ void terms_search(const TermsSearchArgs& a, const float* q, int64_t nq, int64_t 
 
 namespace {
 
+bool refines(const IvfSearchArgs& a) {
+  return a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
+}
+
 // What an IVF search ranks, for nq queries: the probes (given: probes_in /
 // offsets_in (nq, np), the coordinator's; or probed here), the scan's best kk positions by the
 // tables (the 8-bit ones under a refinement), cosine as 1 + 0.5 (-d^2); with a refinement the
@@ -202,7 +206,7 @@ void ivf_rank(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t*
   hadamard_rotate(q, nq, d, a.rot.perms, a.rot.signs, a.rot.rounds, a.rot.p, false, qr.data(),
                   nthreads);
   // with a refinement, which re-ranks them, the candidates by the 8-bit tables alone
-  const bool refine = a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
+  const bool refine = refines(a);
   ivf_fast_scan(qr.data(), nq, a.scan, a.list_blocks, a.nlist, {probes_in, offsets_in, np},
                 refine, {kk, vals.data(), idx.data()}, nthreads);
   for (size_t t = 0; t < nqs * kk; ++t) {
@@ -249,8 +253,7 @@ void ivf_rank(const IvfSearchArgs& a, const float* q, int64_t nq, const int64_t*
 
 void ivf_search(const IvfSearchArgs& a, const float* q, int64_t nq, int64_t k, float* D,
                 int64_t* I, int nthreads) {
-  const bool refine = a.ref != nullptr || a.ref_codes.codes.codes != nullptr;
-  const int64_t m = refine ? std::min(k, a.kk) : a.kk;
+  const int64_t m = refines(a) ? std::min(k, a.kk) : a.kk;
   // many queries: each thread runs the whole search for a contiguous share of them (one thread
   // start, not one per step, and each share's candidates re-ranked while still cached); few:
   // the kernels split each step

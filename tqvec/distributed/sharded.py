@@ -237,11 +237,8 @@ class ShardedIndex:
         raise KeyError(f"id {key} is not in the index")
 
     # -- search --------------------------------------------------------------------------------
-    def _queries(self, x: Any) -> tuple[Any, np.ndarray]:
-        """(what the actors get: the checked queries, in the object store once when large;
-        the queries here)."""
-        q = V.query_rows(x, "x", self.d, torch.device("cpu")).numpy()
-        return ray.put(q) if q.nbytes > _INLINE_BYTES else q, q
+    def _queries(self, x: Any) -> np.ndarray:
+        return V.query_rows(x, "x", self.d, torch.device("cpu")).numpy()
 
     def search(self, x: Any, k: int, *, allowed_ids: Any = None, partial: bool = False
                ) -> Any:
@@ -250,17 +247,14 @@ class ShardedIndex:
         ``ShardError``, and the result is ``(D, I, answered)``: the shard numbers that
         answered."""
         k = V.search_k(k, self.ntotal)
-        local = V.query_rows(x, "x", self.d, torch.device("cpu")).numpy()
+        local = self._queries(x)
         nq = local.shape[0]
         allowed = None if allowed_ids is None else V.id_array(allowed_ids, "allowed_ids")
         n = self.ntotal
         probes = None
         if isinstance(self._template, IVFIndex):  # probed once, here (faiss's IndexShardsIVF)
             probes = self._template.probe(local)
-        request: Any = (local, k, allowed, n, probes)
-        if sum(a.nbytes for a in (local, allowed, *(probes or ())) if a is not None
-               ) > _INLINE_BYTES:
-            request = ray.put(request)  # the arrays once for all hosts
+        request = _shared((local, k, allowed, n, probes), local, allowed, *(probes or ()))
         outs, answered = self._gather([h.search.remote(self._gens(i), request)
                                        for i, h in enumerate(self._hosts)], partial)
         by_shard = {s: (a["scan"][j], a["final"][j], a["id"][j])
@@ -279,7 +273,8 @@ class ShardedIndex:
     def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """faiss's ``(lims, D, I)``: every shard's results, in shard order."""
         radius = V.finite_float(radius, "radius")
-        q, _ = self._queries(x)
+        q = self._queries(x)
+        q = _shared(q, q)  # once for all hosts
         outs, _ = self._gather([h.range_search.remote(self._gens(i), q, radius)
                                 for i, h in enumerate(self._hosts)])
         by_shard = {s: r for out in outs for s, r in out.items()}
@@ -353,6 +348,14 @@ class ShardedIndex:
         return (f"ShardedIndex({type(self._template).__name__}, d={self.d}, "
                 f"metric={metric_name(self.metric_type)!r}, shards={self.num_shards}, "
                 f"actors={len(self._hosts)}, ntotal={self.ntotal})")
+
+
+def _shared(value: Any, *arrays: np.ndarray | None) -> Any:
+    """What an actor call sends: ``value``, or when its ``arrays`` exceed ``_INLINE_BYTES``
+    a reference to it in the object store, put there once for all the actors called."""
+    if sum(a.nbytes for a in arrays if a is not None) > _INLINE_BYTES:
+        return ray.put(value)
+    return value
 
 
 def _file_sources(folder: str, entries: list[dict[str, Any]], mmap: bool,

@@ -293,14 +293,9 @@ void bind_searchers(nb::module_& m) {
       .def("search", [](IvfSearcher& s, CArr<const float> q, int64_t nprobe, int64_t kk,
                         CArr<float> D, CArr<int64_t> I, int nthreads) {
         const char* op = "IVFSearcher.search";
-        check_shape(q, {kAny, s.args.d}, op, "q");
-        const int64_t nq = dim(q, 0);
+        const auto [nq, k] = search_shape(q, D, I, s.args.d, op);
         require(nprobe >= 1 && nprobe <= s.args.nlist, op, ": nprobe must be in 1..nlist");
         require(kk >= 1, op, ": kk must be >= 1");
-        check_shape(D, {nq, kAny}, op, "D");
-        check_shape(I, {nq, dim(D, 1)}, op, "I");
-        const int64_t k = dim(D, 1);
-        require(k >= 1, op, ": k must be >= 1");
         IvfSearchArgs a = s.args;
         a.nprobe = nprobe;
         a.kk = std::min(kk, std::max<int64_t>(a.n, 1));  // at most one candidate per row

@@ -46,11 +46,12 @@ def run(model, ids, cache, prefill):
 
 def fused_and_plain(model, ids, cfg, prefill, mode, monkeypatch, kernel=None):
     """Logits of ``run`` with the per-segment attention path and with the fused op
-    (``CODES_KERNEL = mode``, ``kernel`` replacing ops.decode_attention), and how many times
-    the op ran."""
+    (``CODES_KERNEL = mode``, ``kernel`` replacing ops.decode_attention; decode steps through
+    the op too, not the compiled step), and how many times the op ran."""
     from tqvec import ops
     from tqvec.kv import attention
 
+    monkeypatch.setattr(attention, "COMPILED_STEP", False)
     monkeypatch.setattr(attention, "CODES_KERNEL", "never")
     plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), prefill)
     calls = []
@@ -103,6 +104,71 @@ def test_fused_codes_attention_matches_segment_path(make, kw, monkeypatch):
     plain, fused, calls = fused_and_plain(model, ids, kw, 12, "always", monkeypatch)
     assert calls >= 18 * model.config.num_hidden_layers // 2
     torch.testing.assert_close(fused, plain, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not tqvec.ops.has_cpu_kernels(), reason="compiled CPU kernels not built")
+@pytest.mark.parametrize("make", [llama, gemma3])
+@pytest.mark.parametrize("kw", [dict(calibrate=False), dict(residual_bits=8),
+                                dict(norm_bits=8, key_bits=4, value_bits=2, residual_bits=8),
+                                dict(dtype=torch.bfloat16), dict(dtype=torch.float16,
+                                                                 residual_bits=8)])
+def test_compiled_decode_step_matches_the_composition(make, kw, monkeypatch):
+    """A decode step as one compiled call (ops.attention_step: rotations, channel scales, every
+    code segment, the exact sink and window rows in the model's dtype, the merge) == the torch
+    composition it replaces, every decode step of every layer; sliding layers (Gemma) too."""
+    from tqvec import ops
+    from tqvec.kv import attention
+
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    model = make().to(dtype)
+    ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(3))
+    kw = dict(dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2), **kw)
+    monkeypatch.setattr(attention, "COMPILED_STEP", False)
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    calls, composed = [], []
+    real, real_composed = ops.attention_step, attention._attend_rows_kernel
+    monkeypatch.setattr(ops, "attention_step", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(attention, "_attend_rows_kernel", lambda plans, segs, q, G, *a: (
+        composed.append(q.shape[2] == G) or real_composed(plans, segs, q, G, *a)))
+    monkeypatch.setattr(attention, "COMPILED_STEP", True)
+    step = run(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    # every decode step over codes runs compiled (Gemma's sliding layers, window 8, hold only
+    # exact tokens and go to SDPA); only multi-token forwards are composed
+    assert len(calls) >= 40 - 12 - 8 and not any(composed)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(step.float(), plain.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not tqvec.ops.has_cpu_kernels(), reason="compiled CPU kernels not built")
+def test_compiled_decode_step_rejects_mismatched_buffers():
+    from tqvec import ops
+    q = make_quantizer("turbo", 16, 3, seed=0, role="keys")
+    codes = q.encode_heads(torch.randn(1, 2, 5, 16))
+    rot = q.codec.query_rotation()
+    side = ops.compiled_kv_side(rotation=(*rot.host, rot.p), bits=3,
+                                centroids=q.codec.centroids_on(torch.device("cpu")))
+    packed = codes["payload"].reshape(2, 5, -1)
+    fit = codes["fit"].reshape(2, 5)
+    x = torch.randn(2, 3, 16)
+    out = ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
+                             [fit, fit], [0, 5], [x, x])
+    assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match=r"dimension \(16, 16\) must equal the queries' \(8\)"):
+        ops.attention_step(torch.randn(2, 4, 8), 2, 0.25, [side, side], [packed, packed],
+                           [fit, fit], [0, 5], [])
+    with pytest.raises(ValueError, match="range"):
+        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
+                           [fit, fit], [0, 6], [])
+    with pytest.raises(ValueError, match="norms"):
+        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
+                           [fit.float(), fit.float()], [0, 5], [])
+    with pytest.raises(ValueError, match="exact"):
+        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
+                           [fit, fit], [0, 5], [x, x[:, :2]])
+    with pytest.raises(ValueError, match="packed"):
+        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side],
+                           [packed, packed[:, :, 1:]], [fit, fit], [0, 5], [])
 
 
 def test_calibrated_cache_tracks_full_precision():

@@ -177,32 +177,59 @@ struct RowOps {
   }
 };
 
-}  // namespace
+// One code segment's flash-decoding inputs and softmax-state outputs (decode_attention's
+// arguments): qr, qbias (bh, g) rows; key and value codes (bh, t, *) with their float32
+// multipliers (bh, t); tokens [lo[h], hi[h]) count; m, l (bh, g), acc (bh, g, d).
+struct StateArgs {
+  const float* qr;
+  const float* qbias;
+  const uint8_t* kpacked;
+  const float* knorm;
+  const float* kcent;
+  int kb;
+  const uint8_t* vpacked;
+  const float* vnorm;
+  const float* vcent;
+  int vb;
+  int64_t t;
+  const int32_t* lo;
+  const int32_t* hi;
+  float* m;
+  float* l;
+  float* acc;
+};
 
-void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
-                      const uint8_t* kpacked, const float* knorm, const float* kcent, int kb,
-                      const uint8_t* vpacked, const float* vnorm, const float* vcent, int vb,
-                      int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
-                      float* l, float* acc, int nthreads) {
-  const int64_t rbk = (d * kb + 7) / 8, rbv = (d * vb + 7) / 8;
-  // Work units: each head's tokens in P parts (flash-decoding's split), so that a few KV heads
-  // still keep every thread busy; each part's softmax state is merged per head at the end.
+// The softmax states of several code segments in one run of the workers (units: every
+// segment's heads, each in P parts - flash-decoding's split, so that a few KV heads still keep
+// every thread busy); each part's state merged per head at the end.
+void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int64_t d,
+                    float scale, int nthreads) {
   constexpr int64_t kMinPart = 512;  // tokens per part below which a split costs more than it saves
   const int64_t workers0 = std::max<int64_t>(1, nthreads);
-  const int64_t P = std::clamp<int64_t>((4 * workers0 + bh - 1) / bh, 1,
-                                        std::max<int64_t>(1, t / kMinPart));  // t bounds every head's count
-  const int64_t units = bh * P;
+  std::vector<int64_t> parts(static_cast<size_t>(nseg)), first(static_cast<size_t>(nseg) + 1, 0);
+  for (int s = 0; s < nseg; ++s) {
+    parts[s] = std::clamp<int64_t>((4 * workers0 + bh - 1) / bh, 1,
+                                   std::max<int64_t>(1, segs[s].t / kMinPart));  // t bounds every head's count
+    first[s + 1] = first[s] + bh * parts[s];
+  }
+  const int64_t units = first[nseg];
   const int64_t workers = std::min(workers0, units);
   std::vector<float> pm(static_cast<size_t>(units * g)), pl(static_cast<size_t>(units * g));
   std::vector<float> pacc(static_cast<size_t>(units * g * d));
   std::atomic<int64_t> next{0};
   const RowOps ops;
   run_workers(workers, [&](int64_t) {
-    std::vector<float> scores, dots, wgt, krow(static_cast<size_t>(d)),
-        vrow(static_cast<size_t>(d));
+    std::vector<float> scores, dots(static_cast<size_t>(g)), wgt(static_cast<size_t>(g)),
+        krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
     for (int64_t u; (u = next.fetch_add(1)) < units;) {
-      const int64_t h = u / P, part = u % P;
-      const int64_t a0 = std::clamp<int64_t>(lo[h], 0, t), b0 = std::clamp<int64_t>(hi[h], a0, t);
+      int s = 0;
+      while (u >= first[s + 1]) ++s;
+      const StateArgs& S = segs[s];
+      const int64_t P = parts[s], t = S.t;
+      const int64_t rbk = (d * S.kb + 7) / 8, rbv = (d * S.vb + 7) / 8;
+      const int64_t h = (u - first[s]) / P, part = (u - first[s]) % P;
+      const int64_t a0 = std::clamp<int64_t>(S.lo[h], 0, t),
+                    b0 = std::clamp<int64_t>(S.hi[h], a0, t);
       const int64_t per = (b0 - a0 + P - 1) / P;
       const int64_t a = std::min(b0, a0 + part * per), b = std::min(b0, a + per);
       const int64_t n = b - a;
@@ -216,61 +243,240 @@ void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g
         continue;
       }
       scores.resize(static_cast<size_t>(g * n));
-      const uint8_t* kh = kpacked + h * t * rbk;
-      const float* knh = knorm + h * t;
+      const uint8_t* kh = S.kpacked + h * t * rbk;
+      const float* knh = S.knorm + h * t;
       // each key decoded once and scored for the g query rows
-      dots.resize(static_cast<size_t>(g));
       for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = a + i;
-        ops.score(qr + h * g * d, g, kh + tok * rbk, d, kb, kcent, krow.data(), dots.data());
+        ops.score(S.qr + h * g * d, g, kh + tok * rbk, d, S.kb, S.kcent, krow.data(),
+                  dots.data());
         for (int64_t r = 0; r < g; ++r)
           scores[static_cast<size_t>(r * n + i)] =
-              scale * (knh[tok] * dots[static_cast<size_t>(r)]) + qbias[h * g + r];
+              scale * (knh[tok] * dots[static_cast<size_t>(r)]) + S.qbias[h * g + r];
       }
       for (int64_t r = 0; r < g; ++r) {
-        float* s = scores.data() + r * n;
+        float* sr = scores.data() + r * n;
         float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, s[i]);
+        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
         const float ref = std::isfinite(mx) ? mx : 0.0f;
         float sum = 0.0f;
         for (int64_t i = 0; i < n; ++i) {
-          s[i] = std::exp(s[i] - ref);
-          sum += s[i];
+          sr[i] = std::exp(sr[i] - ref);
+          sum += sr[i];
         }
         mh[r] = mx;
         lh[r] = sum;
       }
-      const uint8_t* vh = vpacked + h * t * rbv;
-      const float* vnh = vnorm + h * t;
-      wgt.resize(static_cast<size_t>(g));
+      const uint8_t* vh = S.vpacked + h * t * rbv;
+      const float* vnh = S.vnorm + h * t;
       for (int64_t i = 0; i < n; ++i) {
         const int64_t tok = a + i;
         for (int64_t r = 0; r < g; ++r)
           wgt[static_cast<size_t>(r)] = scores[static_cast<size_t>(r * n + i)] * vnh[tok];
-        ops.add(wgt.data(), g, vh + tok * rbv, d, vb, vcent, vrow.data(), acch);
+        ops.add(wgt.data(), g, vh + tok * rbv, d, S.vb, S.vcent, vrow.data(), acch);
       }
     }
   });
   // the parts of each head merged: m = max m_p, l = sum l_p e^(m_p - m), acc likewise
-  for (int64_t h = 0; h < bh; ++h)
-    for (int64_t r = 0; r < g; ++r) {
-      float mx = -std::numeric_limits<float>::infinity();
-      for (int64_t p = 0; p < P; ++p) mx = std::max(mx, pm[static_cast<size_t>((h * P + p) * g + r)]);
-      float* out = acc + (h * g + r) * d;
-      std::fill(out, out + d, 0.0f);
-      float sum = 0.0f;
-      for (int64_t p = 0; p < P; ++p) {
-        const size_t at = static_cast<size_t>((h * P + p) * g + r);
-        const float lp = pl[at];
-        if (lp == 0.0f) continue;
-        const float w = P == 1 ? 1.0f : std::exp(pm[at] - mx);
-        sum += w * lp;
-        const float* src = pacc.data() + at * d;
-        for (int64_t j = 0; j < d; ++j) out[j] += w * src[j];
+  for (int s = 0; s < nseg; ++s) {
+    const StateArgs& S = segs[s];
+    const int64_t P = parts[s];
+    for (int64_t h = 0; h < bh; ++h)
+      for (int64_t r = 0; r < g; ++r) {
+        const size_t base = static_cast<size_t>(first[s] + h * P);
+        float mx = -std::numeric_limits<float>::infinity();
+        for (int64_t p = 0; p < P; ++p) mx = std::max(mx, pm[(base + p) * g + r]);
+        float* out = S.acc + (h * g + r) * d;
+        std::fill(out, out + d, 0.0f);
+        float sum = 0.0f;
+        for (int64_t p = 0; p < P; ++p) {
+          const size_t at = (base + p) * g + r;
+          const float lp = pl[at];
+          if (lp == 0.0f) continue;
+          const float w = P == 1 ? 1.0f : std::exp(pm[at] - mx);
+          sum += w * lp;
+          const float* src = pacc.data() + at * d;
+          for (int64_t j = 0; j < d; ++j) out[j] += w * src[j];
+        }
+        S.m[h * g + r] = mx;
+        S.l[h * g + r] = sum;
       }
-      m[h * g + r] = mx;
-      l[h * g + r] = sum;
+  }
+}
+
+// IEEE half -> float, exactly (subnormals, infinities and NaN included).
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: man * 2^-24
+    const float v = std::ldexp(static_cast<float>(man), -24);
+    std::memcpy(&bits, &v, 4);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Element i of a full-precision row buffer as float32 (kernels.h KVExact dtypes).
+inline float element(const void* x, int dtype, int64_t i) {
+  if (dtype == kF32) return static_cast<const float*>(x)[i];
+  const uint16_t h = static_cast<const uint16_t*>(x)[i];
+  if (dtype == kBF16) {
+    const uint32_t bits = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+  }
+  return half_to_float(h);
+}
+
+// A side's per-token multipliers of tokens [lo, hi) of every head, as float32 (bh, t).
+void side_norms(const KVCodeSide& side, int64_t bh, int64_t t, int64_t lo, int64_t hi,
+                std::vector<float>& out) {
+  out.resize(static_cast<size_t>(bh * t));
+  for (int64_t h = 0; h < bh; ++h)
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t at = h * t + i;
+      out[static_cast<size_t>(at)] = side.norm8 ? side.norm_table[side.norm8[at]]
+                                                : half_to_float(side.norm16[at]);
     }
+}
+
+}  // namespace
+
+void decode_attention(const float* qr, const float* qbias, int64_t bh, int64_t g, int64_t d,
+                      const uint8_t* kpacked, const float* knorm, const float* kcent, int kb,
+                      const uint8_t* vpacked, const float* vnorm, const float* vcent, int vb,
+                      int64_t t, const int32_t* lo, const int32_t* hi, float scale, float* m,
+                      float* l, float* acc, int nthreads) {
+  const StateArgs s{qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent, vb,
+                    t, lo, hi, m, l, acc};
+  softmax_states(&s, 1, bh, g, d, scale, nthreads);
+}
+
+void attention_step(const float* q, int64_t bh, int64_t heads, int64_t g, int64_t d,
+                    float scale, const KVCodeSegment* segs, int nseg, const KVExact* exact,
+                    int nexact, float* out, int nthreads) {
+  const int64_t rows = bh * g;
+  const size_t nrd = static_cast<size_t>(rows * d), nr = static_cast<size_t>(rows);
+  std::vector<std::vector<float>> qr(nseg), qbias(nseg), knorm(nseg), vnorm(nseg), m(nseg),
+      l(nseg), acc(nseg);
+  std::vector<std::vector<int32_t>> lo(nseg), hi(nseg);
+  std::vector<StateArgs> states(static_cast<size_t>(nseg));
+  std::vector<float> qk(nrd);
+  for (int s = 0; s < nseg; ++s) {
+    const KVCodeSegment& S = segs[s];
+    const KVCodeSide& K = S.key;
+    // <q, k> = <q, mu> + <q sc, (k - mu) / sc>: the codes hold (k - mu) / sc
+    qbias[s].assign(nr, 0.0f);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* qi = q + i * d;
+      const int64_t head = (i / g) % heads;
+      float* qki = qk.data() + i * d;
+      if (K.sc == nullptr) {
+        std::copy(qi, qi + d, qki);
+        continue;
+      }
+      const float* sc = K.sc + head * d;
+      const float* mu = K.mu + head * d;
+      float b = 0.0f;
+      for (int64_t j = 0; j < d; ++j) {
+        qki[j] = qi[j] * sc[j];
+        b += qi[j] * mu[j];
+      }
+      qbias[s][static_cast<size_t>(i)] = scale * b;
+    }
+    qr[s].resize(nrd);
+    hadamard_rotate(qk.data(), rows, d, K.rot.perms, K.rot.signs, K.rot.rounds, K.rot.p, false,
+                    qr[s].data(), 1);
+    side_norms(K, bh, S.t, S.lo, S.hi, knorm[s]);
+    side_norms(S.value, bh, S.t, S.lo, S.hi, vnorm[s]);
+    lo[s].assign(static_cast<size_t>(bh), static_cast<int32_t>(S.lo));
+    hi[s].assign(static_cast<size_t>(bh), static_cast<int32_t>(S.hi));
+    m[s].resize(nr);
+    l[s].resize(nr);
+    acc[s].resize(nrd);
+    states[s] = StateArgs{qr[s].data(), qbias[s].data(), K.packed, knorm[s].data(), K.cent,
+                          K.b, S.value.packed, vnorm[s].data(), S.value.cent, S.value.b,
+                          S.t, lo[s].data(), hi[s].data(), m[s].data(), l[s].data(),
+                          acc[s].data()};
+  }
+  softmax_states(states.data(), nseg, bh, g, d, scale, nthreads);
+  // each segment's value sums back from its rotated domain: sum_t p_t (sc y_t + mu)
+  for (int s = 0; s < nseg; ++s) {
+    const KVCodeSide& V = segs[s].value;
+    hadamard_rotate(acc[s].data(), rows, d, V.rot.perms, V.rot.signs, V.rot.rounds, V.rot.p,
+                    true, qk.data(), 1);
+    for (int64_t i = 0; i < rows; ++i) {
+      float* a = acc[s].data() + i * d;
+      const float* y = qk.data() + i * d;
+      if (V.sc == nullptr) {
+        std::copy(y, y + d, a);
+        continue;
+      }
+      const int64_t head = (i / g) % heads;
+      const float* sc = V.sc + head * d;
+      const float* mu = V.mu + head * d;
+      const float li = l[s][static_cast<size_t>(i)];
+      for (int64_t j = 0; j < d; ++j) a[j] = y[j] * sc[j] + li * mu[j];
+    }
+  }
+  // one softmax over the code segments' states and the exact segments' scores; each head's
+  // full-precision rows converted to float32 once for its g query rows
+  int64_t nx = 0;
+  for (int e = 0; e < nexact; ++e) nx += exact[e].n;
+  std::vector<float> xk(static_cast<size_t>(nx * d)), xv(static_cast<size_t>(nx * d)),
+      xs(static_cast<size_t>(nx));
+  for (int64_t h = 0; h < bh; ++h) {
+    int64_t at = 0;
+    for (int e = 0; e < nexact; ++e) {
+      const KVExact& E = exact[e];
+      for (int64_t j = 0; j < E.n * d; ++j, ++at) {
+        xk[static_cast<size_t>(at)] = element(E.k, E.dtype, h * E.n * d + j);
+        xv[static_cast<size_t>(at)] = element(E.v, E.dtype, h * E.n * d + j);
+      }
+    }
+    for (int64_t r = 0; r < g; ++r) {
+      const int64_t i = h * g + r;
+      const float* qi = q + i * d;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int s = 0; s < nseg; ++s) top = std::max(top, m[s][static_cast<size_t>(i)]);
+      for (int64_t t = 0; t < nx; ++t) {
+        xs[static_cast<size_t>(t)] = dot8(qi, xk.data() + t * d, d) * scale;
+        top = std::max(top, xs[static_cast<size_t>(t)]);
+      }
+      const float ref = std::isfinite(top) ? top : 0.0f;
+      float* o = out + i * d;
+      std::fill(o, o + d, 0.0f);
+      float total = 0.0f;
+      for (int s = 0; s < nseg; ++s) {
+        const float w = std::exp(m[s][static_cast<size_t>(i)] - ref);
+        total += l[s][static_cast<size_t>(i)] * w;
+        const float* a = acc[s].data() + i * d;
+        for (int64_t j = 0; j < d; ++j) o[j] += a[j] * w;
+      }
+      for (int64_t t = 0; t < nx; ++t) {
+        const float p = std::exp(xs[static_cast<size_t>(t)] - ref);
+        total += p;
+        const float* vt = xv.data() + t * d;
+        for (int64_t j = 0; j < d; ++j) o[j] += p * vt[j];
+      }
+      // a row with no visible key gives 0
+      if (total > 0.0f) {
+        for (int64_t j = 0; j < d; ++j) o[j] /= total;
+      } else {
+        std::fill(o, o + d, 0.0f);
+      }
+    }
+  }
 }
 
 }  // namespace tqvec

@@ -225,6 +225,42 @@ struct RotationArgs {
   int64_t p;
 };
 
+// One decode step of attention over a layer's stored segments (attention.cpp; its meaning is
+// the composition in tqvec/kv/attention.py, _attend_rows_kernel): code segments - keys and
+// values as TurboQuant-mse codes - and full-precision segments, every token visible to every
+// query row. A code segment's side (keys or values): packed b-bit codes (bh, t, ceil(d b / 8)),
+// per-token multipliers as float16 bits (norm16) or as 8-bit codes looked up in norm_table (256
+// floats), centroids (2^b), the codec's rotation, and an optional per-KV-head channel scale
+// (mu, sc: (heads, d); the codes hold (x - mu) / sc). Tokens [lo, hi) of t count.
+struct KVCodeSide {
+  const uint8_t* packed;
+  const uint16_t* norm16;
+  const uint8_t* norm8;
+  const float* norm_table;
+  const float* cent;
+  int b;
+  RotationArgs rot;
+  const float* mu;
+  const float* sc;
+};
+struct KVCodeSegment {
+  KVCodeSide key, value;
+  int64_t t, lo, hi;
+};
+// Full-precision keys and values (bh, n, d) of dtype kF32, kBF16 or kF16.
+enum : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+struct KVExact {
+  const void* k;
+  const void* v;
+  int dtype;
+  int64_t n;
+};
+// q (bh, g, d) float32 query rows (g per (batch, KV head); head = (row / g) % heads) ->
+// out (bh, g, d) float32 attention outputs, softmax over all segments' scores times `scale`.
+void attention_step(const float* q, int64_t bh, int64_t heads, int64_t g, int64_t d,
+                    float scale, const KVCodeSegment* segs, int nseg, const KVExact* exact,
+                    int nexact, float* out, int nthreads);
+
 // A refinement by TurboQuant-mse codes (search.cpp's one-call searches): packed rows `codes`
 // re-scored by lut_rescore of the query rotated by rot, with the index's refinement table terms.
 // codes.codes == nullptr: none.

@@ -20,6 +20,11 @@ query may see in full, no BalanceKV weights, no softcap - and their softmax stat
 rotated-domain accumulator) are merged with the exact segments' scores here.
 ``CODES_KERNEL`` chooses: "auto" (where a compiled kernel exists), "always" (also the op's
 torch reference), "never" (the per-segment torch path below, which the tests compare with).
+On the CPU, a decode step whose every stored token is visible to every query row runs that
+whole composition - query transforms and rotations, every code segment, the exact segments,
+the merge - as one compiled call (``ops.attention_step``, csrc/cpu/attention.cpp): ~70 torch
+ops per layer and step cost more than the codes' arithmetic. ``COMPILED_STEP = False`` keeps
+the composition (the tests compare the two).
 
 Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
 "tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which
@@ -29,6 +34,7 @@ makes a cache whose window covers the sequence reproduce DynamicCache's logits b
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from transformers import AttentionInterface
@@ -43,6 +49,7 @@ __all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "att
 
 ATTENTION_NAME = "tqvec"
 CODES_KERNEL = "auto"  # "auto" | "always" | "never": see the module docstring
+COMPILED_STEP = True  # one compiled call per decode step where it applies (module docstring)
 _QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
 
 
@@ -137,8 +144,12 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
         raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({H})")
     G = Hq // H
     L = layer.cumulative_length
-    qpos = torch.arange(L - Q, L, device=query.device)
     kv_offset = L - mask.shape[-1] if mask is not None else 0
+    if softcap is None:
+        out = _compiled_step(layer, query, mask, kv_offset, scaling, G)
+        if out is not None:
+            return out.to(query.dtype)
+    qpos = torch.arange(L - Q, L, device=query.device)
     qs = query.float().reshape(B, H, G, Q, D)
     segs = list(layer.segments())
     outs = []
@@ -262,6 +273,76 @@ def _attend_rows_kernel(plans, segs, q, G, qpos, mask, kv_offset, scaling):
         out = out + p @ v.float()
     # a row with no visible key (left padding) gives 0, as in _attend_rows
     return torch.where(total > 0, out / total.clamp_min(1e-38), torch.zeros_like(out))
+
+
+# quantizer -> ((what its constants depend on), (prepared side, its multipliers' field) or None)
+_SIDES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_side(quantizer):
+    """The compiled step's prepared constants of one side and the name of its per-token
+    multiplier field, made once per quantizer; None where the step cannot take it (not
+    TurboQuant-mse, an uncalibrated scale, a Haar rotation)."""
+    hit = _SIDES.get(quantizer)
+    parts = _mse_parts(quantizer)
+    key = None if parts is None else (parts[0].center, id(parts[1] and parts[1].scale))
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = None
+    if parts is not None:
+        inner, scale = parts
+        rot = inner.codec.query_rotation()
+        name = "fit" if inner.codec.scale == "fit" else "norm"
+        stored = torch.uint8 if name in inner.log_fields else inner.codec.scalar_layout()[name][1]
+        if rot is not None and rot.host is not None and stored in (torch.uint8, torch.float16):
+            table = None
+            if stored == torch.uint8:
+                table = inner.unlog8(torch.arange(256, dtype=torch.uint8)).float()
+            side = ops.compiled_kv_side(
+                rotation=(*rot.host, rot.p), bits=inner.codec.bits,
+                centroids=inner.codec.centroids_on(torch.device("cpu")),
+                mu=None if scale is None else scale.mean,
+                sc=None if scale is None else scale.scale, norm_table=table)
+            out = None if side is None else (side, name)
+    _SIDES[quantizer] = (key, out)
+    return out
+
+
+def _compiled_step(layer, query, mask, kv_offset, scaling, G):
+    """``attend`` as one compiled call (``ops.attention_step``) when every stored token is
+    visible to every query (a decode step without padding) and the layer's segments are what
+    the kernel takes; else None."""
+    if not COMPILED_STEP or query.device.type != "cpu" or not ops.has_cpu_kernels():
+        return None
+    B, Hq, Q, D = query.shape
+    if mask is None:
+        if Q != 1:  # several new tokens: causal among themselves
+            return None
+    elif not _all_visible(mask):
+        return None
+    parts = layer.step_parts()
+    if parts is None:
+        return None
+    first, codes, exact = parts
+    if mask is not None and first < kv_offset:
+        return None
+    sides, packed, norms, ranges = [], [], [], []
+    for kq, vq, kbuf, vbuf in codes:  # the key and value buffers hold the same tokens
+        for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
+            got = _step_side(quantizer)
+            if got is None:
+                return None
+            side, name = got
+            codes_np, norms_np = buf.host("payload", name)
+            sides.append(side)
+            packed.append(codes_np)
+            norms.append(norms_np)
+        ranges += [kbuf.start, kbuf.stop]
+    H = layer.num_heads
+    ex = [t.reshape(B * H, -1, D) for pair in exact for t in pair]
+    q = query.float().reshape(B * H, G * Q, D)
+    out = ops.attention_step(q, H, scaling, sides, packed, norms, ranges, ex)
+    return None if out is None else out.reshape(B, Hq, Q, D)
 
 
 def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):

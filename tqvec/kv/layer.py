@@ -63,6 +63,7 @@ class _Buffer:
         self.data: dict[str, torch.Tensor] = {}
         self.start = 0
         self.stop = 0
+        self._host: dict[str, object] = {}  # numpy views of data (``host``), until it changes
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -76,6 +77,7 @@ class _Buffer:
         if not self.data:
             self.data = {k: v.new_zeros((*v.shape[:2], max(64, n + n // 4), *v.shape[3:]))
                          for k, v in f.items()}
+            self._host = {}
         cap = next(iter(self.data.values())).shape[2]
         if self.stop + n > cap:
             live = len(self)
@@ -83,6 +85,7 @@ class _Buffer:
             self.data = {k: torch.cat([v[:, :, self.start: self.stop],
                                        v.new_zeros((*v.shape[:2], new_cap - live, *v.shape[3:]))],
                                       dim=2) for k, v in self.data.items()}
+            self._host = {}
             self.start, self.stop = 0, live
         for k, v in f.items():
             self.data[k][:, :, self.stop: self.stop + n] = v
@@ -97,7 +100,17 @@ class _Buffer:
     def keep_front(self, n: int) -> None:
         self.stop = self.start + min(n, len(self))
 
+    def host(self, *names: str) -> tuple:
+        """numpy views (B*H, capacity, *) of the named fields' whole storage, for the compiled
+        decode step (made once per allocation: CPU buffers only)."""
+        for k in names:
+            if k not in self._host:
+                v = self.data[k]
+                self._host[k] = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]).numpy()
+        return tuple(self._host[k] for k in names)
+
     def map_(self, fn) -> None:
+        self._host = {}
         self.data = {k: fn(v[:, :, self.start: self.stop]) for k, v in self.data.items()}
         self.stop -= self.start
         self.start = 0
@@ -433,6 +446,27 @@ class CompressedLayer(CacheLayerMixin):
                    (self.wkq, self.wvq, self.wkbuf, self.wvbuf))
             start += n
         yield "exact", self.keys, self.values, (start, self.cumulative_length), 0.0, None
+
+    def step_parts(self):
+        """The stored tokens as a compiled decode step takes them, or None with BalanceKV (its
+        tokens carry explicit positions and weights): (position of the oldest stored token,
+        code parts [(key quantizer, value quantizer, key buffer, value buffer)] - the codes and
+        the window's 8-bit codes -, full-precision parts [(keys, values)] (B, H, n, D) - the
+        sink and the window's exact tokens); every part holds a contiguous position range."""
+        if self.mr is not None:
+            return None
+        codes = [(kq, vq, kb, vb) for kq, vq, kb, vb in
+                 ((self.kq, self.vq, self.kbuf, self.vbuf),
+                  (self.wkq, self.wvq, self.wkbuf, self.wvbuf)) if len(kb)]
+        exact = [(k, v) for k, v in ((self.sink_k, self.sink_v), (self.keys, self.values))
+                 if k.shape[2]]
+        if self.sink_k.shape[2]:
+            first = 0
+        elif len(self.kbuf):
+            first = self.code_start
+        else:
+            first = self.cumulative_length - self.window_length()
+        return first, codes, exact
 
     def only_window(self) -> bool:
         return not (self.sink_k.shape[2] or len(self.kbuf) or len(self.wkbuf)

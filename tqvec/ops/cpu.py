@@ -24,7 +24,8 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
-           "decode_attention_cpu", "rescore_topk_np", "rescore_topk_cpu"]
+           "decode_attention_cpu", "kv_side", "attention_step_np", "rescore_topk_np",
+           "rescore_topk_cpu"]
 
 
 def available() -> bool:
@@ -247,6 +248,31 @@ def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.T
                             *_np(vpacked, vnorm, vcent), vb, *_np(lo, hi), float(scale), m, l,
                             acc, threads())
     return torch.from_numpy(m), torch.from_numpy(l), torch.from_numpy(acc)
+
+
+def kv_side(*, rotation: tuple, centroids: torch.Tensor, bits: int,
+            mu: torch.Tensor | None = None, sc: torch.Tensor | None = None,
+            norm_table: torch.Tensor | None = None) -> object:
+    """A code segment side's constants for ``attention_step_np``, prepared once
+    (csrc/cpu/bind/attention.cpp ``KVSide``): ``rotation`` = (perms, signs, p) numpy arrays and
+    block, centroids (2^bits) float32, the channel scale's mu and sc (heads, d) or None, and
+    for multipliers stored as 8-bit codes their float32 values (256)."""
+    def host(t):
+        return None if t is None else t.float().contiguous().numpy()
+    return _C.KVSide(rotation=_C.Rotation(*rotation), centroids=host(centroids), bits=int(bits),
+                     mu=host(mu), sc=host(sc), norm_table=host(norm_table))
+
+
+def attention_step_np(q: np.ndarray, heads: int, scale: float, sides: list, packed: list,
+                      norms: list, ranges: list[int], exact: list, exact_dtype: int
+                      ) -> np.ndarray:
+    """One decode step of a cache layer's attention (csrc/cpu/attention.cpp ``attention_step``):
+    q (bh, g, d) float32 -> (bh, g, d) float32."""
+    out = np.empty(q.shape, dtype=np.float32)
+    if q.size:
+        _C.attention_step(q, heads, float(scale), sides, packed, norms, ranges, exact,
+                          exact_dtype, out, threads())
+    return out
 
 
 def ivf_probe_np(q: np.ndarray, centroids: np.ndarray, csq: np.ndarray, l2: bool, nprobe: int

@@ -1,9 +1,60 @@
-// Binding of decode attention over TurboQuant-mse key/value codes.
+// Bindings of decode attention over TurboQuant-mse key/value codes: one segment's softmax state
+// (decode_attention) and a whole decode step of a cache layer (attention_step, with its
+// per-side constants prepared once as a KVSide).
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/vector.h>
+
+#include <optional>
+#include <vector>
+
 #include "check.h"
 
 namespace tqvec::bind {
+namespace {
+
+using AnyArr = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// A code segment side's constants (kernels.h KVCodeSide less its per-call buffers): the codec's
+// rotation, centroids and bits, an optional channel scale (mu, sc: (heads, d)) and, for
+// multipliers stored as 8-bit codes, their table (256).
+struct KVSide {
+  Rotation rotation;
+  CArr<const float> centroids;
+  int bits;
+  std::optional<CArr<const float>> mu, sc, norm_table;
+  int64_t d, heads;
+};
+
+bool is(const AnyArr& a, uint8_t code, int bits) {
+  return a.dtype().code == code && a.dtype().bits == bits && a.dtype().lanes == 1;
+}
+
+// A side with this call's codes (bh, t, row bytes) and multipliers (bh, t): float16, or uint8
+// codes when the side has a norm table.
+KVCodeSide code_side(const KVSide& s, const CArr<const uint8_t>& packed, const AnyArr& norms,
+                     int64_t bh, int64_t t, const char* op) {
+  check_shape(packed, {bh, t, packed_row_bytes(s.d, s.bits)}, op, "packed");
+  require(norms.ndim() == 2 && dim(norms, 0) == bh && dim(norms, 1) == t, op,
+          ": norms must have the codes' (bh, t) shape");
+  KVCodeSide out{packed.data(), nullptr, nullptr, nullptr, s.centroids.data(), s.bits,
+                 s.rotation.args, s.mu ? s.mu->data() : nullptr, s.sc ? s.sc->data() : nullptr};
+  if (s.norm_table) {
+    require(is(norms, static_cast<uint8_t>(nb::dlpack::dtype_code::UInt), 8), op,
+            ": a side with a norm table takes uint8 norm codes");
+    out.norm8 = static_cast<const uint8_t*>(norms.data());
+    out.norm_table = s.norm_table->data();
+  } else {
+    require(is(norms, static_cast<uint8_t>(nb::dlpack::dtype_code::Float), 16), op,
+            ": norms must be float16");
+    out.norm16 = static_cast<const uint16_t*>(norms.data());
+  }
+  return out;
+}
+
+}  // namespace
 
 void bind_attention(nb::module_& m) {
+  using nb::arg;
   m.def("decode_attention", [](CArr<const float> qr, CArr<const float> qbias,
                                CArr<const uint8_t> kpacked, CArr<const float> knorm,
                                CArr<const float> kcent, int kb, CArr<const uint8_t> vpacked,
@@ -33,6 +84,82 @@ void bind_attention(nb::module_& m) {
                      kcent.data(), kb, vpacked.data(), vnorm.data(), vcent.data(), vb, t,
                      lo.data(), hi.data(), scale, m.data(), l.data(), acc.data(), nthreads);
   });
+
+  nb::class_<KVSide>(m, "KVSide")
+      .def("__init__", [](KVSide* self, const Rotation& rotation, CArr<const float> centroids,
+                          int bits, std::optional<CArr<const float>> mu,
+                          std::optional<CArr<const float>> sc,
+                          std::optional<CArr<const float>> norm_table) {
+        const char* op = "KVSide";
+        check_bits(bits, 8, op);
+        check_shape(centroids, {int64_t{1} << bits}, op, "centroids");
+        const int64_t d = dim(rotation.perms, 1);
+        int64_t heads = 0;
+        require(mu.has_value() == sc.has_value(), op, ": mu and sc come together");
+        if (mu) {
+          check_shape(*mu, {kAny, d}, op, "mu");
+          heads = dim(*mu, 0);
+          check_shape(*sc, {heads, d}, op, "sc");
+        }
+        if (norm_table) check_shape(*norm_table, {256}, op, "norm_table");
+        new (self) KVSide{rotation, centroids, bits, mu, sc, norm_table, d, heads};
+      }, nb::kw_only(), arg("rotation"), arg("centroids"), arg("bits"),
+         arg("mu").none() = nb::none(), arg("sc").none() = nb::none(),
+         arg("norm_table").none() = nb::none());
+
+  // sides: key, value for each code segment; packed, norms likewise; ranges: (lo, hi) per code
+  // segment; exact: k, v (bh, n, d) per full-precision segment, float32 or the 16-bit bits of
+  // bfloat16 / float16 (exact_dtype kernels.h kF32 / kBF16 / kF16).
+  m.def("attention_step", [](CArr<const float> q, int64_t heads, float scale,
+                             std::vector<const KVSide*> sides,
+                             std::vector<CArr<const uint8_t>> packed, std::vector<AnyArr> norms,
+                             std::vector<int64_t> ranges, std::vector<AnyArr> exact,
+                             int exact_dtype, CArr<float> out, int nthreads) {
+    const char* op = "attention_step";
+    check_shape(q, {kAny, kAny, kAny}, op, "q");
+    const int64_t bh = dim(q, 0), g = dim(q, 1), d = dim(q, 2);
+    check_shape(out, {bh, g, d}, op, "out");
+    require(heads >= 1 && bh % heads == 0, op, ": heads must divide q's first extent");
+    require(sides.size() % 2 == 0 && packed.size() == sides.size() &&
+                norms.size() == sides.size() && ranges.size() == sides.size(), op,
+            ": sides, packed, norms and ranges must hold a (key, value) pair per code segment");
+    require(exact.size() % 2 == 0, op, ": exact must hold (keys, values) pairs");
+    require(exact_dtype >= kF32 && exact_dtype <= kF16, op, ": exact_dtype must be 0, 1 or 2");
+    const int nseg = static_cast<int>(sides.size() / 2);
+    std::vector<KVCodeSegment> segs(static_cast<size_t>(nseg));
+    for (int s = 0; s < nseg; ++s) {
+      const KVSide* ks = sides[2 * s];
+      const KVSide* vs = sides[2 * s + 1];
+      require(ks && vs, op, ": a side is None");
+      require(ks->d == d && vs->d == d, op, ": the sides' dimension (", std::to_string(ks->d),
+              ", ", std::to_string(vs->d), ") must equal the queries' (", std::to_string(d), ")");
+      require((!ks->mu || ks->heads == heads) && (!vs->mu || vs->heads == heads), op,
+              ": a side's channel scale must have one row per KV head");
+      check_shape(packed[2 * s], {bh, kAny, kAny}, op, "packed");
+      const int64_t t = dim(packed[2 * s], 1);
+      const int64_t lo = ranges[2 * s], hi = ranges[2 * s + 1];
+      require(0 <= lo && lo <= hi && hi <= t, op, ": a range must satisfy 0 <= lo <= hi <= t");
+      segs[s] = KVCodeSegment{code_side(*ks, packed[2 * s], norms[2 * s], bh, t, op),
+                              code_side(*vs, packed[2 * s + 1], norms[2 * s + 1], bh, t, op),
+                              t, lo, hi};
+    }
+    const int bytes = exact_dtype == kF32 ? 32 : 16;
+    std::vector<KVExact> ex(exact.size() / 2);
+    for (size_t e = 0; e < ex.size(); ++e) {
+      const AnyArr& k = exact[2 * e];
+      const AnyArr& v = exact[2 * e + 1];
+      require(k.ndim() == 3 && v.ndim() == 3 && dim(k, 0) == bh && dim(k, 2) == d &&
+                  dim(v, 0) == bh && dim(v, 1) == dim(k, 1) && dim(v, 2) == d, op,
+              ": exact keys and values must have shape (bh, n, d)");
+      require(k.dtype().bits == bytes && v.dtype().bits == bytes, op,
+              ": exact rows must have exact_dtype's width");
+      ex[e] = KVExact{k.data(), v.data(), exact_dtype, dim(k, 1)};
+    }
+    nb::gil_scoped_release rel;
+    attention_step(q.data(), bh, heads, g, d, scale, segs.data(), nseg, ex.data(),
+                   static_cast<int>(ex.size()), out.data(), nthreads);
+  }, arg("q"), arg("heads"), arg("scale"), arg("sides"), arg("packed"), arg("norms"),
+     arg("ranges"), arg("exact"), arg("exact_dtype"), arg("out"), arg("nthreads"));
 }
 
 }  // namespace tqvec::bind

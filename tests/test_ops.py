@@ -594,7 +594,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
     flat and IVF scans, the exact re-score of Refine(Flat) and of packed codes (lut_rescore,
     every width, table and grid codebooks), a one-row rotation, the probe's register tiles,
     ||q||^2 and <q, v>, the query map x W, and decode attention over key and value codes of
-    every width."""
+    every width (its softmax state, and a whole compiled decode step)."""
     if "cpu" not in ops.available_backends():
         pytest.skip("compiled module missing")
     import subprocess
@@ -689,6 +689,14 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "                                                                  dtype=torch.int32)\n"
         "    out += [t.numpy() for t in ops.decode_attention(qr, qb, kp, kn, kc, kb, vp, vn, vc,\n"
         "                                                     vb, lo, hi, 0.1, backend='cpu')]\n"
+        "    # a whole decode step: both code sides, float16 multipliers, exact float16 rows\n"
+        "    rot = __import__('tqvec.random').random.make_rotation('hadamard', d, 5)\n"
+        "    sides = [ops.compiled_kv_side(rotation=(rot.perms.numpy(), rot.signs.numpy(),\n"
+        "                                            rot.p), centroids=c, bits=b)\n"
+        "             for c, b in ((kc, kb), (vc, vb))]\n"
+        "    ex = torch.from_numpy(rng.standard_normal((2, 5, d)).astype(np.float16))\n"
+        "    out.append(ops.attention_step(qr, 2, 0.1, sides, [kp, vp], [kn.half(), vn.half()],\n"
+        "                                  [7, 299], [ex, ex.flip(1)]).numpy())\n"
         "out.append(np.array([ops.simd_path()]))\n"
         "np.savez(sys.argv[1], *out)\n")
     env = dict(__import__("os").environ)

@@ -31,17 +31,22 @@
 namespace tqvec {
 namespace {
 
-// <a, b> over d floats in 8 independent lanes (an element-wise loop the compiler vectorizes
-// without reassociating), the lanes then added in order.
-inline float dot8(const float* __restrict a, const float* __restrict b, int64_t d) {
-  float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+// <a, b> over d floats in 16 independent lanes (chunk c of 8 coordinates into lanes
+// 8 (c mod 2) ..: two chains of adds, so that the SIMD path is bound by throughput, not by the
+// add latency; an element-wise loop the compiler vectorizes without reassociating), the lanes
+// then summed as a tree (u + 8, u + 4, u + 2, u + 1: the SIMD path's shuffles), then the tail.
+inline float dot16(const float* __restrict a, const float* __restrict b, int64_t d) {
+  float lane[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
-  for (; j + 8 <= d; j += 8)
-    for (int u = 0; u < 8; ++u) lane[u] += a[j + u] * b[j + u];
-  float s = 0.f;
-  for (; j < d; ++j) s += a[j] * b[j];
-  for (int u = 0; u < 8; ++u) s += lane[u];
-  return s;
+  for (; j + 8 <= d; j += 8) {
+    float* l = lane + (j / 8 % 2) * 8;
+    for (int u = 0; u < 8; ++u) l[u] += a[j + u] * b[j + u];
+  }
+  float tail = 0.f;
+  for (; j < d; ++j) tail += a[j] * b[j];
+  for (int w = 8; w >= 1; w /= 2)
+    for (int u = 0; u < w; ++u) lane[u] += lane[u + w];
+  return lane[0] + tail;
 }
 
 // One packed row of b-bit indices (kernels.h bit order) decoded to its centroids:
@@ -56,12 +61,12 @@ void decode_row(const uint8_t* row, int64_t d, int b, const float* cent, float* 
   for (int64_t j = d8; j < d; ++j) out[j] = cent[code_at(row, b, j)];
 }
 
-// A key row against g query rows q[r d ..]: dots[r] = dot8(q_r, the decoded row). Scratch:
+// A key row against g query rows q[r d ..]: dots[r] = dot16(q_r, the decoded row). Scratch:
 // row (d floats).
 void score_row(const float* q, int64_t g, const uint8_t* packed, int64_t d, int b,
                const float* cent, float* row, float* dots) {
   decode_row(packed, d, b, cent, row);
-  for (int64_t r = 0; r < g; ++r) dots[r] = dot8(q + r * d, row, d);
+  for (int64_t r = 0; r < g; ++r) dots[r] = dot16(q + r * d, row, d);
 }
 
 // A value row added to g accumulator rows: acc[r d + j] += w[r] x the decoded row's j-th value,
@@ -74,6 +79,14 @@ void add_row(const float* w, int64_t g, const uint8_t* packed, int64_t d, int b,
     float* out = acc + r * d;
     for (int64_t j = 0; j < d; ++j) out[j] += w[r] * row[j];
   }
+}
+
+// add_row for n value rows (packed, rb bytes each) with their weights w (n, g), in token order.
+void add_rows(const float* w, int64_t n, int64_t g, const uint8_t* packed, int64_t rb,
+              int64_t d, int b, const float* cent, std::vector<float>& scratch, float* acc) {
+  scratch.resize(static_cast<size_t>(d));
+  for (int64_t i = 0; i < n; ++i)
+    add_row(w + i * g, g, packed + i * rb, d, b, cent, scratch.data(), acc);
 }
 
 #ifdef TQVEC_X86
@@ -111,30 +124,127 @@ __attribute__((target("avx2"))) void decode_any_avx2(const uint8_t* row, int64_t
   }
 }
 
+// indices8_avx2 for B <= 4: one 4-byte load where the row holds 4 bytes from the chunk's
+// first (all chunks but the row's last one or two), else byte by byte.
+template <int B>
+__attribute__((target("avx2"), always_inline)) inline __m256i indices8_fast_avx2(
+    const uint8_t* row, int64_t rb, int64_t j) {
+  const int64_t off = j / 8 * B;
+  __m256i w;
+  if (__builtin_expect(off + 4 <= rb, 1)) {
+    w = _mm256_broadcastd_epi32(_mm_loadu_si32(row + off));  // one vpbroadcastd from memory
+  } else {
+    uint32_t v = 0;
+    for (int t = 0; t < B; ++t) v |= static_cast<uint32_t>(row[off + t]) << (8 * t);
+    w = _mm256_set1_epi32(static_cast<int>(v));
+  }
+  const __m256i sh = _mm256_setr_epi32(0, B, 2 * B, 3 * B, 4 * B, 5 * B, 6 * B, 7 * B);
+  return _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32((1 << B) - 1));
+}
+
+// dot16 of up to 4 query rows with one key row at a time, side by side: row r's 16 lanes in
+// acc[0][r] (even chunks) and acc[1][r] (odd chunks); the key row loaded decoded, or decoded on
+// the fly (B <= 4: no store of the row and load back).
+template <int G>
+__attribute__((target("avx2"))) inline void finish_dots(const __m256 (&acc)[2][G],
+                                                        const float* tail, float* dots) {
+  for (int r = 0; r < G; ++r) {
+    const __m256 v = _mm256_add_ps(acc[0][r], acc[1][r]);
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
+    dots[r] = _mm_cvtss_f32(s1) + tail[r];
+  }
+}
+
+// The 8 values of coordinates j .. j + 7 of the key row: B = 0 loaded from the decoded row x,
+// B <= 4 decoded from the packed row (rb bytes) by the padded codebook tab.
+template <int B>
+__attribute__((target("avx2"), always_inline)) inline __m256 key8(const float* x,
+                                                                  const uint8_t* packed,
+                                                                  int64_t rb, const float* tab,
+                                                                  int64_t j) {
+  if constexpr (B == 0) return _mm256_loadu_ps(x + j);
+  return centroids8_avx2(indices8_fast_avx2<B>(packed, rb, j), B, tab);
+}
+
+template <int B, int G>
+__attribute__((target("avx2"), always_inline)) inline void lanes_avx2(
+    const float* q, int64_t d, const float* x, const uint8_t* packed, int64_t rb,
+    const float* tab, __m256 (&acc)[2][G]) {
+  for (int p = 0; p < 2; ++p)
+    for (int r = 0; r < G; ++r) acc[p][r] = _mm256_setzero_ps();
+  const int64_t d8 = d / 8 * 8;
+  int64_t j = 0;
+  for (; j + 16 <= d8; j += 16) {
+    const __m256 x0 = key8<B>(x, packed, rb, tab, j), x1 = key8<B>(x, packed, rb, tab, j + 8);
+    for (int r = 0; r < G; ++r) {
+      acc[0][r] = _mm256_add_ps(acc[0][r], _mm256_mul_ps(_mm256_loadu_ps(q + r * d + j), x0));
+      acc[1][r] =
+          _mm256_add_ps(acc[1][r], _mm256_mul_ps(_mm256_loadu_ps(q + r * d + j + 8), x1));
+    }
+  }
+  if (j < d8) {
+    const __m256 x0 = key8<B>(x, packed, rb, tab, j);
+    for (int r = 0; r < G; ++r)
+      acc[0][r] = _mm256_add_ps(acc[0][r], _mm256_mul_ps(_mm256_loadu_ps(q + r * d + j), x0));
+  }
+}
+
 template <int G>
 __attribute__((target("avx2"))) void dots_avx2(const float* q, int64_t d, const float* x,
                                                float* dots) {
-  __m256 acc[G];
-  for (int r = 0; r < G; ++r) acc[r] = _mm256_setzero_ps();
-  const int64_t d8 = d / 8 * 8;
-  for (int64_t j = 0; j < d8; j += 8) {
-    const __m256 x8 = _mm256_loadu_ps(x + j);
-    for (int r = 0; r < G; ++r)
-      acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_loadu_ps(q + r * d + j), x8));
-  }
+  __m256 acc[2][G];
+  lanes_avx2<0, G>(q, d, x, nullptr, 0, nullptr, acc);
+  float tail[G];
   for (int r = 0; r < G; ++r) {
-    alignas(32) float lane[8];
-    _mm256_store_ps(lane, acc[r]);
-    float s = 0.f;
-    for (int64_t j = d8; j < d; ++j) s += q[r * d + j] * x[j];
-    for (int u = 0; u < 8; ++u) s += lane[u];
-    dots[r] = s;
+    tail[r] = 0.f;
+    for (int64_t j = d / 8 * 8; j < d; ++j) tail[r] += q[r * d + j] * x[j];
+  }
+  finish_dots<G>(acc, tail, dots);
+}
+
+template <int B, int G>
+__attribute__((target("avx2"))) void fused_dots_avx2(const float* q, int64_t d,
+                                                     const uint8_t* packed, const float* tab,
+                                                     const float* cent, float* dots) {
+  __m256 acc[2][G];
+  lanes_avx2<B, G>(q, d, nullptr, packed, (d * B + 7) / 8, tab, acc);
+  float tail[G];
+  for (int r = 0; r < G; ++r) {
+    tail[r] = 0.f;
+    for (int64_t j = d / 8 * 8; j < d; ++j) tail[r] += q[r * d + j] * cent[code_at(packed, B, j)];
+  }
+  finish_dots<G>(acc, tail, dots);
+}
+
+template <int B>
+__attribute__((target("avx2"))) void fused_score_avx2(const float* q, int64_t g,
+                                                      const uint8_t* packed, int64_t d,
+                                                      const float* cent, float* dots) {
+  alignas(32) float tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tab, cent, sizeof(float) << B);
+  for (int64_t r0 = 0; r0 < g; r0 += 4) {
+    const float* qq = q + r0 * d;
+    switch (std::min<int64_t>(4, g - r0)) {
+      case 1: fused_dots_avx2<B, 1>(qq, d, packed, tab, cent, dots + r0); break;
+      case 2: fused_dots_avx2<B, 2>(qq, d, packed, tab, cent, dots + r0); break;
+      case 3: fused_dots_avx2<B, 3>(qq, d, packed, tab, cent, dots + r0); break;
+      default: fused_dots_avx2<B, 4>(qq, d, packed, tab, cent, dots + r0); break;
+    }
   }
 }
 
 __attribute__((target("avx2"))) void score_row_avx2(const float* q, int64_t g,
                                                     const uint8_t* packed, int64_t d, int b,
                                                     const float* cent, float* row, float* dots) {
+  switch (b) {
+    case 1: return fused_score_avx2<1>(q, g, packed, d, cent, dots);
+    case 2: return fused_score_avx2<2>(q, g, packed, d, cent, dots);
+    case 3: return fused_score_avx2<3>(q, g, packed, d, cent, dots);
+    case 4: return fused_score_avx2<4>(q, g, packed, d, cent, dots);
+    default: break;
+  }
   decode_any_avx2(packed, d, b, cent, row);
   for (int64_t r0 = 0; r0 < g; r0 += 4) {
     const float* qq = q + r0 * d;
@@ -164,15 +274,95 @@ __attribute__((target("avx2"))) void add_row_avx2(const float* w, int64_t g,
 }
 #endif
 
+#ifdef TQVEC_X86
+// add_rows for B <= 4 with AVX2: accumulators held in registers over a block of tokens,
+// coordinate chunk by chunk; each token's chunk decoded once (one vpermps, two and a blend at
+// B = 4) and multiplied by each row's weight. Each accumulator lane adds the same products
+// w x c[k] in the same token order as add_row, so the same bits: a row whose w is 0 adds +-0 to
+// a lane that starts at +0 and so can never be -0, which leaves it unchanged, as add_row's skip
+// does. The n tokens at packed + rows[k] rb, their weights w (n, g); tab: the codebook padded.
+template <int B, int G>
+__attribute__((target("avx2"))) void add_block_avx2(const float* w, const int64_t* rows,
+                                                    int64_t n, int64_t g, const uint8_t* packed,
+                                                    int64_t rb, int64_t d, const float* tab,
+                                                    const float* cent, float* acc) {
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t j = 0; j < d8; j += 8) {
+    __m256 a[G];
+    for (int r = 0; r < G; ++r) a[r] = _mm256_loadu_ps(acc + r * d + j);
+    for (int64_t k = 0; k < n; ++k) {
+      const __m256 c8 = centroids8_avx2(indices8_fast_avx2<B>(packed + rows[k] * rb, rb, j), B,
+                                        tab);
+      for (int r = 0; r < G; ++r)
+        a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(_mm256_set1_ps(w[k * g + r]), c8));
+    }
+    for (int r = 0; r < G; ++r) _mm256_storeu_ps(acc + r * d + j, a[r]);
+  }
+  for (int64_t k = 0; k < n; ++k)  // the tail coordinates
+    for (int r = 0; r < G; ++r)
+      for (int64_t j = d8; j < d; ++j)
+        acc[r * d + j] += w[k * g + r] * cent[code_at(packed + rows[k] * rb, B, j)];
+}
+
+template <int B>
+__attribute__((target("avx2"))) void add_rows_tab_avx2(const float* w, int64_t n, int64_t g,
+                                                       const uint8_t* packed, int64_t rb,
+                                                       int64_t d, const float* cent,
+                                                       std::vector<float>& scratch,
+                                                       float* acc) {
+  constexpr int64_t kBlock = 64;  // tokens per block
+  scratch.resize(static_cast<size_t>(kBlock * g));
+  alignas(32) float tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(tab, cent, sizeof(float) << B);
+  int64_t rows[kBlock];
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    // the block's tokens with a weight for some row (the others would add only zeros)
+    int64_t m = 0;
+    for (int64_t i = i0; i < std::min(n, i0 + kBlock); ++i) {
+      bool any = false;
+      for (int64_t r = 0; r < g; ++r) any |= w[i * g + r] != 0.0f;
+      if (!any) continue;
+      std::copy(w + i * g, w + (i + 1) * g, scratch.data() + m * g);
+      rows[m++] = i;
+    }
+    for (int64_t r0 = 0; r0 < g; r0 += 4) {
+      const float* wr = scratch.data() + r0;
+      switch (std::min<int64_t>(4, g - r0)) {
+        case 1: add_block_avx2<B, 1>(wr, rows, m, g, packed, rb, d, tab, cent, acc + r0 * d); break;
+        case 2: add_block_avx2<B, 2>(wr, rows, m, g, packed, rb, d, tab, cent, acc + r0 * d); break;
+        case 3: add_block_avx2<B, 3>(wr, rows, m, g, packed, rb, d, tab, cent, acc + r0 * d); break;
+        default: add_block_avx2<B, 4>(wr, rows, m, g, packed, rb, d, tab, cent, acc + r0 * d); break;
+      }
+    }
+  }
+}
+
+__attribute__((target("avx2"))) void add_rows_avx2(const float* w, int64_t n, int64_t g,
+                                                   const uint8_t* packed, int64_t rb, int64_t d,
+                                                   int b, const float* cent,
+                                                   std::vector<float>& scratch, float* acc) {
+  switch (b) {
+    case 1: return add_rows_tab_avx2<1>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 2: return add_rows_tab_avx2<2>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 3: return add_rows_tab_avx2<3>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 4: return add_rows_tab_avx2<4>(w, n, g, packed, rb, d, cent, scratch, acc);
+    default: break;
+  }
+  scratch.resize(static_cast<size_t>(d));
+  for (int64_t i = 0; i < n; ++i)
+    add_row_avx2(w + i * g, g, packed + i * rb, d, b, cent, scratch.data(), acc);
+}
+#endif
+
 // The row functions of the path present (kernels.h: simd_avx2).
 struct RowOps {
   void (*score)(const float*, int64_t, const uint8_t*, int64_t, int, const float*, float*,
                 float*) = score_row;
-  void (*add)(const float*, int64_t, const uint8_t*, int64_t, int, const float*, float*,
-              float*) = add_row;
+  void (*add)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int,
+              const float*, std::vector<float>&, float*) = add_rows;
   RowOps() {
 #ifdef TQVEC_X86
-    if (simd_avx2()) score = score_row_avx2, add = add_row_avx2;
+    if (simd_avx2()) score = score_row_avx2, add = add_rows_avx2;
 #endif
   }
 };
@@ -219,8 +409,8 @@ void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int6
   std::atomic<int64_t> next{0};
   const RowOps ops;
   run_workers(workers, [&](int64_t) {
-    std::vector<float> scores, dots(static_cast<size_t>(g)), wgt(static_cast<size_t>(g)),
-        krow(static_cast<size_t>(d)), vrow(static_cast<size_t>(d));
+    std::vector<float> scores, dots(static_cast<size_t>(g)), wgt, krow(static_cast<size_t>(d)),
+        vrow;
     for (int64_t u; (u = next.fetch_add(1)) < units;) {
       int s = 0;
       while (u >= first[s + 1]) ++s;
@@ -269,12 +459,12 @@ void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int6
       }
       const uint8_t* vh = S.vpacked + h * t * rbv;
       const float* vnh = S.vnorm + h * t;
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t tok = a + i;
+      wgt.resize(static_cast<size_t>(n * g));  // (n, g): each token's weights
+      for (int64_t i = 0; i < n; ++i)
         for (int64_t r = 0; r < g; ++r)
-          wgt[static_cast<size_t>(r)] = scores[static_cast<size_t>(r * n + i)] * vnh[tok];
-        ops.add(wgt.data(), g, vh + tok * rbv, d, S.vb, S.vcent, vrow.data(), acch);
-      }
+          wgt[static_cast<size_t>(i * g + r)] =
+              scores[static_cast<size_t>(r * n + i)] * vnh[a + i];
+      ops.add(wgt.data(), n, g, vh + a * rbv, rbv, d, S.vb, S.vcent, vrow, acch);
     }
   });
   // the parts of each head merged: m = max m_p, l = sum l_p e^(m_p - m), acc likewise
@@ -450,7 +640,7 @@ void attention_step(const float* q, int64_t bh, int64_t heads, int64_t g, int64_
       float top = -std::numeric_limits<float>::infinity();
       for (int s = 0; s < nseg; ++s) top = std::max(top, m[s][static_cast<size_t>(i)]);
       for (int64_t t = 0; t < nx; ++t) {
-        xs[static_cast<size_t>(t)] = dot8(qi, xk.data() + t * d, d) * scale;
+        xs[static_cast<size_t>(t)] = dot16(qi, xk.data() + t * d, d) * scale;
         top = std::max(top, xs[static_cast<size_t>(t)]);
       }
       const float ref = std::isfinite(top) ? top : 0.0f;

@@ -724,6 +724,7 @@ def run_speed(args) -> None:
                                 8 * cache_bytes(cache) / (n * args.batch * kv_width(model))),
                        "prefill_s": prefill[name], "decode_ms_median": 1000 * ts[len(ts) // 2],
                        "decode_ms_mean": 1000 * sum(ts) / len(ts),
+                       "decode_ms_steps": [round(1000 * x, 2) for x in steps[name]],
                        "decode_ms_p90": 1000 * ts[int(0.9 * (len(ts) - 1))],
                        "threads": torch.get_num_threads()}
                 print(json.dumps(row), flush=True)

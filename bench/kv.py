@@ -692,7 +692,11 @@ def run_speed(args) -> None:
                     try:
                         cache = new_cache(model.config, st)
                         t0 = time.perf_counter()
-                        model(ids[:, :context], past_key_values=cache)
+                        # in chunks when asked: one 32k-token forward's attention scores
+                        # alone need ~34 GB
+                        step = args.prefill_chunk or context
+                        for a in range(0, context, step):
+                            model(ids[:, a:min(context, a + step)], past_key_values=cache)
                     except Exception as e:  # e.g. QuantizedCache refuses sliding layers
                         print(f"{model_name} {name}: {type(e).__name__}: {e}"[:300], flush=True)
                         continue
@@ -701,6 +705,8 @@ def run_speed(args) -> None:
                     rss[name] = _rss_bytes() - r0
                     caches[name] = cache
                     impl[name] = model.config._attn_implementation
+                if not caches:
+                    continue
                 steps = {name: [] for name in caches}
                 names = list(caches)
                 for i, t in enumerate(range(context, context + args.steps)):
@@ -861,6 +867,8 @@ def main(argv=None) -> None:
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--batch", type=int, default=1, help="sequences decoded together")
+    v.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill in chunks of this many tokens (0: one forward)")
     v.add_argument("--hqq", nargs="*", type=int, default=[],
                    help="bit widths of transformers' QuantizedCache (HQQ, axis 1) measured too "
                         "(pip install hqq; it refuses models with sliding-window layers)")

@@ -92,9 +92,9 @@ void add_rows(const float* w, int64_t n, int64_t g, const uint8_t* packed, int64
 #ifdef TQVEC_X86
 // score_row and add_row with AVX2 and the same float operations per lane, in the same order
 // (mul then add, no FMA). The row is decoded eight coordinates per step in registers
-// (indices8_avx2 / centroids8_avx2: one vpermps for b <= 3), B a constant; its dots with up to
-// 4 query rows run side by side (one row's chain of dependent adds would bound the loop by the
-// add latency).
+// (indices8_avx2 / centroids8_avx2: one vpermps for b <= 3), B a constant - for b <= 4 while
+// it is scored, without storing it; its dots with up to 4 query rows run side by side, two
+// chains each (dot16).
 template <int B>
 __attribute__((target("avx2"))) void decode_row_avx2(const uint8_t* row, int64_t d,
                                                      const float* cent, float* out) {
@@ -272,9 +272,7 @@ __attribute__((target("avx2"))) void add_row_avx2(const float* w, int64_t g,
     for (int64_t j = d8; j < d; ++j) out[j] += w[r] * row[j];
   }
 }
-#endif
 
-#ifdef TQVEC_X86
 // add_rows for B <= 4 with AVX2: accumulators held in registers over a block of tokens,
 // coordinate chunk by chunk; each token's chunk decoded once (one vpermps, two and a blend at
 // B = 4) and multiplied by each row's weight. Each accumulator lane adds the same products
@@ -305,7 +303,7 @@ __attribute__((target("avx2"))) void add_block_avx2(const float* w, const int64_
 }
 
 template <int B>
-__attribute__((target("avx2"))) void add_rows_tab_avx2(const float* w, int64_t n, int64_t g,
+__attribute__((target("avx2"))) void add_rows_blocked_avx2(const float* w, int64_t n, int64_t g,
                                                        const uint8_t* packed, int64_t rb,
                                                        int64_t d, const float* cent,
                                                        std::vector<float>& scratch,
@@ -342,10 +340,10 @@ __attribute__((target("avx2"))) void add_rows_avx2(const float* w, int64_t n, in
                                                    int b, const float* cent,
                                                    std::vector<float>& scratch, float* acc) {
   switch (b) {
-    case 1: return add_rows_tab_avx2<1>(w, n, g, packed, rb, d, cent, scratch, acc);
-    case 2: return add_rows_tab_avx2<2>(w, n, g, packed, rb, d, cent, scratch, acc);
-    case 3: return add_rows_tab_avx2<3>(w, n, g, packed, rb, d, cent, scratch, acc);
-    case 4: return add_rows_tab_avx2<4>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 1: return add_rows_blocked_avx2<1>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 2: return add_rows_blocked_avx2<2>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 3: return add_rows_blocked_avx2<3>(w, n, g, packed, rb, d, cent, scratch, acc);
+    case 4: return add_rows_blocked_avx2<4>(w, n, g, packed, rb, d, cent, scratch, acc);
     default: break;
   }
   scratch.resize(static_cast<size_t>(d));

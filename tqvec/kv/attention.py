@@ -205,10 +205,16 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
     return plans or None
 
 
+def _multiplier_field(quantizer) -> str:
+    """The field holding a TurboQuant-mse quantizer's per-token multiplier: the norm, or the
+    fitted scale of ``scale='fit'``."""
+    return "fit" if quantizer.codec.scale == "fit" else "norm"
+
+
 def _field_norms(quantizer, data: dict) -> torch.Tensor:
-    """float32 per-token multipliers of a whole buffer (the norm, or the fitted scale of
-    ``scale='fit'``; its zero-filled spare capacity gives 0)."""
-    name = "fit" if quantizer.codec.scale == "fit" else "norm"
+    """float32 per-token multipliers of a whole buffer (``_multiplier_field``; its zero-filled
+    spare capacity gives 0)."""
+    name = _multiplier_field(quantizer)
     nrm = data[name]
     if name in quantizer.log_fields:
         return quantizer.unlog8(nrm).float()
@@ -292,7 +298,7 @@ def _step_side(quantizer):
     if parts is not None:
         inner, scale = parts
         rot = inner.codec.query_rotation()
-        name = "fit" if inner.codec.scale == "fit" else "norm"
+        name = _multiplier_field(inner)
         stored = torch.uint8 if name in inner.log_fields else inner.codec.scalar_layout()[name][1]
         if rot is not None and rot.host is not None and stored in (torch.uint8, torch.float16):
             table = None

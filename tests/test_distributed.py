@@ -94,15 +94,21 @@ def test_sharded_equals_one_index(dist, spec, metric, shards, actors):
     assert ix.ntotal == N and sum(ix.shard_sizes) == N and ix.exact
     if hasattr(one, "nprobe"):
         one.nprobe = ix.nprobe = 3
-    for k in (1, 10, 50):
-        D, I = one.search(Q, k)
-        D2, I2 = ix.search(Q, k)
+    # under a refinement: re-ranked in each shard (1), after the merge (2), chosen by size
+    rounds = (1, 2, None) if "Refine" in spec else (None,)
+    for r in rounds:
+        ix.refine_rounds = r
+        for k in (1, 10, 50):
+            D, I = one.search(Q, k)
+            D2, I2 = ix.search(Q, k)
+            assert np.array_equal(I, I2), (r, k)
+            np.testing.assert_allclose(D2, D, rtol=1e-5, atol=1e-4)
+        allowed = np.arange(0, N, 9)
+        D, I = one.search(Q, 10, allowed_ids=allowed)
+        D2, I2 = ix.search(Q, 10, allowed_ids=allowed)
         assert np.array_equal(I, I2)
-        np.testing.assert_allclose(D2, D, rtol=1e-5, atol=1e-4)
-    allowed = np.arange(0, N, 9)
-    D, I = one.search(Q, 10, allowed_ids=allowed)
-    D2, I2 = ix.search(Q, 10, allowed_ids=allowed)
-    assert np.array_equal(I, I2)
+    with pytest.raises(ValueError, match="refine_rounds"):
+        ix.refine_rounds = 3
     if spec == "TQ4":
         lims, Dr, Ir = one.range_search(Q[:5], 40.0)
         lims2, Dr2, Ir2 = ix.range_search(Q[:5], 40.0)
@@ -142,6 +148,11 @@ def test_save_load_and_actor_restart(dist, ray, tmp_path):
     assert 0 in e.value.shards
     D3, I3, answered = ix.search(Q, 10, partial=True)
     assert 0 not in answered and 1 in answered
+    ix.refine_rounds = 2  # the same from a search that re-ranks after the merge
+    with pytest.raises(dist.ShardError, match="shard 0"):
+        ix.search(Q, 10)
+    D4, I4, answered4 = ix.search(Q, 10, partial=True)
+    assert np.array_equal(answered4, answered) and np.array_equal(I4, I3)
 
     ix = dist.build_sharded_index(X, "TQ2,Refine(Flat)", "l2", num_shards=3, seed=3)
     ix.save(tmp_path)
@@ -210,8 +221,8 @@ def test_parquet_input_with_list_column(dist, tmp_path):
 def test_host_answers_pad_empty_and_short_shards(dist):
     """A host's answer is one record array over its shards, padded to one width: an empty
     shard and a shard with fewer rows than k merge into exactly one index's result."""
-    from tqvec.distributed.host import ANSWER, ShardHost
-    from tqvec.index import merge_candidates
+    from tqvec.distributed.host import ANSWER, SCANNED, ShardHost
+    from tqvec.index import merge_candidates, merge_refined, merge_scans
     from tqvec.index.state import index_state
 
     spec, metric = "IVF8,TQ2,Refine(TQ6)", "l2"
@@ -232,3 +243,14 @@ def test_host_answers_pad_empty_and_short_shards(dist):
         D, I = one.search(Q, k)
         assert np.array_equal(I, I2)
         np.testing.assert_allclose(D2, D, rtol=1e-5, atol=1e-4)
+        # the same in two rounds: the scans (padded alike), then each shard's own rows
+        sc = host.scan({0: 0, 1: 1, 2: 1}, (Q, k, None, N, one.probe(Q)))
+        assert sc.dtype == SCANNED and np.all(sc["pos"][0] == -1)
+        part, pos, ids = merge_scans([(a["scan"], a["pos"], a["id"]) for a in sc],
+                                     min(N, k * one.k_factor))
+        asked = np.stack([np.where(part == j, pos, -1) for j in range(3)])
+        got = host.refine({0: 0, 1: 1, 2: 1}, (Q,), asked)
+        final = np.max(np.where(asked >= 0, got, -np.inf), axis=0).astype(np.float32)
+        D3, I3 = merge_refined(final, ids, k, one.metric_type)
+        assert np.array_equal(I, I3)
+        np.testing.assert_allclose(D3, D, rtol=1e-5, atol=1e-4)

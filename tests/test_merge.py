@@ -1,7 +1,8 @@
 """Searching parts of a collection and merging (``tqvec.index.merge_candidates``) gives one
 index's result: the same ids (ties aside) and distances within float tolerance, for every
 metric, with and without a refinement, centred, IVF and PCA indexes, 1, 2, 3 and 7 parts
-with an empty part, and k above the rows of a part."""
+with an empty part, and k above the rows of a part; so does the merge that re-ranks after
+it (``merge_scans``, each part's ``refine_candidates``, ``merge_refined``)."""
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tqvec
-from tqvec.index import merge_candidates, merge_ranges
+from tqvec.index import merge_candidates, merge_ranges, merge_refined, merge_scans
 
 N, D_, NQ = 2400, 48, 30
 RNG = np.random.default_rng(11)
@@ -52,6 +53,18 @@ def same_results(D, I, D2, I2):
                 assert a == b or np.isclose(at2.get(a, d), d, rtol=1e-6), (i, a, b)
 
 
+def two_rounds(parts, q, k, candidates, metric_type, probes=None, allowed=None):
+    """The merge that re-ranks after it: the parts' scans merged, then each part re-ranks its
+    own rows among the merged best (holes of -1 where another part's rows are)."""
+    got = [p.scan_candidates(q, k, rows=N, probes=probes, allowed_ids=allowed) for p in parts]
+    part, pos, ids = merge_scans(got, candidates)
+    final = np.full(part.shape, -np.inf, np.float32)
+    for j, p in enumerate(parts):
+        mine = part == j
+        final[mine] = p.refine_candidates(q, np.where(mine, pos, -1))[mine]
+    return merge_refined(final, ids, k, metric_type)
+
+
 SPECS = ["TQ4", "TQ2,Refine(Flat)", "TQ1,Refine(TQ8)", "Center,TQ3,Refine(Flat)",
          "IVF12,TQ4", "IVF12,TQ2,Refine(TQ6)", "PCA,TQ2", "PCA,TQ2,Refine(Flat)",
          ]
@@ -75,6 +88,10 @@ def test_merged_parts_equal_one_index(spec, metric, n_parts):
             D2, I2 = merge_candidates(got, k, min(N, k * kf) if refined else k,
                                       one.metric_type)
             same_results(D, I, D2, I2)
+            if refined:
+                D3, I3 = two_rounds([p for p in parts if p.ntotal], Q, k, min(N, k * kf),
+                                    one.metric_type, pr)
+                same_results(D, I, D3, I3)
 
 
 def test_k_above_a_part_and_the_padded_limit():
@@ -99,6 +116,28 @@ def test_filtered_merge_equals_filtered_search():
     D2, I2 = merge_candidates(got, 20, min(N, 20 * one.k_factor), one.metric_type)
     same_results(D, I, D2, I2)
     assert np.isin(I2, allowed).all()
+    D3, I3 = two_rounds([p for p in _parts("TQ2,Refine(Flat)", "l2", 3) if p.ntotal], Q, 20,
+                        min(N, 20 * one.k_factor), one.metric_type, allowed=allowed)
+    same_results(D, I, D3, I3)
+
+
+def test_refine_candidates_refuses_bad_positions():
+    one = _index("TQ2,Refine(TQ8)", "l2")
+    one.add_with_ids(X, IDS)
+    s, pos, i = one.scan_candidates(Q, 5)
+    assert pos.shape == (NQ, 5 * one.k_factor) and (pos >= 0).all()
+    np.testing.assert_array_equal(one.refine_candidates(Q, np.full((NQ, 3), -1)),
+                                  np.full((NQ, 3), -np.inf, np.float32))
+    with pytest.raises(ValueError, match="positions"):
+        one.refine_candidates(Q, pos[:2])  # not one row per query
+    with pytest.raises(ValueError, match="positions"):
+        one.refine_candidates(Q, pos.astype(np.int32))
+    with pytest.raises(ValueError, match="positions"):
+        one.refine_candidates(Q, pos + N)  # past the rows
+    with pytest.raises(ValueError, match="refinement"):
+        _index("TQ4", "l2").refine_candidates(Q, pos)
+    with pytest.raises(ValueError, match=r"parts\[0\]"):
+        merge_scans([(s, pos[:, :2], i)], 3)
 
 
 def test_more_results_than_rows_pad_as_faiss():
@@ -157,6 +196,11 @@ def test_merge_of_parts_is_the_global_two_stage_choice(n, k, kf, cuts, seed, met
         e = np.zeros((nq, 0), np.float32)
         parts = [(e, e, np.zeros((nq, 0), np.int64))]
     D, I = merge_candidates(parts, k, kk, metric)
+    # the same rows as scan_candidates (positions: the row numbers) merged in two rounds
+    part, pos, got = merge_scans([(p[0], p[2] - 100, p[2]) for p in parts], kk)
+    D2, I2 = merge_refined(np.where(pos >= 0, np.take_along_axis(final, np.maximum(pos, 0), 1),
+                                    -np.inf).astype(np.float32), got, k, metric)
+    assert np.array_equal(I, I2) and np.array_equal(D, D2)
     for q in range(nq):
         chosen = np.argsort(-scan[q])[:kk]
         best = chosen[np.argsort(-final[q, chosen])][:k]

@@ -20,11 +20,13 @@ from ..index.state import index_from_state
 from .encode import batch_vectors
 from .errors import ShardError
 
-__all__ = ["ANSWER", "ShardHost", "file_sha256", "shard_file"]
+__all__ = ["ANSWER", "SCANNED", "ShardHost", "file_sha256", "shard_file"]
 
 #: One candidate of a shard's search answer: ``search_candidates``' three columns in one record,
 #: so that a host's answer is one array (one buffer for Ray to move, not three per shard).
 ANSWER = np.dtype([("scan", "<f4"), ("final", "<f4"), ("id", "<i8")])
+#: One candidate of a shard's first-round answer (``scan_candidates``' three columns).
+SCANNED = np.dtype([("scan", "<f4"), ("pos", "<i8"), ("id", "<i8")])
 
 
 def file_sha256(path: str) -> str:
@@ -134,6 +136,30 @@ class ShardHost:
         nq, kk): records past a shard's own columns (an empty shard has none) are -inf / -1,
         which the merge leaves out. ``probes``: an IVF index's lists for x, probed once by the
         coordinator."""
+        return self._candidates(generations, request, "search_candidates", ANSWER)
+
+    def scan(self, generations: dict[int, int],
+             request: tuple[np.ndarray, int, Any, int, Any]) -> np.ndarray:
+        """Round one of a search that re-ranks after the merge: the shards'
+        ``scan_candidates`` for ``request`` (as ``search``'s), one ``SCANNED`` array (shards,
+        nq, kk), padded as ``search`` pads."""
+        return self._candidates(generations, request, "scan_candidates", SCANNED)
+
+    def refine(self, generations: dict[int, int], request: tuple[np.ndarray, ...],
+               positions: np.ndarray) -> np.ndarray:
+        """Round two: ``refine_candidates`` of ``positions[j]`` (nq, m) in the j-th shard of
+        ``generations`` for the queries of ``request`` (round one's), (shards, nq, m) float32
+        (-inf where a position is -1)."""
+        x = np.require(request[0], np.float32, ["C", "W"])
+        out = np.full(positions.shape, -np.inf, np.float32)
+        for j, (shard, gen) in enumerate(generations.items()):
+            index = self._index(shard, gen)
+            if index.ntotal and positions.shape[2]:
+                out[j] = index.refine_candidates(x, np.require(positions[j], np.int64, ["C"]))
+        return out
+
+    def _candidates(self, generations: dict[int, int], request: tuple, method: str,
+                    dtype: np.dtype) -> np.ndarray:
         x, k, allowed, rows, probes = request
         x = np.require(x, np.float32, ["C", "W"])  # Ray hands arrays over read-only
         if allowed is not None:
@@ -141,16 +167,17 @@ class ShardHost:
         parts = []
         for shard, gen in generations.items():
             index = self._index(shard, gen)
-            parts.append(index.search_candidates(x, k, allowed_ids=allowed, rows=rows,
-                                                 probes=probes) if index.ntotal else None)
+            parts.append(getattr(index, method)(x, k, allowed_ids=allowed, rows=rows,
+                                                probes=probes) if index.ntotal else None)
         kk = max((p[0].shape[1] for p in parts if p is not None), default=0)
-        out = np.empty((len(parts), x.shape[0], kk), ANSWER)
-        out["scan"] = out["final"] = -np.inf
-        out["id"] = -1
+        out = np.empty((len(parts), x.shape[0], kk), dtype)
+        for name in dtype.names:  # -inf similarities, -1 positions and ids
+            out[name] = -np.inf if out[name].dtype.kind == "f" else -1
         for j, p in enumerate(parts):
             if p is not None:
                 m = p[0].shape[1]
-                out["scan"][j, :, :m], out["final"][j, :, :m], out["id"][j, :, :m] = p
+                for name, a in zip(dtype.names, p, strict=True):
+                    out[name][j, :, :m] = a
         return out
 
     def range_search(self, generations: dict[int, int], x: np.ndarray, radius: float

@@ -334,6 +334,82 @@ class CodesIndex:
             I[qs:qe, :m] = np.where(ok, ids[np.maximum(rp, 0)], -1)
         return scan, final, I
 
+    def scan_candidates(self, x: Any, k: int, *,
+                        allowed_ids: Sequence[int] | np.ndarray | None = None,
+                        rows: int | None = None, probes: Any = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The scan half of ``search_candidates``, for a merge that re-ranks after it
+        (``tqvec.index.merge_scans``: the parts scan, the merge picks the best candidates over
+        all of them, each part re-ranks only its own with ``refine_candidates``): ``(scan,
+        positions, I)``, each (nq, kk), best scan first: kk = min(ntotal, k_factor k) under a
+        refinement (k without one), the scan's similarities (larger is better, -inf past the
+        rows there are), each candidate's row position in this index (-1: none; valid while
+        the index is unchanged) and its id. ``rows``, ``probes``: as ``search_candidates``."""
+        if probes is not None and not hasattr(self, "probe"):
+            raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+        k, _, rows = V.part_k(k, self._rows.n, rows)
+        self._check_ready("search")
+        self.check_mapped()
+        snap = self._current()
+        route = None if rows is None else (rows, self._candidates(rows, k))
+        mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
+        q, offsets = self._queries(x)
+        nq, n = q.shape[0], snap.rows.n
+        kk = self._candidates(n, k)
+        scan = np.full((nq, kk), -np.inf, np.float32)
+        pos = np.full((nq, kk), -1, np.int64)
+        I = np.full((nq, kk), -1, np.int64)
+        if n == 0 or nq == 0:
+            return scan, pos, I
+        ids = snap.rows.ids.numpy()
+        for qs in range(0, nq, QUERY_BLOCK):
+            qe = min(nq, qs + QUERY_BLOCK)
+            pb = None if probes is None else (probes[0][qs:qe], probes[1][qs:qe])
+            off = 0.0 if offsets is None else offsets[qs:qe, None]
+            vals, p = self._scan_block(q[qs:qe], snap, mask, kk, nq, route, pb)
+            m = vals.shape[1]
+            ok = np.isfinite(vals) & (p >= 0)
+            scan[qs:qe, :m] = np.where(ok, vals + off, -np.inf)
+            pos[qs:qe, :m] = np.where(ok, p, -1)
+            I[qs:qe, :m] = np.where(ok, ids[np.maximum(p, 0)], -1)
+        return scan, pos, I
+
+    def refine_candidates(self, x: Any, positions: Any) -> np.ndarray:
+        """The refined similarities ``search_candidates`` reports as ``final`` of the rows at
+        ``positions`` (nq, m) int64 (from ``scan_candidates`` of the same queries, this index
+        unchanged since; -1: none, -inf there), (nq, m) float32 in the same order."""
+        if self.refine is None:
+            raise ValueError("refine_candidates needs an index with a refinement (Refine(...) "
+                             "in its factory string); without one the scan is the result")
+        self._check_ready("search")
+        self.check_mapped()
+        snap = self._current()
+        q, offsets = self._queries(x)
+        nq, n = q.shape[0], snap.rows.n
+        pos = np.asarray(positions)
+        if pos.dtype != np.int64 or pos.ndim != 2 or pos.shape[0] != nq:
+            raise ValueError(f"positions must be an int64 array of shape ({nq}, m), got "
+                             f"{pos.dtype} of shape {pos.shape}")
+        if pos.size and (int(pos.min()) < -1 or int(pos.max()) >= n):
+            raise ValueError(f"positions must be row positions in -1..{n - 1} (this index's "
+                             f"rows; -1: none), got {int(pos.min())}..{int(pos.max())}")
+        m = pos.shape[1]
+        final = np.full((nq, m), -np.inf, np.float32)
+        if m == 0 or nq == 0:
+            return final
+        for qs in range(0, nq, QUERY_BLOCK):
+            qe = min(nq, qs + QUERY_BLOCK)
+            p = pos[qs:qe]
+            none = np.where(p >= 0, np.float32(0), np.float32(-np.inf))  # rows to re-rank
+            rv, rp = rerank(q[qs:qe], none, p, self.refine, snap.rows.ref, snap.ref_lut,
+                            self._scoring, m)
+            ok = np.isfinite(rv)
+            at = _positions_in(p, np.where(ok, rp, -1), n)  # each re-ranked row's column
+            r, c = np.nonzero(ok)
+            off = 0.0 if offsets is None else offsets[qs:qe][r]
+            final[qs + r, at[r, c]] = rv[r, c] + off
+        return final
+
     def _search_queries(self, q: torch.Tensor, offsets: np.ndarray | None, snap: Any, k: int,
                         mask: torch.Tensor | None) -> tuple[np.ndarray, np.ndarray]:
         """The composition for prepared queries: scan, re-rank, ids and distances."""

@@ -2,7 +2,10 @@
 result one index over all of it returns (faiss's ``IndexShards``, made exact under a
 refinement): each part answers ``search_candidates``; ``merge_candidates`` takes the best
 ``candidates`` rows by the scan's similarity over all parts - the rows one index's scan would
-hand its refinement - and of those the best k by the refined similarity.
+hand its refinement - and of those the best k by the refined similarity. Under a refinement
+that re-ranking may also run after the merge, once per row instead of once per part's
+candidate: ``merge_scans`` picks the best candidates from the parts' ``scan_candidates``, each
+part re-ranks its own (``refine_candidates``) and ``merge_refined`` ranks them - the same result.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import numpy as np
 from .flat import range_results
 from .metrics import METRIC_L2, padded
 
-__all__ = ["merge_candidates", "merge_ranges"]
+__all__ = ["merge_candidates", "merge_ranges", "merge_refined", "merge_scans"]
 
 
 def merge_candidates(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int,
@@ -34,13 +37,47 @@ def merge_candidates(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
     scan = np.concatenate([p[0] for p in parts], axis=1)
     final = np.concatenate([p[1] for p in parts], axis=1)
     ids = np.concatenate([p[2] for p in parts], axis=1)
-    D, I = padded(metric_type, nq, k)
-    if scan.shape[1] == 0:
-        return D, I
     if candidates < scan.shape[1]:  # the scan's best over every part
         top = np.argsort(-scan, axis=1, kind="stable")[:, :candidates]
         final = np.take_along_axis(final, top, 1)
         ids = np.take_along_axis(ids, top, 1)
+    return merge_refined(final, ids, k, metric_type)
+
+
+def merge_scans(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], candidates: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Round one of a merge that re-ranks after it: of the parts' ``scan_candidates`` (scan,
+    positions, I), the best ``candidates`` per query by the scan over all parts - the rows one
+    index's scan would hand its refinement -, as (part, positions, I), each (nq, c): the part
+    holding each, its row position there and its id (-1 in all three past the candidates
+    there are), best first (ties keep the parts' order, then each part's own). Each part then
+    re-ranks its own rows (``refine_candidates``), and ``merge_refined`` ranks them all."""
+    if not parts:
+        raise ValueError("parts must hold at least one scan_candidates result, got none")
+    nq = parts[0][0].shape[0]
+    for j, (s, p, i) in enumerate(parts):
+        if not s.shape == p.shape == i.shape or s.ndim != 2 or s.shape[0] != nq:
+            raise ValueError(f"parts[{j}] must be three ({nq}, m) arrays, got shapes "
+                             f"{s.shape}, {p.shape}, {i.shape}")
+    scan = np.concatenate([p[0] for p in parts], axis=1)
+    top = np.argsort(-scan, axis=1, kind="stable")[:, :candidates]
+    ok = np.isfinite(np.take_along_axis(scan, top, 1))
+    part = np.concatenate([np.full(p[0].shape, j, np.int64) for j, p in enumerate(parts)],
+                          axis=1)
+    return tuple(np.where(ok, np.take_along_axis(a, top, 1), -1) for a in (
+        part, np.concatenate([p[1] for p in parts], axis=1),
+        np.concatenate([p[2] for p in parts], axis=1)))
+
+
+def merge_refined(final: np.ndarray, ids: np.ndarray, k: int, metric_type: int
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """faiss's ``(D, I)``: the best k of merged candidates (nq, c) by their refined
+    similarities ``final`` (larger is better; -inf or id -1: none), ties in the candidates'
+    order."""
+    nq = final.shape[0]
+    D, I = padded(metric_type, nq, k)
+    if final.shape[1] == 0:
+        return D, I
     best = np.argsort(-final, axis=1, kind="stable")[:, :k]
     vals = np.take_along_axis(final, best, 1)
     got = np.take_along_axis(ids, best, 1)

@@ -409,6 +409,20 @@ class PCAIndex:
         return self._trained("search").search_candidates(self._to_basis(x, "x"), k,
                                                           allowed_ids=allowed_ids, rows=rows)
 
+    def scan_candidates(self, x: Any, k: int, *,
+                        allowed_ids: Sequence[int] | np.ndarray | None = None,
+                        rows: int | None = None, probes: Any = None
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As ``FlatIndex.scan_candidates`` (no ``probes``)."""
+        if probes is not None:
+            raise ValueError("probes apply to an IVF index, not a PCAIndex")
+        return self._trained("search").scan_candidates(self._to_basis(x, "x"), k,
+                                                       allowed_ids=allowed_ids, rows=rows)
+
+    def refine_candidates(self, x: Any, positions: Any) -> np.ndarray:
+        """As ``FlatIndex.refine_candidates``."""
+        return self._trained("search").refine_candidates(self._to_basis(x, "x"), positions)
+
     @property
     def next_id(self) -> int:
         return 0 if self.index is None else self.index.next_id

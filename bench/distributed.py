@@ -11,7 +11,8 @@ the training vectors; one process at 1 and 2 torch threads (median of 3), Ray Da
 32,768-row blocks and batches (median of 5, materialized), over the whole collection and its
 first quarter (their difference: the rate past the workers' start-up). Search: k = 10; the one index
 searches with 2 threads; the sharded index puts its shards on min(shards, 2) actors with
-2 / actors threads each. Batch: all queries in one call (median of 9); single: one query per
+2 / actors threads each (under a refinement both ``refine_rounds``, 1 and 2). Batch: all
+queries in one call (median of 9); single: one query per
 call (median latency over the queries, after a warm-up); the one index and the sharded one
 measured call by call alternately, after 2 s of warm-up. Results must be identical to the
 one index's (checked, reported). Writes bench/results/distributed.{json,md}.
@@ -117,8 +118,11 @@ def search_rows(xb: np.ndarray, xq: np.ndarray, ray, dist) -> list[dict]:
         # each sharded index is built, measured side by side with the one index (calls
         # alternating, so that both see the same host) and stopped before the next (idle
         # actors hold memory)
-        for shards in SHARDS:
+        # under a refinement: re-ranked in each shard (1 round) or after the merge (2)
+        rounds = (1, 2) if "Refine" in spec else (None,)
+        for shards, r in ((s, r) for s in SHARDS for r in rounds):
             ix = sharded(shards)
+            ix.refine_rounds = r
             D, I = ix.search(xq, 10)
             # warm: a sharded index's first searches after the build run slower for ~1 s
             # (most likely Ray winding the build's pipeline down); both for 2 s
@@ -140,7 +144,7 @@ def search_rows(xb: np.ndarray, xq: np.ndarray, ray, dist) -> list[dict]:
                     if i >= 20:
                         lat[name].append(time.perf_counter() - t)
             row = {"spec": spec, "params": params, "shards": shards, "actors": min(shards, 2),
-                   "identical": bool(np.array_equal(I, I0))}
+                   "refine_rounds": r, "identical": bool(np.array_equal(I, I0))}
             for name in ("one", "sharded"):
                 b = statistics.median(batch[name])
                 row[name] = {"batch_qps": len(xq) / b, "batch_us_per_query": b / len(xq) * 1e6,
@@ -208,6 +212,10 @@ def model(res: dict) -> dict:
     return out
 
 
+def _rounds(r: int | None) -> str:
+    return "" if r is None else f" ({r} round{'s' if r > 1 else ''})"
+
+
 def write(res: dict, stem: str, argv: list[str]) -> None:
     with open(stem + ".json", "w") as f:
         json.dump(res, f, indent=1)
@@ -238,14 +246,18 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
                      f"{r['rows_per_s'] / one_w['rows_per_s']:.2f} | {ray_cols} |")
     lines += ["", "## Search (k = 10): sharded against one index in this process", "",
               "Each sharded index measured call by call alternately with the one index (its "
-              "figures beside it), after 2 s of warm-up.", "",
+              "figures beside it), after 2 s of warm-up. Under a refinement, `refine_rounds`: "
+              "1 round - each shard re-ranks its own best candidates; 2 rounds - the shards "
+              "scan, the coordinator merges the scans, each shard re-ranks only its rows among "
+              "the best (the default for a batch like this one; a single query takes 1 round "
+              "by default, and 2 here only because the row forces it).", "",
               "| index | shards, actors | identical | batch QPS: one / sharded | ratio | "
               "extra us/query (batch) | single ms: one / sharded | extra ms | single p99 ms |",
               "|---" * 9 + "|"]
     for r in res["search"]:
         o, sh = r["one"], r["sharded"]
         lines.append(
-            f"| {r['spec']} | {r['shards']}, {r['actors']} | "
+            f"| {r['spec']}{_rounds(r.get('refine_rounds'))} | {r['shards']}, {r['actors']} | "
             f"{'yes' if r['identical'] else 'NO'} | "
             f"{o['batch_qps']:,.0f} / {sh['batch_qps']:,.0f} | "
             f"{sh['batch_qps'] / o['batch_qps']:.2f} | "

@@ -273,6 +273,22 @@ class CodesIndex:
         q, offsets = self._queries(x)
         return self._search_queries(q, offsets, snap, k, mask)
 
+    def _check_probes(self, probes: Any) -> None:
+        if probes is not None and not hasattr(self, "probe"):
+            raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+
+    def _part_search(self, x: Any, k: int, allowed_ids: Any, rows: int | None) -> tuple:
+        """What a search over one part of a collection starts from (``search_candidates``,
+        ``scan_candidates``): (snapshot, scan route, filter mask, prepared queries, their
+        offsets, candidates per query)."""
+        self._check_ready("search")
+        self.check_mapped()
+        snap = self._current()
+        route = None if rows is None else (rows, self._candidates(rows, k))
+        mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
+        q, offsets = self._queries(x)
+        return snap, route, mask, q, offsets, self._candidates(snap.rows.n, k)
+
     def search_candidates(self, x: Any, k: int, *,
                           allowed_ids: Sequence[int] | np.ndarray | None = None,
                           rows: int | None = None, probes: Any = None
@@ -289,21 +305,14 @@ class CodesIndex:
         and the row only within one scan route (the fast scan's 8-bit tables under a
         refinement), and the route depends on the rows per result. ``probes``: an IVF index's
         ``probe(x)`` of the same queries, computed once for all the parts."""
-        if probes is not None and not hasattr(self, "probe"):
-            raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+        self._check_probes(probes)
         k, k_here, rows = V.part_k(k, self._rows.n, rows)
         if self.refine is None and probes is None:
             D, I = self.search(x, k_here, allowed_ids=allowed_ids)
             s = similarities(self.metric_type, D, I)
             return s, s, I
-        self._check_ready("search")
-        self.check_mapped()
-        snap = self._current()
-        route = None if rows is None else (rows, self._candidates(rows, k))
-        mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
-        q, offsets = self._queries(x)
+        snap, route, mask, q, offsets, kk = self._part_search(x, k, allowed_ids, rows)
         nq, n = q.shape[0], snap.rows.n
-        kk = self._candidates(n, k)
         scan = np.full((nq, kk), -np.inf, np.float32)
         final = np.full((nq, kk), -np.inf, np.float32)
         I = np.full((nq, kk), -1, np.int64)
@@ -345,17 +354,10 @@ class CodesIndex:
         refinement (k without one), the scan's similarities (larger is better, -inf past the
         rows there are), each candidate's row position in this index (-1: none; valid while
         the index is unchanged) and its id. ``rows``, ``probes``: as ``search_candidates``."""
-        if probes is not None and not hasattr(self, "probe"):
-            raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
+        self._check_probes(probes)
         k, _, rows = V.part_k(k, self._rows.n, rows)
-        self._check_ready("search")
-        self.check_mapped()
-        snap = self._current()
-        route = None if rows is None else (rows, self._candidates(rows, k))
-        mask = None if allowed_ids is None else self._allowed_mask(allowed_ids, snap.rows.ids)
-        q, offsets = self._queries(x)
+        snap, route, mask, q, offsets, kk = self._part_search(x, k, allowed_ids, rows)
         nq, n = q.shape[0], snap.rows.n
-        kk = self._candidates(n, k)
         scan = np.full((nq, kk), -np.inf, np.float32)
         pos = np.full((nq, kk), -1, np.int64)
         I = np.full((nq, kk), -1, np.int64)

@@ -20,6 +20,16 @@ from .metrics import METRIC_L2, padded
 __all__ = ["merge_candidates", "merge_ranges", "merge_refined", "merge_scans"]
 
 
+def _check_parts(parts: Sequence[tuple[np.ndarray, ...]], what: str) -> None:
+    if not parts:
+        raise ValueError(f"parts must hold at least one {what} result, got none")
+    nq = parts[0][0].shape[0]
+    for j, (a, b, c) in enumerate(parts):
+        if not a.shape == b.shape == c.shape or a.ndim != 2 or a.shape[0] != nq:
+            raise ValueError(f"parts[{j}] must be three ({nq}, m) arrays, got shapes "
+                             f"{a.shape}, {b.shape}, {c.shape}")
+
+
 def merge_candidates(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], k: int,
                      candidates: int, metric_type: int) -> tuple[np.ndarray, np.ndarray]:
     """faiss's ``(D, I)`` of k results from the parts' ``search_candidates`` (scan, final, I).
@@ -27,13 +37,7 @@ def merge_candidates(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
     ``candidates`` is what one index over all rows would re-rank: min(rows, k_factor k) under
     a refinement, k without one. Ties keep the parts' order, then each part's own.
     """
-    if not parts:
-        raise ValueError("parts must hold at least one search_candidates result, got none")
-    nq = parts[0][0].shape[0]
-    for j, (s, f, i) in enumerate(parts):
-        if not s.shape == f.shape == i.shape or s.ndim != 2 or s.shape[0] != nq:
-            raise ValueError(f"parts[{j}] must be three ({nq}, m) arrays, got shapes "
-                             f"{s.shape}, {f.shape}, {i.shape}")
+    _check_parts(parts, "search_candidates")
     scan = np.concatenate([p[0] for p in parts], axis=1)
     final = np.concatenate([p[1] for p in parts], axis=1)
     ids = np.concatenate([p[2] for p in parts], axis=1)
@@ -52,13 +56,7 @@ def merge_scans(parts: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]], cand
     holding each, its row position there and its id (-1 in all three past the candidates
     there are), best first (ties keep the parts' order, then each part's own). Each part then
     re-ranks its own rows (``refine_candidates``), and ``merge_refined`` ranks them all."""
-    if not parts:
-        raise ValueError("parts must hold at least one scan_candidates result, got none")
-    nq = parts[0][0].shape[0]
-    for j, (s, p, i) in enumerate(parts):
-        if not s.shape == p.shape == i.shape or s.ndim != 2 or s.shape[0] != nq:
-            raise ValueError(f"parts[{j}] must be three ({nq}, m) arrays, got shapes "
-                             f"{s.shape}, {p.shape}, {i.shape}")
+    _check_parts(parts, "scan_candidates")
     scan = np.concatenate([p[0] for p in parts], axis=1)
     top = np.argsort(-scan, axis=1, kind="stable")[:, :candidates]
     ok = np.isfinite(np.take_along_axis(scan, top, 1))

@@ -304,7 +304,9 @@ class ShardedIndex:
     def _search_two_rounds(self, request: Any, nq: int, k: int, candidates: int,
                            partial: bool) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """``refine_rounds`` 2: the shards' scans merged (``merge_scans``), then each shard
-        re-ranks its rows among the merged best, ranked by ``merge_refined``."""
+        re-ranks its rows among the merged best, ranked by ``merge_refined``. With
+        ``partial``, a shard that fails in the first round is left out as in one round; one
+        that fails in the second leaves its candidates out of the merged best."""
         outs, _ = self._gather([h.scan.remote(self._gens(i), request)
                                 for i, h in enumerate(self._hosts)], partial)
         by_shard = {s: (a["scan"][j], a["pos"][j], a["id"][j])
@@ -325,8 +327,9 @@ class ShardedIndex:
             if not mine:
                 continue
             cols = [np.argsort(part != p, axis=1, kind="stable") for _, p in mine]
-            counts = [int((part == p).sum(1).max()) for _, p in mine]
-            m = max(counts)
+            m = max(int((part == p).sum(1).max()) for _, p in mine)
+            if m == 0:  # none of its rows among the best: no second call
+                continue
             positions = np.full((len(self._shards_of(i)), nq, m), -1, np.int64)
             for (j, p), c in zip(mine, cols, strict=True):
                 c = c[:, :m]

@@ -500,19 +500,23 @@ def run_ppl(args) -> None:
 
 def ppl_md(rows) -> str:
     base = {(r["model"], r["text"]): r["ppl"] for r in rows if r["method"] == "dynamic (fp32)"}
-    out = ["| model | text | method | bits/element (16-bit window) | bits/element (as held, "
-           "fp32 window) | perplexity | vs fp32 | s/token |", "|---|---|---|---|---|---|---|---|"]
+    out = ["| model | text | tokens scored | method | bits/element (16-bit window) | "
+           "bits/element (as held, fp32 window) | perplexity | vs fp32 | s/token |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        # the positions whose next-token loss is averaged (after the prefill)
+        span = (f"{r['prefill']:,}–{r['prefill'] + r['decoded']:,}" if "decoded" in r
+                else "-")
         if "error" in r:
-            out.append(f"| {r['model']} | {r['text']} | {r['method']} | - | - | refused: "
-                       f"{r['error'][:80]} | - | - |")
+            out.append(f"| {r['model']} | {r['text']} | {span} | {r['method']} | - | - | "
+                       f"refused: {r['error'][:80]} | - | - |")
             continue
         b = base.get((r["model"], r["text"]))
         rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if b else "-"
         bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)" if "dynamic" in r[
             "method"] else "-"
         b16 = f"{r['bits_fp16']:.2f}" if r.get("bits_fp16") else "-"
-        out.append(f"| {r['model']} | {r['text']} | {r['method']} | {b16} | {bits} | "
+        out.append(f"| {r['model']} | {r['text']} | {span} | {r['method']} | {b16} | {bits} | "
                    f"{r['ppl']:.3f} | {rel} | {r['s_per_token'] * 1000:.0f} ms |")
     return "\n".join(out) + "\n"
 

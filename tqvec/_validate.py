@@ -131,8 +131,18 @@ def raise_nonfinite(t: torch.Tensor, name: str, row_offset: int = 0) -> None:
 def finite_rows(block: torch.Tensor, norms: torch.Tensor, name: str, row_offset: int) -> None:
     """Per-block check through the row norms: a NaN/Inf entry makes its row norm NaN/Inf, so
     checking the (n,) norms is enough and costs nothing extra."""
-    if not bool(torch.isfinite(norms).all()):
+    finite = (np.isfinite(norms.numpy()).all() if norms.device.type == "cpu"
+              else torch.isfinite(norms).all())
+    if not bool(finite):
         raise_nonfinite(block, name, row_offset)
+
+
+def any_above(t: torch.Tensor, limit: float) -> bool:
+    """Whether any element of ``t`` exceeds ``limit``. On the CPU through numpy: a torch
+    reduction and its host read cost ~10-20 us, more than a small codec call's arithmetic."""
+    if t.device.type == "cpu":
+        return bool((t.numpy() > limit).any())
+    return bool((t > limit).any())
 
 
 def positive_int(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:

@@ -317,19 +317,32 @@ class Codec:
         """Encode ``x``: (n, d) float32 | float16 | bfloat16, numpy or torch -> ``Codes``."""
         t, _ = V.float_matrix(x, "x", self.dim, check_finite=False)  # checked per block
         n = t.shape[0]
+        layout = self._scalar_layout()
+        if 0 < n <= BLOCK_ROWS:
+            # one block: its own outputs are the codes (a few rows - a KV cache's window
+            # block, one added vector - cost more in copies than in arithmetic)
+            p, sc = self._encode_rows(t, 0)
+            return Codes(p.contiguous(), {k: sc[k].to(dt).contiguous()
+                                          for k, (_, dt) in layout.items()}, self.params)
         payload = torch.empty((n, self.payload_bytes), dtype=torch.uint8, device=t.device)
         scalars = {k: torch.empty((n, *shape), dtype=dt, device=t.device)
-                   for k, (shape, dt) in self._scalar_layout().items()}
+                   for k, (shape, dt) in layout.items()}
         for s in range(0, n, BLOCK_ROWS):
             e = min(n, s + BLOCK_ROWS)
-            block = t[s:e].to(torch.float32)
-            norms = torch.linalg.vector_norm(block, dim=1)
-            V.finite_rows(block, norms, "x", s)
-            p, sc = self.encode_block(block, norms)
+            p, sc = self._encode_rows(t[s:e], s)
             payload[s:e] = p
-            for k, v in sc.items():
-                scalars[k][s:e] = v
+            for k in layout:
+                scalars[k][s:e] = sc[k]
         return Codes(payload, scalars, self.params)
+
+    def _encode_rows(self, rows: torch.Tensor, offset: int
+                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """One block of ``encode``: its rows (starting at row ``offset`` of the input) checked
+        for NaN/Inf through their norms, then ``encode_block``."""
+        block = rows.to(torch.float32)
+        norms = torch.linalg.vector_norm(block, dim=1)
+        V.finite_rows(block, norms, "x", offset)
+        return self.encode_block(block, norms)
 
     def check_codes(self, codes: Any, name: str = "codes") -> Codes:
         if not isinstance(codes, Codes):
@@ -356,6 +369,9 @@ class Codec:
         """Reconstruct (n, d) float32. Returns numpy if the codes were made from numpy input
         (``like`` decides when given: a numpy array or a torch tensor), else torch."""
         codes = self.check_codes(codes)
+        if 0 < len(codes) <= BLOCK_ROWS:  # one block: no copy into a second tensor
+            out = self.decode_block(codes).to(torch.float32).contiguous()
+            return out.cpu().numpy() if isinstance(like, np.ndarray) else out
         out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
         for s in range(0, len(codes), BLOCK_ROWS):
             e = min(len(codes), s + BLOCK_ROWS)
@@ -390,13 +406,14 @@ def score_from_terms(qterms: Sequence[torch.Tensor],
 
 def inverse_norms(nrm: torch.Tensor) -> torch.Tensor:
     """1 / norm, and 0 for a zero row (so it encodes to norm 0 and decodes to zeros)."""
-    return torch.where(nrm > 0, 1.0 / torch.where(nrm > 0, nrm, 1.0), torch.zeros_like(nrm))
+    # reciprocal() is what ``1.0 / nrm`` computes (Tensor.__rdiv__), without its extra product
+    return torch.where(nrm > 0, nrm.reciprocal(), 0.0)
 
 
 def store_norm(nrm: torch.Tensor, dtype: torch.dtype, name: str = "norm",
                option: str = "norm_dtype") -> torch.Tensor:
     """Cast norms to the storage dtype; float16 raises instead of storing inf."""
-    if dtype == torch.float16 and bool((nrm > 65504.0).any()):
+    if dtype == torch.float16 and V.any_above(nrm, 65504.0):
         raise ValueError(f"{name} must fit in float16 (<= 65504) with {option}='float16', got "
                          f"{float(nrm.max()):.6g}; use {option}='float32'")
     return nrm.to(dtype)

@@ -56,14 +56,14 @@ def pack_bits_cpu(idx: torch.Tensor, b: int) -> torch.Tensor:
     n, d = idx.shape
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
     if n:
-        _C.pack_bits(idx, b, out, threads())
+        _C.pack_bits(idx.numpy(), b, out.numpy(), threads())
     return out
 
 
 def unpack_bits_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     out = torch.empty((packed.shape[0], d), dtype=torch.uint8)
     if packed.shape[0]:
-        _C.unpack_bits(packed, d, b, out, threads())
+        _C.unpack_bits(packed.numpy(), d, b, out.numpy(), threads())
     return out
 
 
@@ -72,7 +72,7 @@ def quantize_pack_cpu(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Te
     n, d = y.shape
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
     if n:
-        _C.quantize_pack(y, scale, thresholds, b, out, threads())
+        _C.quantize_pack(*host_views(y, scale, thresholds), b, out.numpy(), threads())
     return out
 
 
@@ -129,7 +129,7 @@ def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     n = packed.shape[0]
     out = torch.empty((-(-n // 32), fast_scan_row_bytes(d, b), 32), dtype=torch.uint8)
     if n:
-        _C.block_codes(packed, d, b, out, threads())
+        _C.block_codes(packed.numpy(), d, b, out.numpy(), threads())
     return out
 
 

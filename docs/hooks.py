@@ -1,5 +1,6 @@
-"""mkdocs hook: the benchmark results (bench/results/*.md, *.png, *.json) are published under
-results/ without copying them into docs/, so the pages link to the files the benchmarks wrote."""
+"""mkdocs hook: the benchmark results (bench/results/*.md, *.png, *.json, *.txt) are published
+under results/ without copying them into docs/, so the pages link to the files the benchmarks
+wrote."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
 
 def on_files(files: Files, config) -> Files:
     for path in sorted(RESULTS.glob("*")):
-        if path.suffix in (".md", ".png", ".json"):
+        if path.suffix in (".md", ".png", ".json", ".txt"):
             files.append(File.generated(config, f"results/{path.name}",
                                         abs_src_path=str(path)))
     return files

@@ -45,11 +45,10 @@ def _timed(spent: dict, key: str, fn):
 
 
 def main() -> None:
+    from _machine import machine_info  # bench/_machine.py
     from transformers import AttentionInterface, DynamicCache
     from transformers.cache_utils import DynamicLayer
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from _machine import machine_info  # bench/_machine.py
 
     from tqvec._machine import cpu_label
 

@@ -41,10 +41,14 @@ _ENTRY = {"shard", "file", "sha256", "ntotal", "bytes"}
 #: Query arrays above this many bytes go to the object store once for all actors.
 _INLINE_BYTES = 64 * 1024
 _PARAMS = ("nprobe", "prefilter", "k_factor", "efSearch")
-#: ``refine_rounds`` None re-ranks after the merge (a second round trip, ~2 ms to two actors
-#: here) once the re-ranking round one would repeat reaches this many rows (~0.4 us each at
-#: d = 784 with 8-bit codes): batches, never a single query.
-TWO_ROUNDS_FROM = 8192
+#: ``refine_rounds`` None re-ranks after the merge once the re-ranking round one would repeat
+#: reaches this many rows: batches on several shards, never a single query. Round two costs a
+#: round trip and, in every shard, the queries prepared again for the refinement and its
+#: re-ranking outside the one-call search (~28 ms per 1,000 queries on one shard here, against
+#: ~0.65 us saved per row not re-ranked twice); set from bench/distributed.py on Fashion-MNIST:
+#: a 1,000-query batch lost with two rounds on 2 shards (40,000 repeated rows) and gained on 4
+#: (120,000).
+TWO_ROUNDS_FROM = 65536
 
 
 def _has(index: Any, name: str) -> bool:

@@ -268,3 +268,35 @@ def test_grid_codebook_codec(b, rng):
     assert "codebook" not in tqvec.TurboQuant(128, b).params
     with pytest.raises(ValueError, match="codebook"):
         tqvec.TurboQuant(128, b, codebook="uniform")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: tqvec.TurboQuant(48, bits=3, seed=1),
+    lambda: tqvec.TurboQuant(48, bits=2, variant="prod", seed=2, norm_dtype="float16"),
+    lambda: tqvec.TurboQuant(48, bits=2, scale="fit", seed=3),
+    lambda: tqvec.QJL(48, 64, seed=4),
+    lambda: tqvec.PolarQuant(48, seed=5),
+], ids=["mse", "prod-f16", "fit", "qjl", "polar"])
+def test_blocked_encode_and_decode_equal_one_block(make, rng, monkeypatch):
+    """``encode``/``decode`` return one block's own tensors and write several blocks into
+    preallocated ones: both routes give the same codes, decodings and row numbers in errors."""
+    import tqvec.codecs.base as base
+
+    codec = make()
+    x = rng.standard_normal((30, 48)).astype(np.float32)
+    x[4] = 0.0
+    one = codec.encode(x)
+    dec = codec.decode(one)
+    monkeypatch.setattr(base, "BLOCK_ROWS", 7)
+    blocked = codec.encode(x)
+    assert torch.equal(blocked.payload, one.payload)
+    assert blocked.scalars.keys() == one.scalars.keys()
+    for k, v in one.scalars.items():
+        assert blocked.scalars[k].dtype == v.dtype and torch.equal(blocked.scalars[k], v)
+    np.testing.assert_array_equal(codec.decode(blocked), dec)
+    x[23, 5] = np.nan
+    with pytest.raises(ValueError, match="first at row 23"):
+        codec.encode(x)
+    monkeypatch.setattr(base, "BLOCK_ROWS", 8192)
+    with pytest.raises(ValueError, match="first at row 23"):
+        codec.encode(x)

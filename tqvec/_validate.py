@@ -139,7 +139,7 @@ def finite_rows(block: torch.Tensor, norms: torch.Tensor, name: str, row_offset:
 
 def any_above(t: torch.Tensor, limit: float) -> bool:
     """Whether any element of ``t`` exceeds ``limit``. On the CPU through numpy: a torch
-    reduction and its host read cost ~10-20 us, more than a small codec call's arithmetic."""
+    reduction and its host read cost more than a small codec call's arithmetic."""
     if t.device.type == "cpu":
         return bool((t.numpy() > limit).any())
     return bool((t > limit).any())

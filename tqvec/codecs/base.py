@@ -371,11 +371,11 @@ class Codec:
         codes = self.check_codes(codes)
         if 0 < len(codes) <= BLOCK_ROWS:  # one block: no copy into a second tensor
             out = self.decode_block(codes).to(torch.float32).contiguous()
-            return out.cpu().numpy() if isinstance(like, np.ndarray) else out
-        out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
-        for s in range(0, len(codes), BLOCK_ROWS):
-            e = min(len(codes), s + BLOCK_ROWS)
-            out[s:e] = self.decode_block(codes[s:e])
+        else:
+            out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
+            for s in range(0, len(codes), BLOCK_ROWS):
+                e = min(len(codes), s + BLOCK_ROWS)
+                out[s:e] = self.decode_block(codes[s:e])
         return out.cpu().numpy() if isinstance(like, np.ndarray) else out
 
     def score(self, q: Any, codes: Codes) -> Any:

@@ -42,12 +42,10 @@ _ENTRY = {"shard", "file", "sha256", "ntotal", "bytes"}
 _INLINE_BYTES = 64 * 1024
 _PARAMS = ("nprobe", "prefilter", "k_factor", "efSearch")
 #: ``refine_rounds`` None re-ranks after the merge once the re-ranking round one would repeat
-#: reaches this many rows: batches on several shards, never a single query. Round two costs a
-#: round trip and, in every shard, the queries prepared again for the refinement and its
-#: re-ranking outside the one-call search (~28 ms per 1,000 queries on one shard here, against
-#: ~0.65 us saved per row not re-ranked twice); set from bench/distributed.py on Fashion-MNIST:
-#: a 1,000-query batch lost with two rounds on 2 shards (40,000 repeated rows) and gained on 4
-#: (120,000).
+#: reaches this many rows: batches on several shards, never a single query. Round two costs
+#: more than its round trip (every shard prepares the queries again for the refinement and
+#: re-ranks outside its one-call search), so the threshold is where bench/distributed.py saw
+#: two rounds start to win (docs/distributed.md).
 TWO_ROUNDS_FROM = 65536
 
 

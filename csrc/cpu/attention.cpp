@@ -9,13 +9,14 @@
 //   lo, hi (BH)               int32    tokens [lo, hi) count
 //   m, l (BH, G), acc (BH, G, d) float32: max score, sum of exp(s - m), sum of exp(s - m) times
 //   the value (rotated domain, unnormalized); m = -inf, l = 0, acc = 0 for an empty range.
-// Each KV head's tokens split into parts (threads take parts, not only heads); per part each
-// key row decoded once (with AVX2: eight indices per step, shifted into their lanes and
-// looked up in the centroids by one vpermps where b <= 3) and scored for its G query rows by
-// 8-lane dots, the exp weights, then each value row decoded once and added to all G rows; the parts' softmax states
-// merged per head. The AVX2 and portable paths do the same float operations in the same order
-// (same bits); scores are summed in another order than the reference's GEMM: equal within
-// float rounding.
+// Each KV head's tokens split into parts (threads take parts, not only heads); per part the key
+// rows scored for the G query rows (with AVX2 and b <= 4: eight indices per step, shifted into
+// their lanes and looked up in the centroids by one vpermps - two and a blend at b = 4 -, eight
+// tokens' dot lanes reduced together), the softmax of each row (exp_softmax: one polynomial
+// exp for both paths, 8 lanes at a time with AVX2), then each value row decoded once and added
+// to all G rows; the parts' softmax states merged per head. The AVX2 and portable paths do the
+// same float operations in the same order (same bits); scores are summed in another order than
+// the reference's GEMM and exp is not libm's: equal within float rounding.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -31,10 +32,16 @@
 namespace tqvec {
 namespace {
 
+// The sum of 8 lanes in the order the AVX2 paths reduce them (two horizontal adds, then the
+// 128-bit halves): ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)).
+inline float sum8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
 // <a, b> over d floats in 16 independent lanes (chunk c of 8 coordinates into lanes
 // 8 (c mod 2) ..: two chains of adds, so that the SIMD path is bound by throughput, not by the
-// add latency; an element-wise loop the compiler vectorizes without reassociating), the lanes
-// then summed as a tree (u + 8, u + 4, u + 2, u + 1: the SIMD path's shuffles), then the tail.
+// add latency; an element-wise loop the compiler vectorizes without reassociating), lanes u and
+// u + 8 added, those 8 summed by sum8, then the tail.
 inline float dot16(const float* __restrict a, const float* __restrict b, int64_t d) {
   float lane[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   int64_t j = 0;
@@ -44,9 +51,50 @@ inline float dot16(const float* __restrict a, const float* __restrict b, int64_t
   }
   float tail = 0.f;
   for (; j < d; ++j) tail += a[j] * b[j];
-  for (int w = 8; w >= 1; w /= 2)
-    for (int u = 0; u < w; ++u) lane[u] += lane[u + w];
-  return lane[0] + tail;
+  for (int u = 0; u < 8; ++u) lane[u] += lane[u + 8];
+  return sum8(lane) + tail;
+}
+
+// exp(x) in float operations that the AVX2 path repeats lane by lane (libm's expf differs
+// between builds and has no 8-lane form here): x = n ln2 + r with |r| <= ln2 / 2, e^r by
+// Cephes' degree-6 polynomial (relative error ~1e-7), times 2^n. x below -87.3 (where e^x
+// leaves the normal floats) gives 0, NaN gives 0, x is capped at 88 (softmax passes x <= 0).
+constexpr float kExpLo = -87.33654f, kExpHi = 88.0f, kLog2e = 1.44269504088896341f,
+                kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f, kRound = 12582912.0f;  // 1.5 2^23
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+inline float exp_softmax(float x) {
+  if (!(x >= kExpLo)) return 0.0f;
+  x = std::min(x, kExpHi);
+  const float n = (x * kLog2e + kRound) - kRound;  // round to nearest (even)
+  const float r = (x - n * kLn2Hi) - n * kLn2Lo;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
+  const float y = (p * (r * r) + r) + 1.0f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, 4);
+  return y * two_n;
+}
+
+// Row r of s (g rows of n scores, row-major) replaced by exp(s - ref), ref its max where
+// finite (else 0); m[r] = the max, l[r] = the sum of the exps: full groups of 8 summed per lane
+// i mod 8, the lanes by sum8, then the rest in order.
+void softmax_rows(float* s, int64_t g, int64_t n, float* m, float* l) {
+  for (int64_t r = 0; r < g; ++r) {
+    float* sr = s + r * n;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
+    const float ref = std::isfinite(mx) ? mx : 0.0f;
+    float lane[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    const int64_t n8 = n / 8 * 8;
+    for (int64_t i = 0; i < n8; i += 8)
+      for (int u = 0; u < 8; ++u) lane[u] += (sr[i + u] = exp_softmax(sr[i + u] - ref));
+    float sum = sum8(lane);
+    for (int64_t i = n8; i < n; ++i) sum += (sr[i] = exp_softmax(sr[i] - ref));
+    m[r] = mx;
+    l[r] = sum;
+  }
 }
 
 // One packed row of b-bit indices (kernels.h bit order) decoded to its centroids:
@@ -61,12 +109,14 @@ void decode_row(const uint8_t* row, int64_t d, int b, const float* cent, float* 
   for (int64_t j = d8; j < d; ++j) out[j] = cent[code_at(row, b, j)];
 }
 
-// A key row against g query rows q[r d ..]: dots[r] = dot16(q_r, the decoded row). Scratch:
-// row (d floats).
-void score_row(const float* q, int64_t g, const uint8_t* packed, int64_t d, int b,
-               const float* cent, float* row, float* dots) {
-  decode_row(packed, d, b, cent, row);
-  for (int64_t r = 0; r < g; ++r) dots[r] = dot16(q + r * d, row, d);
+// n consecutive key rows (kh, rb bytes each) against g query rows q[r d ..]: out[r n + i] =
+// dot16(q_r, key row i decoded). Scratch: row (d floats).
+void key_dots(const float* q, int64_t g, const uint8_t* kh, int64_t rb, int64_t n, int64_t d,
+              int b, const float* cent, float* row, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    decode_row(kh + i * rb, d, b, cent, row);
+    for (int64_t r = 0; r < g; ++r) out[r * n + i] = dot16(q + r * d, row, d);
+  }
 }
 
 // A value row added to g accumulator rows: acc[r d + j] += w[r] x the decoded row's j-th value,
@@ -90,7 +140,7 @@ void add_rows(const float* w, int64_t n, int64_t g, const uint8_t* packed, int64
 }
 
 #ifdef TQVEC_X86
-// score_row and add_row with AVX2 and the same float operations per lane, in the same order
+// key_dots, softmax_rows and add_row with AVX2 and the same float operations per lane, in the same order
 // (mul then add, no FMA). The row is decoded eight coordinates per step in registers
 // (indices8_avx2 / centroids8_avx2: one vpermps for b <= 3), B a constant - for b <= 4 while
 // it is scored, without storing it; its dots with up to 4 query rows run side by side, two
@@ -142,19 +192,30 @@ __attribute__((target("avx2"), always_inline)) inline __m256i indices8_fast_avx2
   return _mm256_and_si256(_mm256_srlv_epi32(w, sh), _mm256_set1_epi32((1 << B) - 1));
 }
 
+// lanes u and u + 8 of two 8-lane chains added, then summed as sum8: two horizontal adds
+// leave ((l0 + l1) + (l2 + l3)) in lane 0 and ((l4 + l5) + (l6 + l7)) in lane 4.
+__attribute__((target("avx2"), always_inline)) inline float reduce16_avx2(__m256 a0, __m256 a1) {
+  const __m256 v = _mm256_add_ps(a0, a1);
+  const __m256 p = _mm256_hadd_ps(v, v);
+  const __m256 h = _mm256_hadd_ps(p, p);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
+}
+
+// Eight such sums at once: lane t = reduce16_avx2 of v[t] (already the added chain pair), the
+// same operations on each (hadds pair adjacent lanes of two vectors at a time).
+__attribute__((target("avx2"), always_inline)) inline __m256 reduce8x8_avx2(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 // dot16 of up to 4 query rows with one key row at a time, side by side: row r's 16 lanes in
 // acc[0][r] (even chunks) and acc[1][r] (odd chunks); the key row loaded decoded, or decoded on
 // the fly (B <= 4: no store of the row and load back).
 template <int G>
 __attribute__((target("avx2"))) inline void finish_dots(const __m256 (&acc)[2][G],
                                                         const float* tail, float* dots) {
-  for (int r = 0; r < G; ++r) {
-    const __m256 v = _mm256_add_ps(acc[0][r], acc[1][r]);
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    const __m128 s1 = _mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1));
-    dots[r] = _mm_cvtss_f32(s1) + tail[r];
-  }
+  for (int r = 0; r < G; ++r) dots[r] = reduce16_avx2(acc[0][r], acc[1][r]) + tail[r];
 }
 
 // The 8 values of coordinates j .. j + 7 of the key row: B = 0 loaded from the decoded row x,
@@ -204,56 +265,132 @@ __attribute__((target("avx2"))) void dots_avx2(const float* q, int64_t d, const 
   finish_dots<G>(acc, tail, dots);
 }
 
+// Dots of n consecutive key rows (rb bytes each, B <= 4) with G query rows: out[r ld + i].
+// Eight tokens at a time: each token's chain pair per row added (lanes u, u + 8), the eight
+// tokens' vectors reduced together (reduce8x8_avx2: the per-token horizontal sums cost more
+// than the 4-8 chunks of a 32-64 wide row), then each tail added.
 template <int B, int G>
-__attribute__((target("avx2"))) void fused_dots_avx2(const float* q, int64_t d,
-                                                     const uint8_t* packed, const float* tab,
-                                                     const float* cent, float* dots) {
-  __m256 acc[2][G];
-  lanes_avx2<B, G>(q, d, nullptr, packed, (d * B + 7) / 8, tab, acc);
-  float tail[G];
-  for (int r = 0; r < G; ++r) {
-    tail[r] = 0.f;
-    for (int64_t j = d / 8 * 8; j < d; ++j) tail[r] += q[r * d + j] * cent[code_at(packed, B, j)];
+__attribute__((target("avx2"))) void dots_block_avx2(const float* q, int64_t d,
+                                                     const uint8_t* kh, int64_t rb, int64_t n,
+                                                     const float* tab, const float* cent,
+                                                     float* out, int64_t ld) {
+  const int64_t d8 = d / 8 * 8;
+  for (int64_t i0 = 0; i0 < n; i0 += 8) {
+    const int64_t m = std::min<int64_t>(8, n - i0);
+    __m256 v[G][8];
+    for (int64_t t = 0; t < 8; ++t) {
+      if (t < m) {
+        __m256 acc[2][G];
+        lanes_avx2<B, G>(q, d, nullptr, kh + (i0 + t) * rb, rb, tab, acc);
+        for (int r = 0; r < G; ++r) v[r][t] = _mm256_add_ps(acc[0][r], acc[1][r]);
+      } else {
+        for (int r = 0; r < G; ++r) v[r][t] = _mm256_setzero_ps();
+      }
+    }
+    for (int r = 0; r < G; ++r) {
+      alignas(32) float sums[8];
+      _mm256_store_ps(sums, reduce8x8_avx2(v[r]));
+      for (int64_t t = 0; t < m; ++t) {
+        float tail = 0.f;
+        for (int64_t j = d8; j < d; ++j)
+          tail += q[r * d + j] * cent[code_at(kh + (i0 + t) * rb, B, j)];
+        out[r * ld + i0 + t] = sums[t] + tail;
+      }
+    }
   }
-  finish_dots<G>(acc, tail, dots);
 }
 
 template <int B>
-__attribute__((target("avx2"))) void fused_score_avx2(const float* q, int64_t g,
-                                                      const uint8_t* packed, int64_t d,
-                                                      const float* cent, float* dots) {
+__attribute__((target("avx2"))) void dots_rows_avx2(const float* q, int64_t g, const uint8_t* kh,
+                                                    int64_t rb, int64_t n, int64_t d,
+                                                    const float* cent, float* out) {
   alignas(32) float tab[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0};
   std::memcpy(tab, cent, sizeof(float) << B);
   for (int64_t r0 = 0; r0 < g; r0 += 4) {
     const float* qq = q + r0 * d;
+    float* o = out + r0 * n;
     switch (std::min<int64_t>(4, g - r0)) {
-      case 1: fused_dots_avx2<B, 1>(qq, d, packed, tab, cent, dots + r0); break;
-      case 2: fused_dots_avx2<B, 2>(qq, d, packed, tab, cent, dots + r0); break;
-      case 3: fused_dots_avx2<B, 3>(qq, d, packed, tab, cent, dots + r0); break;
-      default: fused_dots_avx2<B, 4>(qq, d, packed, tab, cent, dots + r0); break;
+      case 1: dots_block_avx2<B, 1>(qq, d, kh, rb, n, tab, cent, o, n); break;
+      case 2: dots_block_avx2<B, 2>(qq, d, kh, rb, n, tab, cent, o, n); break;
+      case 3: dots_block_avx2<B, 3>(qq, d, kh, rb, n, tab, cent, o, n); break;
+      default: dots_block_avx2<B, 4>(qq, d, kh, rb, n, tab, cent, o, n); break;
     }
   }
 }
 
-__attribute__((target("avx2"))) void score_row_avx2(const float* q, int64_t g,
-                                                    const uint8_t* packed, int64_t d, int b,
-                                                    const float* cent, float* row, float* dots) {
+// key_dots with AVX2: b <= 4 decoded on the fly in blocks of tokens, wider rows decoded to
+// `row` one at a time and dotted 4 query rows at once.
+__attribute__((target("avx2"))) void key_dots_avx2(const float* q, int64_t g, const uint8_t* kh,
+                                                   int64_t rb, int64_t n, int64_t d, int b,
+                                                   const float* cent, float* row, float* out) {
   switch (b) {
-    case 1: return fused_score_avx2<1>(q, g, packed, d, cent, dots);
-    case 2: return fused_score_avx2<2>(q, g, packed, d, cent, dots);
-    case 3: return fused_score_avx2<3>(q, g, packed, d, cent, dots);
-    case 4: return fused_score_avx2<4>(q, g, packed, d, cent, dots);
+    case 1: return dots_rows_avx2<1>(q, g, kh, rb, n, d, cent, out);
+    case 2: return dots_rows_avx2<2>(q, g, kh, rb, n, d, cent, out);
+    case 3: return dots_rows_avx2<3>(q, g, kh, rb, n, d, cent, out);
+    case 4: return dots_rows_avx2<4>(q, g, kh, rb, n, d, cent, out);
     default: break;
   }
-  decode_any_avx2(packed, d, b, cent, row);
-  for (int64_t r0 = 0; r0 < g; r0 += 4) {
-    const float* qq = q + r0 * d;
-    switch (std::min<int64_t>(4, g - r0)) {
-      case 1: dots_avx2<1>(qq, d, row, dots + r0); break;
-      case 2: dots_avx2<2>(qq, d, row, dots + r0); break;
-      case 3: dots_avx2<3>(qq, d, row, dots + r0); break;
-      default: dots_avx2<4>(qq, d, row, dots + r0); break;
+  float dots[4];
+  for (int64_t i = 0; i < n; ++i) {
+    decode_any_avx2(kh + i * rb, d, b, cent, row);
+    for (int64_t r0 = 0; r0 < g; r0 += 4) {
+      const float* qq = q + r0 * d;
+      const int64_t k = std::min<int64_t>(4, g - r0);
+      switch (k) {
+        case 1: dots_avx2<1>(qq, d, row, dots); break;
+        case 2: dots_avx2<2>(qq, d, row, dots); break;
+        case 3: dots_avx2<3>(qq, d, row, dots); break;
+        default: dots_avx2<4>(qq, d, row, dots); break;
+      }
+      for (int64_t r = 0; r < k; ++r) out[(r0 + r) * n + i] = dots[r];
     }
+  }
+}
+
+// exp_softmax on 8 lanes, the same operations.
+__attribute__((target("avx2"), always_inline)) inline __m256 exp8_avx2(__m256 x) {
+  const __m256 keep = _mm256_cmp_ps(x, _mm256_set1_ps(kExpLo), _CMP_GE_OQ);
+  x = _mm256_min_ps(x, _mm256_set1_ps(kExpHi));
+  const __m256 rnd = _mm256_set1_ps(kRound);
+  const __m256 n =
+      _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), rnd), rnd);
+  const __m256 r = _mm256_sub_ps(_mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(kLn2Hi))),
+                                 _mm256_mul_ps(n, _mm256_set1_ps(kLn2Lo)));
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(kExpPoly[i]));
+  const __m256 y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r),
+                                 _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(
+      _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+// softmax_rows with AVX2: the same maxima, exps and lane sums.
+__attribute__((target("avx2"))) void softmax_rows_avx2(float* s, int64_t g, int64_t n, float* m,
+                                                       float* l) {
+  const int64_t n8 = n / 8 * 8;
+  for (int64_t r = 0; r < g; ++r) {
+    float* sr = s + r * n;
+    __m256 mx8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < n8; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sr + i));
+    alignas(32) float lane[8];
+    _mm256_store_ps(lane, mx8);
+    float mx = lane[0];
+    for (int u = 1; u < 8; ++u) mx = std::max(mx, lane[u]);
+    for (int64_t i = n8; i < n; ++i) mx = std::max(mx, sr[i]);
+    const float ref = std::isfinite(mx) ? mx : 0.0f;
+    const __m256 ref8 = _mm256_set1_ps(ref);
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n8; i += 8) {
+      const __m256 e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + i), ref8));
+      _mm256_storeu_ps(sr + i, e);
+      acc = _mm256_add_ps(acc, e);
+    }
+    _mm256_store_ps(lane, acc);
+    float sum = sum8(lane);
+    for (int64_t i = n8; i < n; ++i) sum += (sr[i] = exp_softmax(sr[i] - ref));
+    m[r] = mx;
+    l[r] = sum;
   }
 }
 
@@ -285,7 +422,31 @@ __attribute__((target("avx2"))) void add_block_avx2(const float* w, const int64_
                                                     int64_t rb, int64_t d, const float* tab,
                                                     const float* cent, float* acc) {
   const int64_t d8 = d / 8 * 8;
-  for (int64_t j = 0; j < d8; j += 8) {
+  int64_t j = 0;
+  // two chunks per pass: 2 G independent chains of adds instead of G (their latency, not the
+  // adds' throughput, bounds a pass over the tokens)
+  for (; j + 16 <= d8; j += 16) {
+    __m256 a[G], b[G];
+    for (int r = 0; r < G; ++r) {
+      a[r] = _mm256_loadu_ps(acc + r * d + j);
+      b[r] = _mm256_loadu_ps(acc + r * d + j + 8);
+    }
+    for (int64_t k = 0; k < n; ++k) {
+      const uint8_t* row = packed + rows[k] * rb;
+      const __m256 c0 = centroids8_avx2(indices8_fast_avx2<B>(row, rb, j), B, tab);
+      const __m256 c1 = centroids8_avx2(indices8_fast_avx2<B>(row, rb, j + 8), B, tab);
+      for (int r = 0; r < G; ++r) {
+        const __m256 wk = _mm256_set1_ps(w[k * g + r]);
+        a[r] = _mm256_add_ps(a[r], _mm256_mul_ps(wk, c0));
+        b[r] = _mm256_add_ps(b[r], _mm256_mul_ps(wk, c1));
+      }
+    }
+    for (int r = 0; r < G; ++r) {
+      _mm256_storeu_ps(acc + r * d + j, a[r]);
+      _mm256_storeu_ps(acc + r * d + j + 8, b[r]);
+    }
+  }
+  if (j < d8) {
     __m256 a[G];
     for (int r = 0; r < G; ++r) a[r] = _mm256_loadu_ps(acc + r * d + j);
     for (int64_t k = 0; k < n; ++k) {
@@ -354,13 +515,14 @@ __attribute__((target("avx2"))) void add_rows_avx2(const float* w, int64_t n, in
 
 // The row functions of the path present (kernels.h: simd_avx2).
 struct RowOps {
-  void (*score)(const float*, int64_t, const uint8_t*, int64_t, int, const float*, float*,
-                float*) = score_row;
+  void (*dots)(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, int,
+               const float*, float*, float*) = key_dots;
+  void (*softmax)(float*, int64_t, int64_t, float*, float*) = softmax_rows;
   void (*add)(const float*, int64_t, int64_t, const uint8_t*, int64_t, int64_t, int,
               const float*, std::vector<float>&, float*) = add_rows;
   RowOps() {
 #ifdef TQVEC_X86
-    if (simd_avx2()) score = score_row_avx2, add = add_rows_avx2;
+    if (simd_avx2()) dots = key_dots_avx2, softmax = softmax_rows_avx2, add = add_rows_avx2;
 #endif
   }
 };
@@ -407,8 +569,7 @@ void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int6
   std::atomic<int64_t> next{0};
   const RowOps ops;
   run_workers(workers, [&](int64_t) {
-    std::vector<float> scores, dots(static_cast<size_t>(g)), wgt, krow(static_cast<size_t>(d)),
-        vrow;
+    std::vector<float> scores, wgt, krow(static_cast<size_t>(d)), vrow;
     for (int64_t u; (u = next.fetch_add(1)) < units;) {
       int s = 0;
       while (u >= first[s + 1]) ++s;
@@ -431,30 +592,16 @@ void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int6
         continue;
       }
       scores.resize(static_cast<size_t>(g * n));
-      const uint8_t* kh = S.kpacked + h * t * rbk;
-      const float* knh = S.knorm + h * t;
       // each key decoded once and scored for the g query rows
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t tok = a + i;
-        ops.score(S.qr + h * g * d, g, kh + tok * rbk, d, S.kb, S.kcent, krow.data(),
-                  dots.data());
-        for (int64_t r = 0; r < g; ++r)
-          scores[static_cast<size_t>(r * n + i)] =
-              scale * (knh[tok] * dots[static_cast<size_t>(r)]) + S.qbias[h * g + r];
-      }
+      ops.dots(S.qr + h * g * d, g, S.kpacked + (h * t + a) * rbk, rbk, n, d, S.kb, S.kcent,
+               krow.data(), scores.data());
+      const float* knh = S.knorm + h * t + a;
       for (int64_t r = 0; r < g; ++r) {
         float* sr = scores.data() + r * n;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t i = 0; i < n; ++i) mx = std::max(mx, sr[i]);
-        const float ref = std::isfinite(mx) ? mx : 0.0f;
-        float sum = 0.0f;
-        for (int64_t i = 0; i < n; ++i) {
-          sr[i] = std::exp(sr[i] - ref);
-          sum += sr[i];
-        }
-        mh[r] = mx;
-        lh[r] = sum;
+        const float qb = S.qbias[h * g + r];
+        for (int64_t i = 0; i < n; ++i) sr[i] = scale * (knh[i] * sr[i]) + qb;
       }
+      ops.softmax(scores.data(), g, n, mh, lh);
       const uint8_t* vh = S.vpacked + h * t * rbv;
       const float* vnh = S.vnorm + h * t;
       wgt.resize(static_cast<size_t>(n * g));  // (n, g): each token's weights
@@ -526,16 +673,40 @@ inline float element(const void* x, int dtype, int64_t i) {
   return half_to_float(h);
 }
 
+// half -> float of n values, exactly (half_to_float's values).
+void halves_to_floats(const uint16_t* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+
+#ifdef TQVEC_X86
+// The same with F16C: its conversion is exact too, 8 values per instruction.
+__attribute__((target("avx2,f16c"))) void halves_to_floats_f16c(const uint16_t* h, int64_t n,
+                                                                float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i,
+                     _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+#endif
+
 // A side's per-token multipliers of tokens [lo, hi) of every head, as float32 (bh, t).
 void side_norms(const KVCodeSide& side, int64_t bh, int64_t t, int64_t lo, int64_t hi,
                 std::vector<float>& out) {
   out.resize(static_cast<size_t>(bh * t));
-  for (int64_t h = 0; h < bh; ++h)
-    for (int64_t i = lo; i < hi; ++i) {
-      const int64_t at = h * t + i;
-      out[static_cast<size_t>(at)] = side.norm8 ? side.norm_table[side.norm8[at]]
-                                                : half_to_float(side.norm16[at]);
+  auto convert = halves_to_floats;
+#ifdef TQVEC_X86
+  static const bool f16c = simd_avx2() && __builtin_cpu_supports("f16c");
+  if (f16c) convert = halves_to_floats_f16c;
+#endif
+  for (int64_t h = 0; h < bh; ++h) {
+    float* o = out.data() + h * t;
+    if (side.norm8) {
+      for (int64_t i = lo; i < hi; ++i) o[i] = side.norm_table[side.norm8[h * t + i]];
+    } else {
+      convert(side.norm16 + h * t + lo, hi - lo, o + lo);
     }
+  }
 }
 
 }  // namespace

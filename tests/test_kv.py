@@ -141,6 +141,31 @@ def test_compiled_decode_step_matches_the_composition(make, kw, monkeypatch):
 
 
 @pytest.mark.skipif(not tqvec.ops.has_cpu_kernels(), reason="compiled CPU kernels not built")
+def test_compiled_step_plans_follow_the_buffers(monkeypatch):
+    """The compiled step reuses a layer's plan while its code buffers keep their storage and
+    makes a new one when they grow past it (or a segment appears): decoding far past the first
+    allocation (64 tokens) gives the composition's logits at every step."""
+    from tqvec import ops
+    from tqvec.kv import attention
+
+    model = llama()
+    ids = torch.randint(0, 97, (1, 110), generator=torch.Generator().manual_seed(5))
+    kw = dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2, residual_bits=8)
+    monkeypatch.setattr(attention, "COMPILED_STEP", False)
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **kw), 8)
+    plans, steps = [], []
+    real_plan, real_step = ops.attention_plan, ops.attention_step
+    monkeypatch.setattr(ops, "attention_plan", lambda *a: plans.append(1) or real_plan(*a))
+    monkeypatch.setattr(ops, "attention_step", lambda *a: steps.append(1) or real_step(*a))
+    monkeypatch.setattr(attention, "COMPILED_STEP", True)
+    step = run(model, ids, kv.TurboQuantCache(model.config, **kw), 8)
+    layers = model.config.num_hidden_layers
+    assert len(steps) >= 90 * layers
+    assert 2 * layers <= len(plans) < len(steps) // 4  # remade as buffers grow, mostly reused
+    torch.testing.assert_close(step, plain, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not tqvec.ops.has_cpu_kernels(), reason="compiled CPU kernels not built")
 def test_compiled_decode_step_rejects_mismatched_buffers():
     from tqvec import ops
     q = make_quantizer("turbo", 16, 3, seed=0, role="keys")
@@ -151,24 +176,27 @@ def test_compiled_decode_step_rejects_mismatched_buffers():
     packed = codes["payload"].reshape(2, 5, -1)
     fit = codes["fit"].reshape(2, 5)
     x = torch.randn(2, 3, 16)
-    out = ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
-                             [fit, fit], [0, 5], [x, x])
+    plan = ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit, fit])
+    out = ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5], [x, x])
     assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
-    with pytest.raises(ValueError, match=r"dimension \(16, 16\) must equal the queries' \(8\)"):
-        ops.attention_step(torch.randn(2, 4, 8), 2, 0.25, [side, side], [packed, packed],
-                           [fit, fit], [0, 5], [])
+    with pytest.raises(ValueError, match=r"dimension \(16\) must equal the queries' \(8\)"):
+        ops.attention_step(torch.randn(2, 4, 8), 0.25, plan, [0, 5], [])
+    with pytest.raises(ValueError, match="q"):
+        ops.attention_step(torch.randn(4, 4, 16), 0.25, plan, [0, 5], [])
     with pytest.raises(ValueError, match="range"):
-        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
-                           [fit, fit], [0, 6], [])
-    with pytest.raises(ValueError, match="norms"):
-        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
-                           [fit.float(), fit.float()], [0, 5], [])
+        ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 6], [])
+    with pytest.raises(ValueError, match="ranges"):
+        ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5, 0, 5], [])
     with pytest.raises(ValueError, match="exact"):
-        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side], [packed, packed],
-                           [fit, fit], [0, 5], [x, x[:, :2]])
+        ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5], [x, x[:, :2]])
+    with pytest.raises(ValueError, match=r"dimension \(16, 16\) must equal the queries' \(8\)"):
+        ops.attention_plan(2, 2, 8, [side, side], [packed, packed], [fit, fit])
+    with pytest.raises(ValueError, match="norms"):
+        ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit.float(), fit.float()])
     with pytest.raises(ValueError, match="packed"):
-        ops.attention_step(torch.randn(2, 4, 16), 2, 0.25, [side, side],
-                           [packed, packed[:, :, 1:]], [fit, fit], [0, 5], [])
+        ops.attention_plan(2, 2, 16, [side, side], [packed, packed[:, :, 1:]], [fit, fit])
+    with pytest.raises(ValueError, match="heads"):
+        ops.attention_plan(3, 2, 16, [side, side], [packed, packed], [fit, fit])
 
 
 def test_calibrated_cache_tracks_full_precision():

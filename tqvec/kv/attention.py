@@ -314,6 +314,38 @@ def _step_side(quantizer):
     return out
 
 
+# layer -> (what its plan was made from, the plan): the codes' buffers are reallocated only as
+# they grow, so a step mostly reuses the plan its layer made before
+_PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _step_plan(layer, codes, bh: int, d: int):
+    """The compiled step's plan of the layer's code parts (``ops.attention_plan``), made again
+    only when a side or a buffer's storage changed; None where the step cannot take them."""
+    made_of = []
+    for kq, vq, kbuf, vbuf in codes:
+        for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
+            got = _step_side(quantizer)
+            if got is None:
+                return None
+            made_of += [got[0], buf.data["payload"]]
+    hit = _PLANS.get(layer)
+    if hit is not None and len(hit[0]) == len(made_of) and all(
+            a is b for a, b in zip(hit[0], made_of, strict=True)):
+        return hit[1]
+    sides, packed, norms = [], [], []
+    for kq, vq, kbuf, vbuf in codes:
+        for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
+            side, name = _step_side(quantizer)
+            codes_np, norms_np = buf.host("payload", name)
+            sides.append(side)
+            packed.append(codes_np)
+            norms.append(norms_np)
+    plan = ops.attention_plan(layer.num_heads, bh, d, sides, packed, norms)
+    _PLANS[layer] = (made_of, plan)
+    return plan
+
+
 def _compiled_step(layer, query, mask, kv_offset, scaling, G):
     """``attend`` as one compiled call (``ops.attention_step``) when every stored token is
     visible to every query (a decode step without padding) and the layer's segments are what
@@ -332,22 +364,14 @@ def _compiled_step(layer, query, mask, kv_offset, scaling, G):
     first, codes, exact = parts
     if mask is not None and first < kv_offset:
         return None
-    sides, packed, norms, ranges = [], [], [], []
-    for kq, vq, kbuf, vbuf in codes:  # the key and value buffers hold the same tokens
-        for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
-            got = _step_side(quantizer)
-            if got is None:
-                return None
-            side, name = got
-            codes_np, norms_np = buf.host("payload", name)
-            sides.append(side)
-            packed.append(codes_np)
-            norms.append(norms_np)
-        ranges += [kbuf.start, kbuf.stop]
     H = layer.num_heads
+    plan = _step_plan(layer, codes, B * H, D)
+    if plan is None:
+        return None
+    ranges = [i for _, _, kbuf, _ in codes for i in (kbuf.start, kbuf.stop)]
     ex = [t.reshape(B * H, -1, D) for pair in exact for t in pair]
     q = query.float().reshape(B * H, G * Q, D)
-    out = ops.attention_step(q, H, scaling, sides, packed, norms, ranges, ex)
+    out = ops.attention_step(q, scaling, plan, ranges, ex)
     return None if out is None else out.reshape(B, Hq, Q, D)
 
 

@@ -26,8 +26,8 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "row_sqnorms", "row_dots", "row_project", "decode_attention", "row_bytes",
            "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS",
            "compiled_flat_searcher", "compiled_terms_searcher", "compiled_ivf_searcher",
-           "compiled_graph_searcher", "compiled_kv_side", "attention_step", "threads",
-           "simd_path", "has_cpu_kernels"]
+           "compiled_graph_searcher", "compiled_kv_side", "attention_plan", "attention_step",
+           "threads", "simd_path", "has_cpu_kernels"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
@@ -574,29 +574,36 @@ def compiled_kv_side(**args: Any) -> Any | None:
 _EXACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def attention_step(q: torch.Tensor, heads: int, scale: float, sides: list, packed: list,
-                   norms: list, ranges: list[int], exact: list[torch.Tensor]
-                   ) -> torch.Tensor | None:
+def attention_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list
+                   ) -> Any | None:
+    """A cache layer's code segments prepared once for ``attention_step`` (checked, and held
+    for as long as the plan lives), or None without ``tqvec._C``: per code segment a (key,
+    value) pair of ``compiled_kv_side`` sides, of codes (bh, t, row bytes) uint8 and of
+    multipliers (bh, t) (float16, or uint8 codes for a side with a norm table) - numpy arrays
+    or CPU tensors; heads KV heads per batch row, d the queries' width."""
+    if not _cpu.available():
+        return None
+
+    def host(xs):
+        return [x.numpy() if isinstance(x, torch.Tensor) else x for x in xs]
+    return _cpu.step_plan(heads, bh, d, sides, host(packed), host(norms))
+
+
+def attention_step(q: torch.Tensor, scale: float, plan: Any, ranges: list[int],
+                   exact: list[torch.Tensor]) -> torch.Tensor | None:
     """One decode step of a KV-cache layer's attention in one compiled CPU call
     (csrc/cpu/attention.cpp; its meaning: ``tqvec.kv.attention``'s composition of
     ``decode_attention`` per code segment and exact scores, merged in one softmax).
 
-    q (bh, g, d) float32; per code segment a (key, value) pair of ``compiled_kv_side`` sides,
-    of codes (bh, t, row bytes) uint8 and of multipliers (bh, t) (float16, or uint8 codes for
-    a side with a norm table) - numpy arrays or CPU tensors - and its token range (lo, hi);
-    exact: (keys, values) pairs (bh, n, d) of one dtype (float32, bfloat16 or float16), every
-    token visible to every row. Returns (bh, g, d) float32, or None where it does not run (no
-    compiled kernels, not on the CPU, mixed or other dtypes)."""
+    q (bh, g, d) float32; plan: ``attention_plan``'s code segments, ranges their token ranges
+    (lo, hi); exact: (keys, values) pairs (bh, n, d) of one dtype (float32, bfloat16 or
+    float16), every token visible to every row. Returns (bh, g, d) float32, or None where it
+    does not run (no plan, not on the CPU, mixed or other dtypes)."""
     dt = exact[0].dtype if exact else torch.float32
     code = _EXACT_DTYPES.get(dt)
-    if (code is None or any(t.dtype != dt for t in exact) or not _cpu.available()
-            or q.device.type != "cpu"):
+    if plan is None or code is None or any(t.dtype != dt for t in exact) or q.device.type != "cpu":
         return None
     ex = [t.contiguous() for t in exact]
     ex = [t.numpy() if code == 0 else t.view(torch.int16).numpy() for t in ex]
-
-    def host(xs):
-        return [x.numpy() if isinstance(x, torch.Tensor) else x for x in xs]
-    out = _cpu.attention_step_np(q.contiguous().numpy(), heads, scale, sides, host(packed),
-                                 host(norms), ranges, ex, code)
-    return torch.from_numpy(out)
+    return torch.from_numpy(_cpu.attention_step_np(plan, q.contiguous().numpy(), scale, ranges,
+                                                   ex, code))

@@ -24,7 +24,7 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
-           "decode_attention_cpu", "kv_side", "attention_step_np", "rescore_topk_np",
+           "decode_attention_cpu", "kv_side", "step_plan", "attention_step_np", "rescore_topk_np",
            "rescore_topk_cpu"]
 
 
@@ -253,7 +253,7 @@ def decode_attention_cpu(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.T
 def kv_side(*, rotation: tuple, centroids: torch.Tensor, bits: int,
             mu: torch.Tensor | None = None, sc: torch.Tensor | None = None,
             norm_table: torch.Tensor | None = None) -> object:
-    """A code segment side's constants for ``attention_step_np``, prepared once
+    """A code segment side's constants for ``step_plan``, prepared once
     (csrc/cpu/bind/attention.cpp ``KVSide``): ``rotation`` = (perms, signs, p) numpy arrays and
     block, centroids (2^bits) float32, the channel scale's mu and sc (heads, d) or None, and
     for multipliers stored as 8-bit codes their float32 values (256)."""
@@ -263,15 +263,19 @@ def kv_side(*, rotation: tuple, centroids: torch.Tensor, bits: int,
                      mu=host(mu), sc=host(sc), norm_table=host(norm_table))
 
 
-def attention_step_np(q: np.ndarray, heads: int, scale: float, sides: list, packed: list,
-                      norms: list, ranges: list[int], exact: list, exact_dtype: int
-                      ) -> np.ndarray:
+def step_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list) -> object:
+    """A layer's code segments prepared for ``attention_step_np`` (csrc/cpu/bind/attention.cpp
+    ``KVStepPlan``): the arrays are checked once and held by the plan."""
+    return _C.KVStepPlan(heads, bh, d, sides, packed, norms)
+
+
+def attention_step_np(plan: object, q: np.ndarray, scale: float, ranges: list[int],
+                      exact: list, exact_dtype: int) -> np.ndarray:
     """One decode step of a cache layer's attention (csrc/cpu/attention.cpp ``attention_step``):
     q (bh, g, d) float32 -> (bh, g, d) float32."""
     out = np.empty(q.shape, dtype=np.float32)
     if q.size:
-        _C.attention_step(q, heads, float(scale), sides, packed, norms, ranges, exact,
-                          exact_dtype, out, threads())
+        plan.run(q, float(scale), ranges, exact, exact_dtype, out, threads())
     return out
 
 

@@ -1,6 +1,6 @@
 // Bindings of decode attention over TurboQuant-mse key/value codes: one segment's softmax state
-// (decode_attention) and a whole decode step of a cache layer (attention_step, with its
-// per-side constants prepared once as a KVSide).
+// (decode_attention) and a whole decode step of a cache layer (attention_step: per-side
+// constants prepared once as a KVSide, a layer's code buffers once as a KVStepPlan).
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
@@ -23,6 +23,15 @@ struct KVSide {
   int bits;
   std::optional<CArr<const float>> mu, sc, norm_table;
   int64_t d, heads;
+};
+
+// A decode step's prepared code segments (the class KVStepPlan; their ranges set per step).
+struct KVStepPlan {
+  int64_t heads, bh, d;
+  std::vector<nb::object> sides;  // held: the segments point into them and into the arrays
+  std::vector<CArr<const uint8_t>> packed;
+  std::vector<AnyArr> norms;
+  std::vector<KVCodeSegment> segs;
 };
 
 bool is(const AnyArr& a, uint8_t code, int bits) {
@@ -107,59 +116,83 @@ void bind_attention(nb::module_& m) {
          arg("mu").none() = nb::none(), arg("sc").none() = nb::none(),
          arg("norm_table").none() = nb::none());
 
-  // sides: key, value for each code segment; packed, norms likewise; ranges: (lo, hi) per code
-  // segment; exact: k, v (bh, n, d) per full-precision segment, float32 or the 16-bit bits of
-  // bfloat16 / float16 (exact_dtype kernels.h kF32 / kBF16 / kF16).
-  m.def("attention_step", [](CArr<const float> q, int64_t heads, float scale,
-                             std::vector<const KVSide*> sides,
-                             std::vector<CArr<const uint8_t>> packed, std::vector<AnyArr> norms,
-                             std::vector<int64_t> ranges, std::vector<AnyArr> exact,
-                             int exact_dtype, CArr<float> out, int nthreads) {
-    const char* op = "attention_step";
-    check_shape(q, {kAny, kAny, kAny}, op, "q");
-    const int64_t bh = dim(q, 0), g = dim(q, 1), d = dim(q, 2);
-    check_shape(out, {bh, g, d}, op, "out");
-    require(heads >= 1 && bh % heads == 0, op, ": heads must divide q's first extent");
-    require(sides.size() % 2 == 0 && packed.size() == sides.size() &&
-                norms.size() == sides.size() && ranges.size() == sides.size(), op,
-            ": sides, packed, norms and ranges must hold a (key, value) pair per code segment");
-    require(exact.size() % 2 == 0, op, ": exact must hold (keys, values) pairs");
-    require(exact_dtype >= kF32 && exact_dtype <= kF16, op, ": exact_dtype must be 0, 1 or 2");
-    const int nseg = static_cast<int>(sides.size() / 2);
-    std::vector<KVCodeSegment> segs(static_cast<size_t>(nseg));
-    for (int s = 0; s < nseg; ++s) {
-      const KVSide* ks = sides[2 * s];
-      const KVSide* vs = sides[2 * s + 1];
-      require(ks && vs, op, ": a side is None");
-      require(ks->d == d && vs->d == d, op, ": the sides' dimension (", std::to_string(ks->d),
-              ", ", std::to_string(vs->d), ") must equal the queries' (", std::to_string(d), ")");
-      require((!ks->mu || ks->heads == heads) && (!vs->mu || vs->heads == heads), op,
-              ": a side's channel scale must have one row per KV head");
-      check_shape(packed[2 * s], {bh, kAny, kAny}, op, "packed");
-      const int64_t t = dim(packed[2 * s], 1);
-      const int64_t lo = ranges[2 * s], hi = ranges[2 * s + 1];
-      require(0 <= lo && lo <= hi && hi <= t, op, ": a range must satisfy 0 <= lo <= hi <= t");
-      segs[s] = KVCodeSegment{code_side(*ks, packed[2 * s], norms[2 * s], bh, t, op),
-                              code_side(*vs, packed[2 * s + 1], norms[2 * s + 1], bh, t, op),
-                              t, lo, hi};
-    }
-    const int bytes = exact_dtype == kF32 ? 32 : 16;
-    std::vector<KVExact> ex(exact.size() / 2);
-    for (size_t e = 0; e < ex.size(); ++e) {
-      const AnyArr& k = exact[2 * e];
-      const AnyArr& v = exact[2 * e + 1];
-      require(k.ndim() == 3 && v.ndim() == 3 && dim(k, 0) == bh && dim(k, 2) == d &&
-                  dim(v, 0) == bh && dim(v, 1) == dim(k, 1) && dim(v, 2) == d, op,
-              ": exact keys and values must have shape (bh, n, d)");
-      require(k.dtype().bits == bytes && v.dtype().bits == bytes, op,
-              ": exact rows must have exact_dtype's width");
-      ex[e] = KVExact{k.data(), v.data(), exact_dtype, dim(k, 1)};
-    }
-    nb::gil_scoped_release rel;
-    attention_step(q.data(), bh, heads, g, d, scale, segs.data(), nseg, ex.data(),
-                   static_cast<int>(ex.size()), out.data(), nthreads);
-  }, arg("q"), arg("heads"), arg("scale"), arg("sides"), arg("packed"), arg("norms"),
-     arg("ranges"), arg("exact"), arg("exact_dtype"), arg("out"), arg("nthreads"));
+  // A decode step's code segments prepared once for as long as their buffers live: sides
+  // (key, value per segment), codes (bh, t, row bytes) and multipliers (bh, t) checked and held
+  // (the arrays kept alive by the plan), so that a step converts only its queries, the ranges
+  // and the full-precision rows. bh rows of queries per step, d their width.
+  nb::class_<KVStepPlan>(m, "KVStepPlan")
+      .def("__init__", [](KVStepPlan* self, int64_t heads, int64_t bh, int64_t d,
+                          std::vector<nb::object> sides, std::vector<CArr<const uint8_t>> packed,
+                          std::vector<AnyArr> norms) {
+        const char* op = "KVStepPlan";
+        require(heads >= 1 && bh >= 0 && bh % heads == 0, op,
+                ": heads must be positive and divide bh");
+        require(sides.size() % 2 == 0 && packed.size() == sides.size() &&
+                    norms.size() == sides.size(), op,
+                ": sides, packed and norms must hold a (key, value) pair per code segment");
+        const size_t nseg = sides.size() / 2;
+        KVStepPlan plan{heads, bh, d, sides, packed, norms, {}};
+        for (size_t s = 0; s < nseg; ++s) {
+          const KVSide* ks = nb::cast<const KVSide*>(sides[2 * s]);
+          const KVSide* vs = nb::cast<const KVSide*>(sides[2 * s + 1]);
+          require(ks && vs, op, ": a side is None");
+          require(ks->d == d && vs->d == d, op, ": the sides' dimension (", std::to_string(ks->d),
+                  ", ", std::to_string(vs->d), ") must equal the queries' (", std::to_string(d),
+                  ")");
+          require((!ks->mu || ks->heads == heads) && (!vs->mu || vs->heads == heads), op,
+                  ": a side's channel scale must have one row per KV head");
+          check_shape(packed[2 * s], {bh, kAny, kAny}, op, "packed");
+          const int64_t t = dim(packed[2 * s], 1);
+          plan.segs.push_back(KVCodeSegment{code_side(*ks, packed[2 * s], norms[2 * s], bh, t, op),
+                                            code_side(*vs, packed[2 * s + 1], norms[2 * s + 1],
+                                                      bh, t, op),
+                                            t, 0, 0});
+        }
+        new (self) KVStepPlan(std::move(plan));
+      }, arg("heads"), arg("bh"), arg("d"), arg("sides"), arg("packed"), arg("norms"))
+      // One step: q (bh, g, d) float32 -> out (bh, g, d); ranges (lo, hi) per code segment;
+      // exact: k, v (bh, n, d) per full-precision segment, float32 or the 16-bit bits of
+      // bfloat16 / float16 (exact_dtype kernels.h kF32 / kBF16 / kF16).
+      .def("run", [](const KVStepPlan& p, CArr<const float> q, float scale,
+                     std::vector<int64_t> ranges, std::vector<AnyArr> exact, int exact_dtype,
+                     CArr<float> out, int nthreads) {
+        const char* op = "attention_step";
+        check_shape(q, {p.bh, kAny, kAny}, op, "q");
+        const int64_t g = dim(q, 1), d = dim(q, 2);
+        require(d == p.d, op, ": the sides' dimension (", std::to_string(p.d),
+                ") must equal the queries' (", std::to_string(d), ")");
+        check_shape(out, {p.bh, g, d}, op, "out");
+        require(ranges.size() == 2 * p.segs.size(), op,
+                ": ranges must hold a (lo, hi) pair per code segment");
+        require(exact.size() % 2 == 0, op, ": exact must hold (keys, values) pairs");
+        require(exact_dtype >= kF32 && exact_dtype <= kF16, op,
+                ": exact_dtype must be 0, 1 or 2");
+        std::vector<KVCodeSegment> segs = p.segs;
+        for (size_t s = 0; s < segs.size(); ++s) {
+          const int64_t lo = ranges[2 * s], hi = ranges[2 * s + 1];
+          require(0 <= lo && lo <= hi && hi <= segs[s].t, op,
+                  ": a range must satisfy 0 <= lo <= hi <= t");
+          segs[s].lo = lo;
+          segs[s].hi = hi;
+        }
+        const int bytes = exact_dtype == kF32 ? 32 : 16;
+        std::vector<KVExact> ex(exact.size() / 2);
+        for (size_t e = 0; e < ex.size(); ++e) {
+          const AnyArr& k = exact[2 * e];
+          const AnyArr& v = exact[2 * e + 1];
+          require(k.ndim() == 3 && v.ndim() == 3 && dim(k, 0) == p.bh && dim(k, 2) == d &&
+                      dim(v, 0) == p.bh && dim(v, 1) == dim(k, 1) && dim(v, 2) == d, op,
+                  ": exact keys and values must have shape (bh, n, d)");
+          require(k.dtype().bits == bytes && v.dtype().bits == bytes, op,
+                  ": exact rows must have exact_dtype's width");
+          ex[e] = KVExact{k.data(), v.data(), exact_dtype, dim(k, 1)};
+        }
+        nb::gil_scoped_release rel;
+        attention_step(q.data(), p.bh, p.heads, g, d, scale, segs.data(),
+                       static_cast<int>(segs.size()), ex.data(), static_cast<int>(ex.size()),
+                       out.data(), nthreads);
+      }, arg("q"), arg("scale"), arg("ranges"), arg("exact"), arg("exact_dtype"), arg("out"),
+         arg("nthreads"));
 }
 
 }  // namespace tqvec::bind

@@ -50,9 +50,9 @@ PLAN_BASE = dict(residual_bits=8, norm_bits=8, sink_length=4)
 # method prefix -> (plan key prefix in kv_plan.json, codec of the candidates)
 PLAN_CODECS = {"tq": ("", "turbo"), "vq": ("vq", "turbo-vq")}
 # bits/element are averaged over the last CYCLE steps: a cache that moves tokens in blocks
-# (residual_bits=8: 16 tokens) holds between residual_length and residual_length + 15 window
+# (residual_bits=8: 64 tokens) holds between residual_length and residual_length + 63 window
 # tokens, and its end state is one phase of that cycle
-CYCLE = 16
+CYCLE = 64
 
 
 # -- models and text ---------------------------------------------------------------------------
@@ -867,7 +867,8 @@ def main(argv=None) -> None:
     v = sub.add_parser("speed")
     v.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])
     v.add_argument("--contexts", nargs="+", type=int, default=[1024, 4096])
-    v.add_argument("--steps", type=int, default=32, help="decode steps timed per run")
+    v.add_argument("--steps", type=int, default=64,
+                   help="decode steps timed per run (whole CYCLEs of the window moves)")
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
     v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     v.add_argument("--batch", type=int, default=1, help="sequences decoded together")

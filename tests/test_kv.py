@@ -346,10 +346,11 @@ def test_8bit_window_tracks_the_full_precision_window(make):
 def test_8bit_window_moves_tokens_in_blocks():
     from transformers import DynamicCache
     model = llama()
-    ids = torch.randint(0, 97, (1, 70), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 97, (1, 160), generator=torch.Generator().manual_seed(5))
     cache = kv.TurboQuantCache(model.config, residual_length=8, sink_length=2,
                                residual_bits=8)
     block = kv.layer.CompressedLayer.WINDOW_BLOCK
+    move = kv.layer.CompressedLayer.MOVE_BLOCK
     with torch.no_grad():
         model(ids[:, :20], past_key_values=cache)
         full = DynamicCache(config=model.config)
@@ -359,18 +360,21 @@ def test_8bit_window_moves_tokens_in_blocks():
             # tokens went to the sink as they were, not through the 8-bit codes
             assert torch.equal(layer.sink_k, ref.keys[:, :, :2])
             assert torch.equal(layer.sink_v, ref.values[:, :, :2])
-        for t in range(20, 70):
+        codes = set()
+        for t in range(20, 160):
             model(ids[:, t: t + 1], past_key_values=cache)
             for layer in cache.layers:
                 w = layer.window_length()
-                assert 8 <= w < 8 + block and layer.keys.shape[2] < block
+                assert 8 <= w < 8 + move and layer.keys.shape[2] < block
                 assert (layer.sink_k.shape[2] + len(layer.kbuf) + w
                         == layer.cumulative_length == t + 1)
+                codes.add(len(layer.kbuf))
+        assert codes == {0, move, 2 * move}  # the overflow left in whole blocks
 
 
 def test_8bit_window_accounting_is_exact():
     model = llama()
-    ids = torch.randint(0, 97, (1, 40), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 97, (1, 90), generator=torch.Generator().manual_seed(5))
     cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=2, residual_length=8,
                                sink_length=0, calibrate=False, residual_bits=8)
     run(model, ids, cache, 20)
@@ -379,15 +383,16 @@ def test_8bit_window_accounting_is_exact():
     vq = make_quantizer("turbo", d, 2, seed=0, role="values")
     wq = make_quantizer("turbo", d, 8, seed=0, role="keys")
     assert wq.bytes_per_token == d + 2  # 8 bits per element + the float16 scale
-    # prefill 20: the overflow (12) is less than a block, the 20 window tokens go to 8-bit
-    # codes; at 24 tokens the overflow is a block: 16 to the final codes; 25..36 exact, coded at
-    # 36; at 40 another block of 16 leaves: 40 = 32 codes + 4 coded window + 4 exact (float32)
+    # prefill 20: the overflow (12) is less than a move, the 20 window tokens go to 8-bit codes;
+    # 21..36, 37..52, 53..68 exact, coded at 36, 52, 68; at 72 the overflow is a move: 64 to the
+    # final codes (4 coded and 4 exact stay); 73..84 coded at 84; at 90 = 64 codes + 20 coded
+    # window + 6 exact (float32)
     layer = cache.layers[0]
-    assert (len(layer.kbuf), len(layer.wkbuf), layer.keys.shape[2]) == (32, 4, 4)
-    expect = L * H * (32 * (kq.bytes_per_token + vq.bytes_per_token)
-                      + 4 * 2 * wq.bytes_per_token + 4 * 2 * d * 4)
+    assert (len(layer.kbuf), len(layer.wkbuf), layer.keys.shape[2]) == (64, 20, 6)
+    expect = L * H * (64 * (kq.bytes_per_token + vq.bytes_per_token)
+                      + 20 * 2 * wq.bytes_per_token + 6 * 2 * d * 4)
     assert cache.memory_bytes() == expect
-    assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 40 * d * 2))
+    assert cache.bits_per_element() == pytest.approx(8 * expect / (L * H * 90 * d * 2))
 
 
 @pytest.mark.parametrize("make", [llama, gemma3])

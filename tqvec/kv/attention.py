@@ -321,29 +321,32 @@ _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _step_plan(layer, codes, bh: int, d: int):
     """The compiled step's plan of the layer's code parts (``ops.attention_plan``), made again
-    only when a side or a buffer's storage changed; None where the step cannot take them."""
-    made_of = []
+    only when a quantizer or a buffer's storage changed (a quantizer's constants are set
+    before its first codes exist, so new sides come with new storage); None where the step
+    cannot take them."""
+    made_of = [x for kq, vq, kbuf, vbuf in codes
+               for x in (kq, kbuf.data["payload"], vq, vbuf.data["payload"])]
+    hit = _PLANS.get(layer)
+    if hit is not None and len(hit[0]) == len(made_of) and all(
+            a is b for a, b in zip(hit[0], made_of, strict=True)):
+        return hit[1]
+    plan = _make_plan(layer, codes, bh, d)
+    _PLANS[layer] = (made_of, plan)
+    return plan
+
+
+def _make_plan(layer, codes, bh: int, d: int):
+    sides, packed, norms = [], [], []
     for kq, vq, kbuf, vbuf in codes:
         for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
             got = _step_side(quantizer)
             if got is None:
                 return None
-            made_of += [got[0], buf.data["payload"]]
-    hit = _PLANS.get(layer)
-    if hit is not None and len(hit[0]) == len(made_of) and all(
-            a is b for a, b in zip(hit[0], made_of, strict=True)):
-        return hit[1]
-    sides, packed, norms = [], [], []
-    for kq, vq, kbuf, vbuf in codes:
-        for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
-            side, name = _step_side(quantizer)
-            codes_np, norms_np = buf.host("payload", name)
-            sides.append(side)
+            codes_np, norms_np = buf.host("payload", got[1])
+            sides.append(got[0])
             packed.append(codes_np)
             norms.append(norms_np)
-    plan = ops.attention_plan(layer.num_heads, bh, d, sides, packed, norms)
-    _PLANS[layer] = (made_of, plan)
-    return plan
+    return ops.attention_plan(layer.num_heads, bh, d, sides, packed, norms)
 
 
 def _compiled_step(layer, query, mask, kv_offset, scaling, G):

@@ -40,11 +40,12 @@ class TurboQuantCache(Cache):
     residual_bits: ``None`` (default) holds that window in the model's dtype; ``8`` holds it
         as 8-bit TurboQuant codes (float16 scale; relative error ~0.6 % per vector, 8.25
         bits/element at head_dim 64 against 16), decoded for each attention. Tokens then move
-        in blocks of 16: the newest (< 16) stay exact until they fill a block, and the window
-        holds residual_length to residual_length + 15 tokens (one codec call per block instead
-        of per token). A forward's own tokens still attend to each other exactly; a token
-        leaving the window is coded from its 8-bit code (the 8-bit error, a relative mean
-        square of ~4e-5, adds to the final code's, ~3e-2 at 3 bits).
+        in blocks: the newest (< 16) stay exact until they fill a block of 16, and the window
+        holds residual_length to residual_length + 63 tokens, moved on to the codes 64 at a
+        time (a codec call per block instead of per token). A forward's own tokens still
+        attend to each other exactly; a token leaving the window is coded from its 8-bit code
+        (the 8-bit error, a relative mean square of ~4e-5, adds to the final code's, ~3e-2 at
+        3 bits).
     sink_length: first tokens kept in full precision (full-attention layers; default 4: the
         attention sinks of deep layers, ~0.03 bits/element at 2k tokens).
     outlier_channels, outlier_bits: split that many key channels per head (picked at prefill by

@@ -170,7 +170,8 @@ def exact_attention(q, k, v, mask, scaling: float, softcap: float | None = None)
 
 
 def layer_error(settings: KVSettings | Mapping[str, Any], sample: LayerSample, queries: int = 64,
-                bit_steps: int = 16, prefill: int | None = None) -> tuple[float, float, int]:
+                bit_steps: int = CompressedLayer.MOVE_BLOCK, prefill: int | None = None
+                ) -> tuple[float, float, int]:
     """(relative error, bits/element, elements) of one layer's cache with ``settings`` on
     ``sample``, in the regime the cache runs in when it generates: a prefill of ``prefill``
     tokens (default L - queries; calibrated from the prefill's queries, as the attention
@@ -181,7 +182,7 @@ def layer_error(settings: KVSettings | Mapping[str, Any], sample: LayerSample, q
     hold for all later ones. K/V are held as float16 (full-precision tokens cost 16 bits, as in
     an fp16/bf16 deployment); a sliding-window layer evicts as the cache does. Bits are counted
     over the tokens the layer stands for, averaged over the last ``bit_steps`` steps (a cache
-    with ``residual_bits=8`` moves tokens in blocks of 16 and cycles through 16 states)."""
+    with ``residual_bits=8`` moves tokens on in blocks of 64 and cycles through 64 states)."""
     if not isinstance(settings, KVSettings):
         settings = KVSettings(**settings)
     q, k, v = sample.query, sample.key, sample.value

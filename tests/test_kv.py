@@ -179,6 +179,14 @@ def test_compiled_decode_step_rejects_mismatched_buffers():
     plan = ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit, fit])
     out = ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5], [x, x])
     assert out.shape == (2, 4, 16) and torch.isfinite(out).all()
+    # rows held by the plan count as rows given to the step
+    held = ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit, fit], [x, x])
+    q = torch.randn(2, 4, 16)
+    torch.testing.assert_close(ops.attention_step(q, 0.25, held, [0, 5], []),
+                               ops.attention_step(q, 0.25, plan, [0, 5], [x, x]))
+    assert ops.attention_step(q, 0.25, plan, [0, 5], [x.half(), x.half()]) is None  # dtype
+    assert ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit, fit], [x, x],
+                              torch.float16) is None
     with pytest.raises(ValueError, match=r"dimension \(16\) must equal the queries' \(8\)"):
         ops.attention_step(torch.randn(2, 4, 8), 0.25, plan, [0, 5], [])
     with pytest.raises(ValueError, match="q"):
@@ -189,6 +197,8 @@ def test_compiled_decode_step_rejects_mismatched_buffers():
         ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5, 0, 5], [])
     with pytest.raises(ValueError, match="exact"):
         ops.attention_step(torch.randn(2, 4, 16), 0.25, plan, [0, 5], [x, x[:, :2]])
+    with pytest.raises(ValueError, match="exact"):
+        ops.attention_plan(2, 2, 16, [side, side], [packed, packed], [fit, fit], [x])
     with pytest.raises(ValueError, match=r"dimension \(16, 16\) must equal the queries' \(8\)"):
         ops.attention_plan(2, 2, 8, [side, side], [packed, packed], [fit, fit])
     with pytest.raises(ValueError, match="norms"):

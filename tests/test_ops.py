@@ -695,7 +695,8 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "                                            rot.p), centroids=c, bits=b)\n"
         "             for c, b in ((kc, kb), (vc, vb))]\n"
         "    ex = torch.from_numpy(rng.standard_normal((2, 5, d)).astype(np.float16))\n"
-        "    plan = ops.attention_plan(2, 2, d, sides, [kp, vp], [kn.half(), vn.half()])\n"
+        "    plan = ops.attention_plan(2, 2, d, sides, [kp, vp], [kn.half(), vn.half()],\n"
+        "                              [ex[:, :2], ex[:, 3:]], torch.float16)\n"
         "    out.append(ops.attention_step(qr, 0.1, plan, [7, 299], [ex, ex.flip(1)]).numpy())\n"
         "out.append(np.array([ops.simd_path()]))\n"
         "np.savez(sys.argv[1], *out)\n")

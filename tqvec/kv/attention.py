@@ -319,23 +319,24 @@ def _step_side(quantizer):
 _PLANS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def _step_plan(layer, codes, bh: int, d: int):
-    """The compiled step's plan of the layer's code parts (``ops.attention_plan``), made again
-    only when a quantizer or a buffer's storage changed (a quantizer's constants are set
-    before its first codes exist, so new sides come with new storage); None where the step
-    cannot take them."""
+def _step_plan(layer, codes, sink, bh: int, d: int):
+    """The compiled step's plan of the layer's code parts and sink (``ops.attention_plan``),
+    made again only when a quantizer, a buffer's storage or the sink changed (a quantizer's
+    constants are set before its first codes exist, so new sides come with new storage); None
+    where the step cannot take them."""
     made_of = [x for kq, vq, kbuf, vbuf in codes
                for x in (kq, kbuf.data["payload"], vq, vbuf.data["payload"])]
+    made_of += sink or ()
     hit = _PLANS.get(layer)
     if hit is not None and len(hit[0]) == len(made_of) and all(
             a is b for a, b in zip(hit[0], made_of, strict=True)):
         return hit[1]
-    plan = _make_plan(layer, codes, bh, d)
+    plan = _make_plan(layer, codes, sink, bh, d)
     _PLANS[layer] = (made_of, plan)
     return plan
 
 
-def _make_plan(layer, codes, bh: int, d: int):
+def _make_plan(layer, codes, sink, bh: int, d: int):
     sides, packed, norms = [], [], []
     for kq, vq, kbuf, vbuf in codes:
         for quantizer, buf in ((kq, kbuf), (vq, vbuf)):
@@ -346,7 +347,8 @@ def _make_plan(layer, codes, bh: int, d: int):
             sides.append(got[0])
             packed.append(codes_np)
             norms.append(norms_np)
-    return ops.attention_plan(layer.num_heads, bh, d, sides, packed, norms)
+    exact = [t.reshape(bh, -1, d) for t in sink or ()]
+    return ops.attention_plan(layer.num_heads, bh, d, sides, packed, norms, exact, layer.dtype)
 
 
 def _compiled_step(layer, query, mask, kv_offset, scaling, G):
@@ -364,17 +366,16 @@ def _compiled_step(layer, query, mask, kv_offset, scaling, G):
     parts = layer.step_parts()
     if parts is None:
         return None
-    first, codes, exact = parts
+    first, codes, sink, window = parts
     if mask is not None and first < kv_offset:
         return None
-    H = layer.num_heads
-    plan = _step_plan(layer, codes, B * H, D)
+    bh = B * layer.num_heads
+    plan = _step_plan(layer, codes, sink, bh, D)
     if plan is None:
         return None
     ranges = [i for _, _, kbuf, _ in codes for i in (kbuf.start, kbuf.stop)]
-    ex = [t.reshape(B * H, -1, D) for pair in exact for t in pair]
-    q = query.float().reshape(B * H, G * Q, D)
-    out = ops.attention_step(q, scaling, plan, ranges, ex)
+    ex = [t.reshape(bh, -1, D) for t in window or ()]
+    out = ops.attention_step(query.float().reshape(bh, G * Q, D), scaling, plan, ranges, ex)
     return None if out is None else out.reshape(B, Hq, Q, D)
 
 

@@ -461,22 +461,23 @@ class CompressedLayer(CacheLayerMixin):
         """The stored tokens as a compiled decode step takes them, or None with BalanceKV (its
         tokens carry explicit positions and weights): (position of the oldest stored token,
         code parts [(key quantizer, value quantizer, key buffer, value buffer)] - the codes and
-        the window's 8-bit codes -, full-precision parts [(keys, values)] (B, H, n, D) - the
-        sink and the window's exact tokens); every part holds a contiguous position range."""
+        the window's 8-bit codes -, the sink's (keys, values) and the window's exact (keys,
+        values), each (B, H, n, D) or None when empty); every part holds a contiguous position
+        range."""
         if self.mr is not None:
             return None
         codes = [(kq, vq, kb, vb) for kq, vq, kb, vb in
                  ((self.kq, self.vq, self.kbuf, self.vbuf),
                   (self.wkq, self.wvq, self.wkbuf, self.wvbuf)) if len(kb)]
-        exact = [(k, v) for k, v in ((self.sink_k, self.sink_v), (self.keys, self.values))
-                 if k.shape[2]]
-        if self.sink_k.shape[2]:
+        sink = (self.sink_k, self.sink_v) if self.sink_k.shape[2] else None
+        window = (self.keys, self.values) if self.keys.shape[2] else None
+        if sink is not None:
             first = 0
         elif len(self.kbuf):
             first = self.code_start
         else:
             first = self.cumulative_length - self.window_length()
-        return first, codes, exact
+        return first, codes, sink, window
 
     def only_window(self) -> bool:
         return not (self.sink_k.shape[2] or len(self.kbuf) or len(self.wkbuf)

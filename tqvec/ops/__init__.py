@@ -574,19 +574,31 @@ def compiled_kv_side(**args: Any) -> Any | None:
 _EXACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
-def attention_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list
+def _exact_host(t: torch.Tensor, code: int) -> np.ndarray:
+    """A full-precision row tensor as the numpy array the step reads (16-bit floats as their
+    bits)."""
+    t = t.contiguous()
+    return t.numpy() if code == 0 else t.view(torch.int16).numpy()
+
+
+def attention_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list,
+                   exact: list[torch.Tensor] = (), dtype: torch.dtype = torch.float32
                    ) -> Any | None:
     """A cache layer's code segments prepared once for ``attention_step`` (checked, and held
-    for as long as the plan lives), or None without ``tqvec._C``: per code segment a (key,
-    value) pair of ``compiled_kv_side`` sides, of codes (bh, t, row bytes) uint8 and of
-    multipliers (bh, t) (float16, or uint8 codes for a side with a norm table) - numpy arrays
-    or CPU tensors; heads KV heads per batch row, d the queries' width."""
-    if not _cpu.available():
+    for as long as the plan lives), or None without ``tqvec._C`` or for another dtype: per
+    code segment a (key, value) pair of ``compiled_kv_side`` sides, of codes (bh, t, row bytes)
+    uint8 and of multipliers (bh, t) (float16, or uint8 codes for a side with a norm table) -
+    numpy arrays or CPU tensors; exact: full-precision (keys, values) pairs (bh, n, d) that
+    every step reads unchanged (a sink); dtype: the full-precision rows' (float32, bfloat16 or
+    float16); heads KV heads per batch row, d the queries' width."""
+    code = _EXACT_DTYPES.get(dtype)
+    if code is None or not _cpu.available() or any(t.dtype != dtype for t in exact):
         return None
 
     def host(xs):
         return [x.numpy() if isinstance(x, torch.Tensor) else x for x in xs]
-    return _cpu.step_plan(heads, bh, d, sides, host(packed), host(norms))
+    return _cpu.step_plan(heads, bh, d, sides, host(packed), host(norms),
+                          [_exact_host(t, code) for t in exact], code)
 
 
 def attention_step(q: torch.Tensor, scale: float, plan: Any, ranges: list[int],
@@ -595,15 +607,16 @@ def attention_step(q: torch.Tensor, scale: float, plan: Any, ranges: list[int],
     (csrc/cpu/attention.cpp; its meaning: ``tqvec.kv.attention``'s composition of
     ``decode_attention`` per code segment and exact scores, merged in one softmax).
 
-    q (bh, g, d) float32; plan: ``attention_plan``'s code segments, ranges their token ranges
-    (lo, hi); exact: (keys, values) pairs (bh, n, d) of one dtype (float32, bfloat16 or
-    float16), every token visible to every row. Returns (bh, g, d) float32, or None where it
-    does not run (no plan, not on the CPU, mixed or other dtypes)."""
-    dt = exact[0].dtype if exact else torch.float32
-    code = _EXACT_DTYPES.get(dt)
-    if plan is None or code is None or any(t.dtype != dt for t in exact) or q.device.type != "cpu":
+    q (bh, g, d) float32; plan: ``attention_plan``'s code segments and fixed rows, ranges the
+    segments' token ranges (lo, hi); exact: this step's other full-precision (keys, values)
+    pairs (bh, n, d) in the plan's dtype; every token visible to every row. Returns
+    (bh, g, d) float32, or None where it does not run (no plan, not on the CPU, another
+    dtype)."""
+    if plan is None or q.device.type != "cpu":
         return None
-    ex = [t.contiguous() for t in exact]
-    ex = [t.numpy() if code == 0 else t.view(torch.int16).numpy() for t in ex]
+    code = plan.exact_dtype
+    if any(_EXACT_DTYPES.get(t.dtype) != code for t in exact):
+        return None
+    ex = [_exact_host(t, code) for t in exact]
     return torch.from_numpy(_cpu.attention_step_np(plan, q.contiguous().numpy(), scale, ranges,
-                                                   ex, code))
+                                                   ex))

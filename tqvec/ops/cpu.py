@@ -263,19 +263,21 @@ def kv_side(*, rotation: tuple, centroids: torch.Tensor, bits: int,
                      mu=host(mu), sc=host(sc), norm_table=host(norm_table))
 
 
-def step_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list) -> object:
-    """A layer's code segments prepared for ``attention_step_np`` (csrc/cpu/bind/attention.cpp
-    ``KVStepPlan``): the arrays are checked once and held by the plan."""
-    return _C.KVStepPlan(heads, bh, d, sides, packed, norms)
+def step_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list,
+              exact: list, exact_dtype: int) -> object:
+    """A layer's code segments and fixed full-precision rows prepared for
+    ``attention_step_np`` (csrc/cpu/bind/attention.cpp ``KVStepPlan``): the arrays are checked
+    once and held by the plan."""
+    return _C.KVStepPlan(heads, bh, d, sides, packed, norms, exact, exact_dtype)
 
 
 def attention_step_np(plan: object, q: np.ndarray, scale: float, ranges: list[int],
-                      exact: list, exact_dtype: int) -> np.ndarray:
+                      exact: list) -> np.ndarray:
     """One decode step of a cache layer's attention (csrc/cpu/attention.cpp ``attention_step``):
     q (bh, g, d) float32 -> (bh, g, d) float32."""
     out = np.empty(q.shape, dtype=np.float32)
     if q.size:
-        plan.run(q, float(scale), ranges, exact, exact_dtype, out, threads())
+        plan.run(q, float(scale), ranges, exact, out, threads())
     return out
 
 

@@ -25,14 +25,34 @@ struct KVSide {
   int64_t d, heads;
 };
 
-// A decode step's prepared code segments (the class KVStepPlan; their ranges set per step).
+// A decode step's prepared code segments and fixed full-precision rows (the class KVStepPlan;
+// the segments' ranges set per step).
 struct KVStepPlan {
   int64_t heads, bh, d;
+  int exact_dtype;
   std::vector<nb::object> sides;  // held: the segments point into them and into the arrays
   std::vector<CArr<const uint8_t>> packed;
-  std::vector<AnyArr> norms;
+  std::vector<AnyArr> norms, exact;
   std::vector<KVCodeSegment> segs;
+  std::vector<KVExact> fixed;
 };
+
+// Full-precision (keys, values) pairs (bh, n, d) of exact_dtype's width as KVExact.
+void exact_rows(const std::vector<AnyArr>& exact, int64_t bh, int64_t d, int exact_dtype,
+                const char* op, std::vector<KVExact>& out) {
+  require(exact.size() % 2 == 0, op, ": exact must hold (keys, values) pairs");
+  const int bits = exact_dtype == kF32 ? 32 : 16;
+  for (size_t e = 0; e < exact.size(); e += 2) {
+    const AnyArr& k = exact[e];
+    const AnyArr& v = exact[e + 1];
+    require(k.ndim() == 3 && v.ndim() == 3 && dim(k, 0) == bh && dim(k, 2) == d &&
+                dim(v, 0) == bh && dim(v, 1) == dim(k, 1) && dim(v, 2) == d, op,
+            ": exact keys and values must have shape (bh, n, d)");
+    require(k.dtype().bits == bits && v.dtype().bits == bits, op,
+            ": exact rows must have exact_dtype's width");
+    out.push_back(KVExact{k.data(), v.data(), exact_dtype, dim(k, 1)});
+  }
+}
 
 bool is(const AnyArr& a, uint8_t code, int bits) {
   return a.dtype().code == code && a.dtype().bits == bits && a.dtype().lanes == 1;
@@ -118,20 +138,25 @@ void bind_attention(nb::module_& m) {
 
   // A decode step's code segments prepared once for as long as their buffers live: sides
   // (key, value per segment), codes (bh, t, row bytes) and multipliers (bh, t) checked and held
-  // (the arrays kept alive by the plan), so that a step converts only its queries, the ranges
-  // and the full-precision rows. bh rows of queries per step, d their width.
+  // (the arrays kept alive by the plan), and full-precision (keys, values) pairs that stay
+  // (bh, n, d; exact_dtype kernels.h kF32 / kBF16 / kF16: float32 or the 16-bit bits of
+  // bfloat16 / float16), so that a step converts only its queries, the ranges and the rows
+  // that change. bh rows of queries per step, d their width.
   nb::class_<KVStepPlan>(m, "KVStepPlan")
       .def("__init__", [](KVStepPlan* self, int64_t heads, int64_t bh, int64_t d,
                           std::vector<nb::object> sides, std::vector<CArr<const uint8_t>> packed,
-                          std::vector<AnyArr> norms) {
+                          std::vector<AnyArr> norms, std::vector<AnyArr> exact,
+                          int exact_dtype) {
         const char* op = "KVStepPlan";
         require(heads >= 1 && bh >= 0 && bh % heads == 0, op,
                 ": heads must be positive and divide bh");
         require(sides.size() % 2 == 0 && packed.size() == sides.size() &&
                     norms.size() == sides.size(), op,
                 ": sides, packed and norms must hold a (key, value) pair per code segment");
+        require(exact_dtype >= kF32 && exact_dtype <= kF16, op,
+                ": exact_dtype must be 0, 1 or 2");
         const size_t nseg = sides.size() / 2;
-        KVStepPlan plan{heads, bh, d, sides, packed, norms, {}};
+        KVStepPlan plan{heads, bh, d, exact_dtype, sides, packed, norms, exact, {}, {}};
         for (size_t s = 0; s < nseg; ++s) {
           const KVSide* ks = nb::cast<const KVSide*>(sides[2 * s]);
           const KVSide* vs = nb::cast<const KVSide*>(sides[2 * s + 1]);
@@ -148,14 +173,16 @@ void bind_attention(nb::module_& m) {
                                                       bh, t, op),
                                             t, 0, 0});
         }
+        exact_rows(exact, bh, d, exact_dtype, op, plan.fixed);
         new (self) KVStepPlan(std::move(plan));
-      }, arg("heads"), arg("bh"), arg("d"), arg("sides"), arg("packed"), arg("norms"))
+      }, arg("heads"), arg("bh"), arg("d"), arg("sides"), arg("packed"), arg("norms"),
+         arg("exact"), arg("exact_dtype"))
+      .def_ro("exact_dtype", &KVStepPlan::exact_dtype)
       // One step: q (bh, g, d) float32 -> out (bh, g, d); ranges (lo, hi) per code segment;
-      // exact: k, v (bh, n, d) per full-precision segment, float32 or the 16-bit bits of
-      // bfloat16 / float16 (exact_dtype kernels.h kF32 / kBF16 / kF16).
+      // exact: this step's full-precision (keys, values) pairs, after the plan's own.
       .def("run", [](const KVStepPlan& p, CArr<const float> q, float scale,
-                     std::vector<int64_t> ranges, std::vector<AnyArr> exact, int exact_dtype,
-                     CArr<float> out, int nthreads) {
+                     std::vector<int64_t> ranges, std::vector<AnyArr> exact, CArr<float> out,
+                     int nthreads) {
         const char* op = "attention_step";
         check_shape(q, {p.bh, kAny, kAny}, op, "q");
         const int64_t g = dim(q, 1), d = dim(q, 2);
@@ -164,9 +191,6 @@ void bind_attention(nb::module_& m) {
         check_shape(out, {p.bh, g, d}, op, "out");
         require(ranges.size() == 2 * p.segs.size(), op,
                 ": ranges must hold a (lo, hi) pair per code segment");
-        require(exact.size() % 2 == 0, op, ": exact must hold (keys, values) pairs");
-        require(exact_dtype >= kF32 && exact_dtype <= kF16, op,
-                ": exact_dtype must be 0, 1 or 2");
         std::vector<KVCodeSegment> segs = p.segs;
         for (size_t s = 0; s < segs.size(); ++s) {
           const int64_t lo = ranges[2 * s], hi = ranges[2 * s + 1];
@@ -175,24 +199,13 @@ void bind_attention(nb::module_& m) {
           segs[s].lo = lo;
           segs[s].hi = hi;
         }
-        const int bytes = exact_dtype == kF32 ? 32 : 16;
-        std::vector<KVExact> ex(exact.size() / 2);
-        for (size_t e = 0; e < ex.size(); ++e) {
-          const AnyArr& k = exact[2 * e];
-          const AnyArr& v = exact[2 * e + 1];
-          require(k.ndim() == 3 && v.ndim() == 3 && dim(k, 0) == p.bh && dim(k, 2) == d &&
-                      dim(v, 0) == p.bh && dim(v, 1) == dim(k, 1) && dim(v, 2) == d, op,
-                  ": exact keys and values must have shape (bh, n, d)");
-          require(k.dtype().bits == bytes && v.dtype().bits == bytes, op,
-                  ": exact rows must have exact_dtype's width");
-          ex[e] = KVExact{k.data(), v.data(), exact_dtype, dim(k, 1)};
-        }
+        std::vector<KVExact> ex = p.fixed;
+        exact_rows(exact, p.bh, d, p.exact_dtype, op, ex);
         nb::gil_scoped_release rel;
         attention_step(q.data(), p.bh, p.heads, g, d, scale, segs.data(),
                        static_cast<int>(segs.size()), ex.data(), static_cast<int>(ex.size()),
                        out.data(), nthreads);
-      }, arg("q"), arg("scale"), arg("ranges"), arg("exact"), arg("exact_dtype"), arg("out"),
-         arg("nthreads"));
+      }, arg("q"), arg("scale"), arg("ranges"), arg("exact"), arg("out"), arg("nthreads"));
 }
 
 }  // namespace tqvec::bind

@@ -382,6 +382,24 @@ def test_8bit_window_moves_tokens_in_blocks():
         assert codes == {0, move, 2 * move}  # the overflow left in whole blocks
 
 
+def test_sliding_layers_move_their_8bit_window_in_small_blocks():
+    """A sliding layer holds at most its window, so its 8-bit tokens move on 16 at a time; a
+    full-attention layer's 64 at a time."""
+    from tqvec.kv.layer import CompressedLayer, KVSettings
+    st = KVSettings(residual_length=8, sink_length=0, residual_bits=8)
+    for sliding, move in ((None, CompressedLayer.MOVE_BLOCK), (200, CompressedLayer.WINDOW_BLOCK)):
+        layer = CompressedLayer(st, 0, sliding)
+        x = torch.randn(1, 2, 300, 16)
+        seen = set()
+        for t in range(300):
+            layer.update(x[:, :, t:t + 1], x[:, :, t:t + 1])
+            layer.awaiting_attention = False
+            layer.flush()
+            if t >= 100:
+                seen.add(layer.window_length())
+        assert max(seen) == 8 + move - 1 and min(seen) == 8
+
+
 def test_8bit_window_accounting_is_exact():
     model = llama()
     ids = torch.randint(0, 97, (1, 90), generator=torch.Generator().manual_seed(5))

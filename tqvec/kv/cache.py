@@ -42,7 +42,8 @@ class TurboQuantCache(Cache):
         bits/element at head_dim 64 against 16), decoded for each attention. Tokens then move
         in blocks: the newest (< 16) stay exact until they fill a block of 16, and the window
         holds residual_length to residual_length + 63 tokens, moved on to the codes 64 at a
-        time (a codec call per block instead of per token). A forward's own tokens still
+        time (16 on sliding-window layers, where a longer window would cost a large share of
+        the bytes; a codec call per block instead of per token). A forward's own tokens still
         attend to each other exactly; a token leaving the window is coded from its 8-bit code
         (the 8-bit error, a relative mean square of ~4e-5, adds to the final code's, ~3e-2 at
         3 bits).

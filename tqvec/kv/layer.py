@@ -10,7 +10,7 @@ Tokens live in up to four segments, oldest first, per (batch, KV head):
            TurboQuant codes instead (attended from the codes like the code segment: ~0.6 %
            error per vector, half the bytes of float16), coded in blocks of 16 tokens (the
            newest < 16 stay exact, and a forward's own tokens are exact in its attention)
-           and moved on in blocks of 64.
+           and moved on in blocks of 64 (of 16 on sliding-window layers).
 
 Tokens move window -> (sink | balance ->) codes when the window overflows, each token encoded
 exactly once into its final code (from its 8-bit window code when ``residual_bits=8``: the 8-bit
@@ -135,7 +135,7 @@ class CompressedLayer(CacheLayerMixin):
     is_croppable = True
     supports_early_init = False
     WINDOW_BLOCK = 16  # exact window tokens coded at once with residual_bits (see ``flush``)
-    MOVE_BLOCK = 64  # 8-bit window tokens moved on at once (see ``flush``)
+    MOVE_BLOCK = 64  # 8-bit window tokens moved on at once, full-attention layers (``flush``)
 
     def __init__(self, settings: KVSettings, layer_idx: int, sliding_window: int | None = None,
                  codes_attention=lambda: True):
@@ -310,15 +310,17 @@ class CompressedLayer(CacheLayerMixin):
 
         With ``residual_bits`` tokens move in blocks: the window's exact tokens into 8-bit codes
         once they fill ``WINDOW_BLOCK``, the overflow on to the codes once it reaches
-        ``MOVE_BLOCK`` (so the window holds residual_length to residual_length + MOVE_BLOCK - 1
-        tokens, at most WINDOW_BLOCK - 1 of them exact). A codec call costs far more than its
-        arithmetic on a few tokens, about as much for 64 tokens as for 16: per 64 decode steps
-        these blocks make 7 calls (four 8-bit encodes, one 8-bit decode, the key and the value
-        encodes) where blocks of 16 for both made 16."""
+        ``MOVE_BLOCK`` (``WINDOW_BLOCK`` on sliding layers; so the window holds residual_length
+        to residual_length + MOVE_BLOCK - 1 tokens, at most WINDOW_BLOCK - 1 of them exact).
+        A codec call costs far more than its arithmetic on a few tokens, about as much for 64
+        tokens as for 16: per 64 decode steps these blocks make 7 calls (four 8-bit encodes,
+        one 8-bit decode, the key and the value encodes) where blocks of 16 for both made 16."""
         if not self.is_initialized:
             return
         block = 1 if self.wkq is None else self.WINDOW_BLOCK
-        move = 1 if self.wkq is None else self.MOVE_BLOCK
+        # a sliding layer holds at most its window: there the longer 8-bit window of bigger
+        # moves would cost a large share of its bytes, so it moves on 16 at a time
+        move = 1 if self.wkq is None else block if self.is_sliding else self.MOVE_BLOCK
         w = self.window_length()
         over = w - self.settings.residual_length
         if over >= move:

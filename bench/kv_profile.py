@@ -2,14 +2,14 @@
 values, residual_bits=8: the README's setting) after a prefill of CONTEXT tokens.
 
 Both caches are prefilled in one process, then decode steps alternate between them (STEPS of
-each, a multiple of the compressed cache's 16-token window cycle). Timers around the functions
-a step spends its cache work in give their time per step: ``DynamicLayer.update`` and SDPA for
-``DynamicCache``; ``CompressedLayer.update``, the compiled attention (``attend``), the window's
-moves into codes (``flush``) and the whole "tqvec" attention function for ours. The timers add a
-few microseconds per call to both. ``--cprofile`` adds cProfile's 25 functions with the most own
-time over 16 more steps of the compressed cache.
+each, a multiple of the compressed cache's window cycle, bench/kv.py CYCLE). Timers around the
+functions a step spends its cache work in give their time per step: ``DynamicLayer.update``
+and SDPA for ``DynamicCache``; ``CompressedLayer.update``, the compiled attention
+(``attend``), the window's moves into codes (``flush``) and the whole "tqvec" attention function
+for ours. The timers add a few microseconds per call to both. ``--cprofile`` adds cProfile's
+25 functions with the most own time over 16 more steps of the compressed cache.
 
-    python bench/kv_profile.py [smollm2|gemma3] [CONTEXT] [--steps 64] [--dtype float32]
+    python bench/kv_profile.py [smollm2|gemma3] [CONTEXT] [--steps 128] [--dtype float32]
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3"])
     ap.add_argument("context", nargs="?", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=128)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--cprofile", action="store_true")
     a = ap.parse_args()

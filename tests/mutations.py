@@ -135,8 +135,13 @@ MUTANTS = [
              "metric == kRescoreL2       ? 2.f * dot - qsq")],
            ["tests/test_ops.py", "tests/test_index.py"]),
     Mutant("attention-no-max", "decode attention's softmax state keeps the max but not the shift",
-           [("csrc/cpu/attention.cpp", "sr[i] = std::exp(sr[i] - ref);",
-             "sr[i] = std::exp(sr[i] - ref + 0.5f);")],
+           [("csrc/cpu/attention.cpp",
+             "lane[u] += (sr[i + u] = exp_softmax(sr[i + u] - ref));",
+             "lane[u] += (sr[i + u] = exp_softmax(sr[i + u] - ref + 0.5f));"),
+            ("csrc/cpu/attention.cpp",
+             "const __m256 e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + i), ref8));",
+             "const __m256 e = exp8_avx2(_mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + i), "
+             "ref8), _mm256_set1_ps(0.5f)));")],
            ["tests/test_ops.py"]),
     Mutant("attention-step-value-scale", "the compiled decode step forgets the values' channel "
            "mean (sum_t p_t mu)",

@@ -5,7 +5,8 @@ exact fp16 search and our torch reference path, in one run on one device.
     python bench/gpu.py --n 1000000 10000000 --dims 128 --bits 4
     python bench/gpu.py --quick             # small sizes: checks the script end to end
 
-Needs a CUDA device. Writes bench/results/gpu.json and gpu.md (with the device name).
+Needs a CUDA device. Writes bench/results/gpu.json and gpu.md (--out: another stem), with
+the device name.
 
 What is measured (CUDA events, median of --repeat runs after a warm-up):
 * roofline: device-to-device copy bandwidth (bytes read + written / s) of a 2 GiB tensor, and the
@@ -142,9 +143,9 @@ def bench_scan(d: int, b: int, n: int, nqs: list[int], roof: dict, repeat: int, 
     return rows
 
 
-def write(results: dict) -> None:
+def write(results: dict, stem: str = "gpu") -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "gpu.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.json"), "w") as f:
         json.dump(results, f, indent=1)
     r = results["roofline"]
     lines = [f"# GPU kernels on {results['device']}", "",
@@ -167,7 +168,7 @@ def write(results: dict) -> None:
             f"{1e3 * s['fp16_exact_seconds']:.3f} | {s['speedup_vs_fp16']:.2f}× | "
             f"{s['bytes_ratio_vs_fp16']:.1f} | {ref} | {s['recall_at_10_vs_exact']:.3f} |")
     lines += ["", "Reproduce: `python bench/gpu.py` (see its docstring)."]
-    with open(os.path.join(RESULTS, "gpu.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{stem}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -179,6 +180,7 @@ def main() -> None:
     ap.add_argument("--nq", type=int, nargs="+", default=[1, 32, 1000])
     ap.add_argument("--repeat", type=int, default=10)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default="gpu", help="results file stem under bench/results")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/gpu.py needs a CUDA device")
@@ -198,8 +200,8 @@ def main() -> None:
             for n in a.n:
                 res["scan"] += bench_scan(d, b, n, a.nq, res["roofline"], a.repeat)
                 torch.cuda.empty_cache()
-            write(res)
-    write(res)
+            write(res, a.out)
+    write(res, a.out)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ emulation of the CUDA execution model, and, on a GPU, every op and codec against
 * ``gpu``: the kernels on a real device: ops and codecs bit-exact / within tolerance.
 """
 
+import contextlib
 import ctypes
 import re
 import shutil
@@ -217,6 +218,101 @@ def test_emulated_decode_attention_matches_reference(emulated, bh, g, d, t, kb, 
     out0 = a0 / l0.clamp_min(1e-30)[..., None]  # the normalized attention output agrees too
     out1 = a1 / l1.clamp_min(1e-30)[..., None]
     torch.testing.assert_close(out1, out0, rtol=1e-4, atol=1e-5)
+
+
+def test_emulated_launches_past_the_grid_limit_are_split(emulated, monkeypatch, rng):
+    """More query groups / (batch x KV head) rows than gridDim.y holds: split launches give the
+    one-launch answer (the limit lowered to 2 so that the emulation can afford it)."""
+    monkeypatch.setattr(emulated, "_GRID_Y_MAX", 2)
+    case = _scan_case(rng, 5, 600, 64, 3)
+    _assert_same_topk(emulated.lut_scan_cuda(*case, 3, 7), ops.lut_scan(*case, 3, 7,
+                                                                        backend="ref"))
+    case = attn_case(rng, 5, 2, 64, 200, 3, 3)
+    m0, l0, a0 = ops.decode_attention(*case, backend="ref")
+    m1, l1, a1 = emulated.decode_attention_cuda(*case)
+    assert torch.equal(torch.isfinite(m1), torch.isfinite(m0))
+    torch.testing.assert_close(a1 / l1.clamp_min(1e-30)[..., None],
+                               a0 / l0.clamp_min(1e-30)[..., None], rtol=1e-4, atol=1e-5)
+
+
+def test_kernels_refuse_a_dtype_they_would_misread(emulated, rng):
+    case = list(_scan_case(rng, 2, 50, 32, 4))
+    for i, name in ((0, "qr"), (2, "centroids"), (3, "mult")):
+        bad = list(case)
+        bad[i] = bad[i].to(torch.bfloat16)
+        with pytest.raises(TypeError, match=f"{name} must be torch.float32.*bfloat16"):
+            emulated.lut_scan_cuda(*bad, 4, 3)
+    att = list(attn_case(rng, 2, 2, 64, 30, 3, 3))
+    att[3] = att[3].half()  # key norms in float16, as a cache might hold them
+    with pytest.raises(TypeError, match="knorm must be torch.float32.*float16"):
+        emulated.decode_attention_cuda(*att)
+    with pytest.raises(ValueError, match="qr must be contiguous"):
+        emulated.lut_scan_cuda(case[0].T.contiguous().T, *case[1:], 4, 3)
+
+
+def test_loader_falls_back_to_cupy_then_reports_both_failures(monkeypatch):
+    """A torch whose compile route raises (no CUDA_HOME on a pip-only install) falls back to
+    CuPy; with neither, the error names both - and unavailable_reason's probe turns it into
+    "unavailable" instead of a failure in every op."""
+    def broken(*a, **k):
+        raise OSError("CUDA_HOME environment variable is not set")
+
+    monkeypatch.setattr(C, "_torch_compiler", lambda: broken)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # "not installed"
+    with pytest.raises(RuntimeError, match="cannot compile tq_pack_bits: "
+                       "torch.cuda._compile_kernel: OSError: CUDA_HOME.*CuPy is not installed"):
+        C._Launcher("", "tq_pack_bits", "90", [])
+
+    class FakeCupy:
+        class RawModule:
+            def __init__(self, code, options):
+                self.options = options
+
+            def get_function(self, name):
+                return ("cupy", name, self.options)
+
+    monkeypatch.setitem(sys.modules, "cupy", FakeCupy)
+    k = C._Launcher("src", "tq_pack_bits", "90", ["--fmad=false"])
+    assert k._k == ("cupy", "tq_pack_bits", ("-std=c++17", "-arch=sm_90", "--fmad=false"))
+    assert k._cupy is FakeCupy
+
+
+def test_unavailable_reason_probes_a_compile(monkeypatch):
+    monkeypatch.setattr(C.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(C.torch.cuda, "current_device", lambda: 0)
+
+    def no_compile(file, name, device):
+        raise RuntimeError(f"cannot compile {name}: CuPy is not installed")
+
+    monkeypatch.setattr(C, "_kernel", no_compile)
+    C.unavailable_reason.cache_clear()
+    try:
+        assert C.unavailable_reason() == ("the probe kernel does not compile: cannot compile "
+                                          "tq_pack_bits: CuPy is not installed")
+        monkeypatch.setattr(C, "_kernel", lambda file, name, device: object())
+        C.unavailable_reason.cache_clear()
+        assert C.unavailable_reason() is None
+    finally:
+        C.unavailable_reason.cache_clear()
+
+
+def test_kernel_cache_is_per_device(monkeypatch):
+    """A module is loaded into one device's context: the same kernel on another device is
+    another entry (simulated: two devices of one compute capability)."""
+    made = []
+
+    class Props:
+        major, minor = 9, 0
+
+    monkeypatch.setattr(C.torch.cuda, "get_device_properties", lambda device: Props)
+    monkeypatch.setattr(C.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(C, "_Launcher", lambda src, name, arch, opts: made.append(name) or
+                        object())
+    monkeypatch.setattr(C, "_compiled", {})
+    a = C._kernel("pack.cu", "tq_pack_bits", torch.device("cuda", 0))
+    assert C._kernel("pack.cu", "tq_pack_bits", torch.device("cuda", 0)) is a
+    b = C._kernel("pack.cu", "tq_pack_bits", torch.device("cuda", 1))
+    assert b is not a and made == ["tq_pack_bits", "tq_pack_bits"]
 
 
 @pytest.mark.hf

@@ -41,7 +41,7 @@ _OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.
             "attention.cu": []}
 _INT32_MAX = 2**31 - 1
 _lock = threading.Lock()
-_compiled: dict[tuple[str, str, str, str], object] = {}
+_compiled: dict[tuple[str, str, str, str, int], object] = {}
 
 
 def source_path(name: str) -> Path:
@@ -64,7 +64,10 @@ def _torch_compiler():
 
 @functools.lru_cache(maxsize=1)
 def unavailable_reason() -> str | None:
-    """None when CUDA kernels can be compiled and launched here, else why not."""
+    """None when CUDA kernels can be compiled and launched here, else why not. Probes by
+    compiling one small kernel (once per process), so that ``backend="auto"`` falls back to the
+    reference instead of failing in every op where the compile route is broken (a pip-only
+    install without a CUDA toolkit, say)."""
     if not torch.cuda.is_available():
         return "torch sees no CUDA device"
     if _torch_compiler() is None:
@@ -78,6 +81,10 @@ def unavailable_reason() -> str | None:
             source_path(name)
     except FileNotFoundError as e:
         return str(e)
+    try:
+        _kernel("pack.cu", "tq_pack_bits", torch.device("cuda", torch.cuda.current_device()))
+    except Exception as e:  # noqa: BLE001 - any failure of the compile route means "unavailable"
+        return f"the probe kernel does not compile: {e}"
     return None
 
 
@@ -91,17 +98,28 @@ class _Launcher:
     def __init__(self, src: str, name: str, arch: str, options: list[str]):
         self.name = name
         self._smem_configured = 0
+        self._cupy = None
+        failures = []
         compile_kernel = _torch_compiler()
         if compile_kernel is not None:
-            self._k = compile_kernel(src, name, compute_capability=arch,
-                                     nvcc_options=list(options))
-            self._cupy = None
-        else:
+            try:
+                self._k = compile_kernel(src, name, compute_capability=arch,
+                                         nvcc_options=list(options))
+                return
+            except Exception as e:  # noqa: BLE001 - e.g. OSError: no CUDA_HOME (pip-only torch)
+                failures.append(f"torch.cuda._compile_kernel: {type(e).__name__}: {e}")
+        try:
             import cupy
-            mod = cupy.RawModule(code=src, options=("-std=c++17", f"-arch=sm_{arch}",
-                                                    *options))
+        except ImportError:
+            failures.append("CuPy is not installed")
+            raise RuntimeError(f"cannot compile {name}: " + "; ".join(failures)) from None
+        try:
+            mod = cupy.RawModule(code=src, options=("-std=c++17", f"-arch=sm_{arch}", *options))
             self._k = mod.get_function(name)
-            self._cupy = cupy
+        except Exception as e:  # noqa: BLE001
+            failures.append(f"CuPy: {type(e).__name__}: {e}")
+            raise RuntimeError(f"cannot compile {name}: " + "; ".join(failures)) from e
+        self._cupy = cupy
 
     def __call__(self, grid: tuple[int, int, int], block: tuple[int, int, int], args: list,
                  smem: int = 0) -> None:
@@ -159,7 +177,9 @@ def _kernel(file: str, name: str, device: torch.device) -> _Launcher:
     props = torch.cuda.get_device_properties(device)
     arch = f"{props.major}{props.minor}"
     src, sha = _source(file)
-    key = (file, name, arch, sha)
+    # A module is loaded into one device's context: the device index is part of the key.
+    key = (file, name, arch, sha, device.index if device.index is not None
+           else torch.cuda.current_device())
     with _lock:
         k = _compiled.get(key)
         if k is None:
@@ -179,6 +199,22 @@ def _check_int32(**sizes: int) -> None:
             raise ValueError(f"{name} must be < 2**31 for the CUDA kernels, got {v}")
 
 
+def _typed(**args: tuple[torch.Tensor, torch.dtype]) -> None:
+    """Each kernel reads raw row-major memory of one dtype: a tensor of another dtype (a float16
+    norm where the kernel reads float32, say) would be misread silently, so refuse it."""
+    for name, (t, dtype) in args.items():
+        if t.dtype != dtype:
+            raise TypeError(f"{name} must be {dtype} for the CUDA kernel, got {t.dtype}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous for the CUDA kernel "
+                             f"(shape {tuple(t.shape)}, strides {t.stride()})")
+
+
+# gridDim.y and gridDim.z are at most 65,535: launches with more query groups or (batch x KV
+# head) rows than that are split.
+_GRID_Y_MAX = 65535
+
+
 def _grid_1d(total: int, device: torch.device, threads: int = 256) -> tuple[int, int, int]:
     sms = _props(device)[0]
     return (max(1, min(_cdiv(total, threads), sms * 32)), 1, 1)
@@ -186,6 +222,7 @@ def _grid_1d(total: int, device: torch.device, threads: int = 256) -> tuple[int,
 
 def pack_bits_cuda(idx: torch.Tensor, b: int) -> torch.Tensor:
     n, d = idx.shape
+    _typed(idx=(idx, torch.uint8))
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8, device=idx.device)
     if n:
         _check_int32(n=n, d=d)
@@ -197,6 +234,7 @@ def pack_bits_cuda(idx: torch.Tensor, b: int) -> torch.Tensor:
 
 def unpack_bits_cuda(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     n = packed.shape[0]
+    _typed(packed=(packed, torch.uint8))
     out = torch.empty((n, d), dtype=torch.uint8, device=packed.device)
     if n:
         _check_int32(n=n, d=d)
@@ -209,6 +247,8 @@ def unpack_bits_cuda(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
 def quantize_pack_cuda(y: torch.Tensor, scale: torch.Tensor, thresholds: torch.Tensor, b: int
                        ) -> torch.Tensor:
     n, d = y.shape
+    _typed(y=(y, torch.float32), scale=(scale, torch.float32),
+           thresholds=(thresholds, torch.float32))
     out = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8, device=y.device)
     nthr = thresholds.numel()
     if n:
@@ -224,6 +264,7 @@ def hadamard_rotate_cuda(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tens
                          inverse: bool = False) -> torch.Tensor:
     """float32, float16 or bfloat16 rows in, float32 rows out (the rotation of x.float())."""
     n, d = x.shape
+    _typed(x=(x, x.dtype), perms=(perms, torch.int64), signs=(signs, torch.float32))
     out = torch.empty((n, d), dtype=torch.float32, device=x.device)
     if n == 0:
         return out
@@ -292,6 +333,13 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
     nq, d = qr.shape
     n = packed.shape[0]
     dev = qr.device
+    _typed(qr=(qr, torch.float32), packed=(packed, torch.uint8),
+           centroids=(centroids, torch.float32), mult=(mult, torch.float32),
+           add=(add, torch.float32))
+    if nq > _GRID_Y_MAX:  # at most one query per grid row
+        parts = [lut_scan_cuda(qr[s:s + _GRID_Y_MAX], packed, centroids, mult, add, b, k)
+                 for s in range(0, nq, _GRID_Y_MAX)]
+        return torch.cat([v for v, _ in parts]), torch.cat([i for _, i in parts])
     if n == 0 or nq == 0:
         return _padded_topk(torch.empty((nq, 0), device=dev),
                             torch.empty((nq, 0), dtype=torch.int64, device=dev), k)
@@ -368,6 +416,16 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
     bh, g, d = qr.shape
     t = kpacked.shape[1]
     dev = qr.device
+    _typed(qr=(qr, torch.float32), qbias=(qbias, torch.float32), kpacked=(kpacked, torch.uint8),
+           knorm=(knorm, torch.float32), kcent=(kcent, torch.float32),
+           vpacked=(vpacked, torch.uint8), vnorm=(vnorm, torch.float32),
+           vcent=(vcent, torch.float32), lo=(lo, torch.int32), hi=(hi, torch.int32))
+    if bh > _GRID_Y_MAX:  # one (batch, KV head) row per grid row
+        parts = [decode_attention_cuda(qr[s:e], qbias[s:e], kpacked[s:e], knorm[s:e], kcent, kb,
+                                       vpacked[s:e], vnorm[s:e], vcent, vb, lo[s:e], hi[s:e],
+                                       scale, splits)
+                 for s, e in ((s, min(bh, s + _GRID_Y_MAX)) for s in range(0, bh, _GRID_Y_MAX))]
+        return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
     if g > _ATTN_G_MAX or d > _ATTN_D_MAX:
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)

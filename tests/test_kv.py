@@ -382,6 +382,23 @@ def test_8bit_window_moves_tokens_in_blocks():
         assert codes == {0, move, 2 * move}  # the overflow left in whole blocks
 
 
+def test_older_transformers_one_kwargs_dict_for_every_layer(monkeypatch):
+    """transformers <= 5.17 returns one kwargs dict for all layers (its sliding_window set when
+    any layer slides): the window goes to the sliding layers only."""
+    from tqvec.kv import cache as cache_mod
+
+    model = gemma3()
+    monkeypatch.setattr(cache_mod, "get_layer_types_and_kwargs", lambda cfg: (
+        list(cfg.layer_types), {"sliding_window": cfg.sliding_window}))
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3)
+    assert [layer.is_sliding for layer in cache.layers] == [True, True, False]
+    ids = torch.randint(0, 97, (1, 30), generator=torch.Generator().manual_seed(2))
+    monkeypatch.undo()
+    torch.testing.assert_close(run(model, ids, cache, 20),
+                               run(model, ids, kv.TurboQuantCache(model.config, key_bits=3,
+                                                                  value_bits=3), 20))
+
+
 def test_sliding_layers_move_their_8bit_window_in_small_blocks():
     """A sliding layer holds at most its window, so its 8-bit tokens move on 16 at a time; a
     full-attention layer's 64 at a time."""

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import tqvec
-from tests.conftest import unit_rows
+from tests.conftest import on, unit_rows
 from tqvec.codebooks import polar_expected_mse
 
 
@@ -34,18 +34,20 @@ def test_float16_radii_cost_almost_nothing(rng):
 
 
 def test_polar_score_decode_idempotence_and_backends(backend, rng):
-    x = rng.standard_normal((300, 64)).astype(np.float32)
-    q = rng.standard_normal((4, 64)).astype(np.float32)
+    """Every backend on its own device's tensors (the cuda backend takes CUDA tensors)."""
+    x = on(backend, torch.from_numpy(rng.standard_normal((300, 64)).astype(np.float32)))
+    q = on(backend, torch.from_numpy(rng.standard_normal((4, 64)).astype(np.float32)))
     c = tqvec.PolarQuant(64, seed=2, backend=backend)
     codes = c.encode(x)
     if backend != "ref":  # the codes themselves: test_codec_oracles.py
-        ref = tqvec.PolarQuant(64, seed=2, backend="ref").encode(x)
-        assert torch.equal(codes.payload, ref.payload)
-    np.testing.assert_allclose(c.score(q, codes), q @ c.decode(codes, like=x).T, rtol=1e-4,
+        ref = tqvec.PolarQuant(64, seed=2, backend="ref").encode(x.cpu())
+        assert torch.equal(codes.payload.cpu(), ref.payload)
+    xhat = c.decode(codes)
+    torch.testing.assert_close(c.score(q, codes).cpu(), (q @ xhat.T).cpu(), rtol=1e-4,
                                atol=1e-3)
-    assert torch.equal(c.encode(c.decode(codes, like=x)).payload, codes.payload)
-    zero = c.encode(np.zeros((1, 64), np.float32))
-    np.testing.assert_array_equal(c.decode(zero, like=x), 0)
+    assert torch.equal(c.encode(xhat).payload, codes.payload)
+    zero = c.encode(torch.zeros_like(x[:1]))
+    assert not c.decode(zero).any()
 
 
 def test_polar_rejects_indivisible_dim():

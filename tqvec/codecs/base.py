@@ -1,7 +1,8 @@
 """The codec interface and the ``Codes`` container shared by every codec.
 
 A codec is fixed by ``(name, dim, params, seed)``: there is no fit/train step. ``encode`` works
-in blocks of ``BLOCK_ROWS`` rows, so its peak memory is O(n * code_size) plus one block.
+in blocks of ``BLOCK_ROWS`` rows (far more on a GPU: ``block_rows``), so its peak memory is
+O(n * code_size) plus one block.
 """
 
 from __future__ import annotations
@@ -21,7 +22,19 @@ __all__ = ["Codes", "Codec", "LutTerm", "codec_from_params", "register", "concat
            "BLOCK_ROWS", "score_from_terms"]
 
 BLOCK_ROWS = 8192
+#: On a GPU a block holds up to this many elements (256 MB of float32 per intermediate): each
+#: block costs a dozen launches and a host read of its finiteness check, so a GPU wants blocks
+#: far larger than a CPU's cache-sized ones.
+GPU_BLOCK_ELEMENTS = 1 << 26
 _REGISTRY: dict[str, type[Codec]] = {}
+
+
+def block_rows(device: torch.device, width: int) -> int:
+    """Rows per block of the codec loops on ``device``: BLOCK_ROWS on the CPU (cache-sized),
+    far more on a GPU."""
+    if device.type == "cpu":
+        return BLOCK_ROWS
+    return max(BLOCK_ROWS, GPU_BLOCK_ELEMENTS // max(1, width))
 
 
 def register(cls: type[Codec]) -> type[Codec]:
@@ -270,8 +283,9 @@ class Codec:
         reconstruction needs: ||q - x_hat||^2 = ||q||^2 - 2 <q, x_hat> + ||x_hat||^2)."""
         codes = self.check_codes(codes)
         out = torch.empty(len(codes), dtype=torch.float32, device=codes.device)
-        for s in range(0, len(codes), BLOCK_ROWS):
-            e = min(len(codes), s + BLOCK_ROWS)
+        step = block_rows(codes.device, self.dim)
+        for s in range(0, len(codes), step):
+            e = min(len(codes), s + step)
             out[s:e] = self.decoded_sqnorms(codes[s:e])
         return out
 
@@ -318,7 +332,8 @@ class Codec:
         t, _ = V.float_matrix(x, "x", self.dim, check_finite=False)  # checked per block
         n = t.shape[0]
         layout = self._scalar_layout()
-        if 0 < n <= BLOCK_ROWS:
+        step = block_rows(t.device, self.dim)
+        if 0 < n <= step:
             # one block: its own outputs are the codes (a few rows - a KV cache's window
             # block, one added vector - cost more in copies than in arithmetic)
             p, sc = self._encode_rows(t, 0)
@@ -327,8 +342,8 @@ class Codec:
         payload = torch.empty((n, self.payload_bytes), dtype=torch.uint8, device=t.device)
         scalars = {k: torch.empty((n, *shape), dtype=dt, device=t.device)
                    for k, (shape, dt) in layout.items()}
-        for s in range(0, n, BLOCK_ROWS):
-            e = min(n, s + BLOCK_ROWS)
+        for s in range(0, n, step):
+            e = min(n, s + step)
             p, sc = self._encode_rows(t[s:e], s)
             payload[s:e] = p
             for k in layout:
@@ -369,12 +384,13 @@ class Codec:
         """Reconstruct (n, d) float32. Returns numpy if the codes were made from numpy input
         (``like`` decides when given: a numpy array or a torch tensor), else torch."""
         codes = self.check_codes(codes)
-        if 0 < len(codes) <= BLOCK_ROWS:  # one block: no copy into a second tensor
+        step = block_rows(codes.device, self.dim)
+        if 0 < len(codes) <= step:  # one block: no copy into a second tensor
             out = self.decode_block(codes).to(torch.float32).contiguous()
         else:
             out = torch.empty((len(codes), self.dim), dtype=torch.float32, device=codes.device)
-            for s in range(0, len(codes), BLOCK_ROWS):
-                e = min(len(codes), s + BLOCK_ROWS)
+            for s in range(0, len(codes), step):
+                e = min(len(codes), s + step)
                 out[s:e] = self.decode_block(codes[s:e])
         return out.cpu().numpy() if isinstance(like, np.ndarray) else out
 
@@ -388,8 +404,9 @@ class Codec:
         qt = qt.to(device=codes.device, dtype=torch.float32)
         state = self._prepare_queries(qt)
         out = torch.empty((qt.shape[0], len(codes)), dtype=torch.float32, device=codes.device)
-        for s in range(0, len(codes), BLOCK_ROWS):
-            e = min(len(codes), s + BLOCK_ROWS)
+        step = block_rows(codes.device, self.dim)
+        for s in range(0, len(codes), step):
+            e = min(len(codes), s + step)
             out[:, s:e] = self._score_block(state, codes[s:e])
         return out.cpu().numpy() if was_numpy else out
 

@@ -19,6 +19,20 @@ __all__ = ["TurboQuantCache"]
 _SUPPORTED_LAYERS = ("full_attention", "sliding_attention")
 
 
+_WINDOWED_LAYERS = ("sliding_attention", "chunked_attention", "hybrid_sliding")
+
+
+def _layer_kwargs(layer_types: list[str], kwargs: list[dict] | dict
+                  ) -> tuple[list[str], list[dict]]:
+    """transformers' per-layer cache kwargs: a list in newer releases; one dict for every layer
+    in older 5.x ones (<= 5.17), whose ``sliding_window`` belongs to the windowed layers only."""
+    if isinstance(kwargs, dict):
+        kwargs = [kwargs if kind in _WINDOWED_LAYERS else
+                  {k: v for k, v in kwargs.items() if k != "sliding_window"}
+                  for kind in layer_types]
+    return layer_types, kwargs
+
+
 class TurboQuantCache(Cache):
     """Compressed KV cache: pass it as ``past_key_values`` to ``generate`` or ``forward``.
 
@@ -102,7 +116,7 @@ class TurboQuantCache(Cache):
                     residual_bits=residual_bits)
         seed = V.seed(seed)
         self.settings = _settings(base, seed, head_dim, self.attention, "")
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+        layer_types, layer_kwargs = _layer_kwargs(*get_layer_types_and_kwargs(text))
         for i, kind in enumerate(layer_types):
             if kind not in _SUPPORTED_LAYERS:
                 raise ValueError(f"layer {i} has type {kind!r}; the compressed cache supports "

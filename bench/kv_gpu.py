@@ -45,12 +45,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
-from _gpu import copy_bandwidth, cuda_time  # noqa: E402
+from _gpu import copy_bandwidth, cuda_time, graph_time  # noqa: E402
 
 import tqvec  # noqa: E402
 from tqvec import ops  # noqa: E402
+from tqvec.ops import cuda as cuda_ops  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
+#: tq_decode_attention launch shapes timed per row (warps per block, blocks per SM)
+LAUNCHES = [(8, 1), (8, 2), (4, 1), (4, 2)]
 
 
 def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repeat: int,
@@ -87,15 +90,35 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
     def bf16():
         return torch.nn.functional.scaled_dot_product_attention(q, K, V, enable_gqa=True)
 
+    def kernel():
+        return ops.decode_attention(qr0, qbias, kp, kn, kc, kb, vp, vn, vc, vb, lo, hi, scale,
+                                    backend="cuda")
+
+    qr0 = kcodec.rotate(q.reshape(batch * hq, d).float()).reshape(bh, g, d)
+    # the kernel's launch shapes (warps per block, blocks per SM), each timed alone
+    launches = {}
+    default = cuda_ops.ATTENTION_LAUNCH
+    for shape in LAUNCHES:
+        cuda_ops.ATTENTION_LAUNCH = shape
+        launches[f"{shape[0]}x{shape[1]}"] = 1e3 * cuda_time(kernel, repeat)
+    cuda_ops.ATTENTION_LAUNCH = default
     t_ours = cuda_time(ours, repeat)
     t_bf16 = cuda_time(bf16, repeat)
+    g_ours, g_bf16 = graph_time(ours, repeat), graph_time(bf16, repeat)
     bytes_ours = bh * ctx * (rbk + rbv + 8)
     bytes_bf16 = bh * ctx * 2 * d * 2
+    t_kernel = launches[f"{default[0]}x{default[1]}"] / 1e3
     return {"batch": batch, "ctx": ctx, "kbits": kb, "vbits": vb, "d": d, "hq": hq, "hkv": hkv,
             "ours_ms": 1e3 * t_ours, "bf16_sdpa_ms": 1e3 * t_bf16,
-            "speedup_vs_bf16": t_bf16 / t_ours, "bytes_ours": bytes_ours,
+            "speedup_vs_bf16": t_bf16 / t_ours,
+            "ours_graph_ms": 1e3 * g_ours if g_ours else None,
+            "bf16_graph_ms": 1e3 * g_bf16 if g_bf16 else None,
+            "speedup_vs_bf16_graph": g_bf16 / g_ours if g_ours and g_bf16 else None,
+            "kernel_ms": 1e3 * t_kernel, "kernel_ms_by_launch": launches,
+            "bytes_ours": bytes_ours,
             "bytes_bf16": bytes_bf16, "bytes_ratio": bytes_bf16 / bytes_ours,
             "ours_fraction_of_bandwidth": bytes_ours / t_ours / (bw * 1e9),
+            "kernel_fraction_of_bandwidth": bytes_ours / t_kernel / (bw * 1e9),
             "bf16_fraction_of_bandwidth": bytes_bf16 / t_bf16 / (bw * 1e9),
             "bits_per_element": 8 * (rbk + rbv + 8) / (2 * d)}
 
@@ -155,15 +178,34 @@ def write(res: dict) -> None:
     with open(os.path.join(RESULTS, "kv_gpu.json"), "w") as f:
         json.dump(res, f, indent=1)
     lines = [f"# Decode attention on {res['device']}", "",
-             f"Copy bandwidth {res['copy_GBps']:.0f} GB/s. head_dim 128, 32 query / 8 KV heads.",
-             "", "| batch | ctx | bits/elem | ours ms | BF16 SDPA ms | speedup | bytes ratio | "
-             "ours of bandwidth | BF16 of bandwidth |", "|---|---|---|---|---|---|---|---|---|"]
+             f"Copy bandwidth {res['copy_GBps']:.0f} GB/s. head_dim 128, 32 query / 8 KV heads. "
+             "Ours: the query's rotation, the kernel over the codes, the merge of its partials "
+             "and the output's inverse rotation; kernel: ops.decode_attention alone. Graph: the "
+             "same step captured as a CUDA graph (no launch overhead), for both.", "",
+             "| batch | ctx | bits/elem | ours ms | BF16 SDPA ms | speedup | ours graph ms | "
+             "BF16 graph ms | speedup (graphs) | kernel ms | kernel of bandwidth | "
+             "BF16 of bandwidth | bytes ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def f(v, fmt):
+        return "–" if v is None else format(v, fmt)
     for r in res["steps"]:
         lines.append(f"| {r['batch']} | {r['ctx']:,} | {r['bits_per_element']:.2f} | "
                      f"{r['ours_ms']:.3f} | {r['bf16_sdpa_ms']:.3f} | "
-                     f"{r['speedup_vs_bf16']:.2f}× | {r['bytes_ratio']:.2f} | "
-                     f"{r['ours_fraction_of_bandwidth']:.2f} | "
-                     f"{r['bf16_fraction_of_bandwidth']:.2f} |")
+                     f"{r['speedup_vs_bf16']:.2f}× | {f(r.get('ours_graph_ms'), '.3f')} | "
+                     f"{f(r.get('bf16_graph_ms'), '.3f')} | "
+                     f"{f(r.get('speedup_vs_bf16_graph'), '.2f')}× | {r['kernel_ms']:.3f} | "
+                     f"{r['kernel_fraction_of_bandwidth']:.2f} | "
+                     f"{r['bf16_fraction_of_bandwidth']:.2f} | {r['bytes_ratio']:.2f} |")
+    shapes = sorted({k for r in res["steps"] for k in r.get("kernel_ms_by_launch", {})})
+    if shapes:
+        lines += ["", "Kernel ms by launch shape (warps per block x blocks per SM):", "",
+                  "| batch | ctx | " + " | ".join(shapes) + " |",
+                  "|---|---|" + "---|" * len(shapes)]
+        for r in res["steps"]:
+            by = r.get("kernel_ms_by_launch", {})
+            lines.append(f"| {r['batch']} | {r['ctx']:,} | "
+                         + " | ".join(f(by.get(k), ".3f") for k in shapes) + " |")
     if res.get("e2e"):
         cache_args = ", ".join(f"{k}={v}" for k, v in E2E_CACHE.items())
         lines += ["", "## End to end through the transformers adapter", "",

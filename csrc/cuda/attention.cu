@@ -1,206 +1,260 @@
-// Decode attention over compressed keys and values (TurboQuant-mse codes), flash-decoding style.
-// Meaning: decode_attention_ref in tqvec/ops/ref.py. For each (batch * KV head) `bh` and each of
-// its G query heads q (GQA: G = query heads per KV head), over the stored tokens t in
-// [lo[bh], hi[bh]):
-//   s_qt = scale * knorm_t * <qr_q, ck[kidx_t]> + qbias_q        (keys never decoded)
-//   m_q = max_t s_qt,  l_q = sum_t exp(s_qt - m_q),  acc_q = sum_t exp(s_qt - m_q) vnorm_t cv[vidx_t]
+// Decode attention over compressed keys and values (TurboQuant-mse codes), flash-decoding style,
+// on the tensor cores. Meaning: decode_attention_ref in tqvec/ops/ref.py. For each (batch * KV
+// head) `bh` and each of its G <= 16 query heads q, over the stored tokens t in [lo[bh], hi[bh]):
+//   s_qt = scale * knorm_t * <qr_q, ck[kidx_t]> + qbias_q   (keys never decoded to memory)
+//   m_q = max_t s_qt, l_q = sum_t exp(s_qt - m_q), acc_q = sum_t exp(s_qt - m_q) vnorm_t cv[vidx_t]
 // returned unnormalized, in the rotated domain, so the caller merges them with the exact
 // full-precision window in one softmax (log-sum-exp merge) and rotates back once.
 //
-// Grid (splits, BH); block 256 threads; a block handles tokens [split * per_split, ...) of one bh
-// for all G <= 8 queries and writes its partial (m, l, acc); the caller merges the splits.
-// Per tile of TR tokens: key and value bytes staged in shared memory (16-byte loads), scores as
-// in scan.cu (G_l = 2^g_log2 lanes per key row, queries [q][lane][cpt + 1] in shared memory),
-// then an online-softmax update per query (thread q scans the tile: TR exps), then every thread
-// accumulates its own coordinates j = tid, tid + 256 (d <= 512) over the tile's tokens.
+// Layout of the work: grid (splits, BH), TQA_WARPS warps per block; every warp is one partial
+// (its own online softmax over tiles of 16 tokens, tiles dealt round-robin to the block's warps),
+// written to out_m / out_l / out_acc[bh][split * TQA_WARPS + warp]; the caller merges partials.
+// No block-wide barrier after the prologue: a warp stages its own tile (16 rows of key and value
+// codes, coalesced 4-byte loads into its private shared memory) and reads it after __syncwarp.
+//
+// Per tile, with mma.sync m16n8k16 (fp16 operands, fp32 accumulation):
+//   scores  S (16 query rows x 8 tokens) += Q (16 x 16 coordinates) . K^T (16 coordinates x 8
+//           tokens), two token blocks per tile; Q's fragments are built once (shared memory), the
+//           key fragments come straight from the codes: a lane's two adjacent coordinates of one
+//           token are one 2*KB-bit field, looked up in a table of centroid pairs (f16x2);
+//   softmax in the base-2 domain per query row (the 4 lanes of a row reduce by shuffles), with
+//           the tile's scores scaled by scale * knorm_t and the weights multiplied by vnorm_t;
+//   values  O (16 rows x 8 coordinates) += P (16 rows x 16 tokens) . V (16 tokens x 8 coords):
+//           P's fragments are the score accumulators' registers (same layout), V's are two tokens'
+//           codes of one coordinate, again one pair-table lookup.
+// Rows >= G are zero queries (wasted lanes of the 16-row tile, never written out).
+//
+// Compile-time shape (NVRTC -D options, one variant per (D, KB, VB) and launch shape): D % 32 == 0,
+// D <= 256, 1 <= KB, VB <= 4 (a 16-coordinate key field and an 8-coordinate value field fit in
+// 64 bits); TQA_WARPS warps per block, TQA_MINB blocks per multiprocessor (a register cap).
 //
 // Dynamic shared memory (bytes; tqvec/ops/cuda.py computes it in this order):
-//   q G*G_l*(cpt+1)*4 | ck 256*4 | cv 256*4 | p G*TR*4 | vn TR*4 | alpha G*4 | m G*4 | l G*4 |
-//   key tile TR*rbk + 64 | value tile TR*rbv + 64
+//   key pairs 4 << 2KB | value pairs 4 << 2VB | Q fragments (D/16) * 32 * 16 |
+//   per warp: key tile 16 * RBK + 16 | value tile 16 * RBV + 16
 
-typedef unsigned char tq_u8;
-typedef long long tq_i64;
+#ifndef TQA_D
+#define TQA_D 128
+#endif
+#ifndef TQA_KB
+#define TQA_KB 3
+#endif
+#ifndef TQA_VB
+#define TQA_VB 3
+#endif
+#ifndef TQA_WARPS
+#define TQA_WARPS 8  // warps per block
+#endif
+#ifndef TQA_MINB
+#define TQA_MINB 1  // blocks per multiprocessor the register allocation must allow
+#endif
 
-#define TQA_THREADS 256
-#define TQA_G_MAX 8
-#define TQA_JPT 2  // coordinates per thread: d <= 512
+template <int D, int KB, int VB, int W>
+__device__ __forceinline__ void tqa_body(
+    const float* __restrict__ qr, const float* __restrict__ qbias,
+    const tq_u8* __restrict__ kpacked, const float* __restrict__ knorm,
+    const float* __restrict__ kcent, const tq_u8* __restrict__ vpacked,
+    const float* __restrict__ vnorm, const float* __restrict__ vcent,
+    const int* __restrict__ lo_t, const int* __restrict__ hi_t, int G, int T, int per_split,
+    double scale_d, float* __restrict__ out_m, float* __restrict__ out_l,
+    float* __restrict__ out_acc, unsigned char* smem) {
+  constexpr int RBK = D * KB / 8, RBV = D * VB / 8;  // row bytes (multiples of 4)
+  constexpr int WK = RBK / 4, WV = RBV / 4;          // row words
+  constexpr int KS = D / 16, NT = D / 8;             // k-steps of the scores, value n-tiles
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const float LOG2E = 1.4426950408889634f;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;  // mma fragment coordinates
+  const int split = blockIdx.x;
+  const tq_i64 bh = blockIdx.y;
 
-// Copy nbytes from g to shared memory so that s = base + (g % 16) keeps 16-byte alignment;
-// returns s. No read outside [g, g + nbytes).
-__device__ __forceinline__ const tq_u8* tqa_stage(tq_u8* base, const tq_u8* g, int nbytes) {
-  const int mis = (int)(reinterpret_cast<unsigned long long>(g) & 15);
-  tq_u8* s = base + mis;
-  const int head = min(nbytes, (16 - mis) & 15);
-  const int body = (nbytes - head) >> 4;
-  for (int i = threadIdx.x; i < head; i += TQA_THREADS) s[i] = g[i];
-  const uint4* gb = reinterpret_cast<const uint4*>(g + head);
-  uint4* sb = reinterpret_cast<uint4*>(s + head);
-  for (int i = threadIdx.x; i < body; i += TQA_THREADS) sb[i] = __ldg(gb + i);
-  for (int i = head + (body << 4) + threadIdx.x; i < nbytes; i += TQA_THREADS) s[i] = g[i];
-  return s;
+  unsigned* kpair = reinterpret_cast<unsigned*>(smem);
+  unsigned* vpair = kpair + (1 << (2 * KB));
+  unsigned* qfrag = vpair + (1 << (2 * VB));  // [KS][32 lanes][4]
+  unsigned* tiles = qfrag + KS * 32 * 4;
+  unsigned* ktile = tiles + warp * (16 * (WK + WV) + 8);  // 16 rows of WK words (+ 4 pad)
+  unsigned* vtile = ktile + 16 * WK + 4;
+
+  for (int i = threadIdx.x; i < (1 << (2 * KB)); i += blockDim.x)
+    kpair[i] = tq_h2(kcent[i & ((1 << KB) - 1)], kcent[i >> KB]);
+  for (int i = threadIdx.x; i < (1 << (2 * VB)); i += blockDim.x)
+    vpair[i] = tq_h2(vcent[i & ((1 << VB) - 1)], vcent[i >> VB]);
+  for (int i = threadIdx.x; i < KS * 32; i += blockDim.x) {
+    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = 16 * ks + 2 * (ln & 3);
+    float q[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // rows rg and rg + 8
+      const int row = rg + 8 * h;
+      const float* src = qr + (bh * G + row) * D;
+      const bool ok = row < G;
+      q[h][0] = ok ? src[c] : 0.0f;
+      q[h][1] = ok ? src[c + 1] : 0.0f;
+      q[h][2] = ok ? src[c + 8] : 0.0f;
+      q[h][3] = ok ? src[c + 9] : 0.0f;
+    }
+    qfrag[4 * i + 0] = tq_h2(q[0][0], q[0][1]);
+    qfrag[4 * i + 1] = tq_h2(q[1][0], q[1][1]);
+    qfrag[4 * i + 2] = tq_h2(q[0][2], q[0][3]);
+    qfrag[4 * i + 3] = tq_h2(q[1][2], q[1][3]);
+  }
+  __syncthreads();
+
+  // Base-2 softmax: s2 = dot * (scale * log2e * knorm_t) + qbias * log2e.
+  const float sc2 = (float)scale_d * LOG2E;
+  const float bias0 = g < G ? qbias[bh * G + g] * LOG2E : 0.0f;
+  const float bias1 = g + 8 < G ? qbias[bh * G + g + 8] * LOG2E : 0.0f;
+  const bool two_halves = G > 8;  // rows g + 8 hold queries
+  float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
+  float o[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) o[nt][0] = o[nt][1] = o[nt][2] = o[nt][3] = 0.0f;
+
+  const int lo = max(lo_t[bh], split * per_split);
+  const int hi = min(min(hi_t[bh], T), (split + 1) * per_split);
+  const int iters = (per_split + 16 * W - 1) / (16 * W);  // uniform in the grid
+  const unsigned* kbase = reinterpret_cast<const unsigned*>(kpacked + bh * T * RBK);
+  const unsigned* vbase = reinterpret_cast<const unsigned*>(vpacked + bh * T * RBV);
+
+  for (int it = 0; it < iters; ++it) {
+    const int t0 = split * per_split + (it * W + warp) * 16;
+    // -- stage the tile's rows [t0, t0 + 16) that lie in [lo, hi); zeros elsewhere --
+    const int r0 = max(lo, t0), r1 = min(hi, t0 + 16);
+    const int wlo = r0 < r1 ? (r0 - t0) : 16, whi = r0 < r1 ? (r1 - t0) : 16;
+    for (int i = lane; i < 16 * WK; i += 32) {
+      const int r = i / WK;
+      ktile[i] = (r >= wlo && r < whi) ? kbase[(tq_i64)t0 * WK + i] : 0u;
+    }
+    for (int i = lane; i < 16 * WV; i += 32) {
+      const int r = i / WV;
+      vtile[i] = (r >= wlo && r < whi) ? vbase[(tq_i64)t0 * WV + i] : 0u;
+    }
+    // this lane's four tokens: 2tig, 2tig + 1 (first block), 8 + 2tig, 9 + 2tig (second)
+    float kn[4], vn[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int r = 2 * tig + (u & 1) + 8 * (u >> 1);
+      const bool live = r >= wlo && r < whi;
+      kn[u] = live ? knorm[bh * T + t0 + r] * sc2 : 0.0f;
+      vn[u] = live ? vnorm[bh * T + t0 + r] : 0.0f;
+    }
+    __syncwarp();
+
+    // -- scores: two blocks of 8 tokens (token g of the block is this lane's B column) --
+    float s[2][4];
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      s[blk][0] = s[blk][1] = s[blk][2] = s[blk][3] = 0.0f;
+      const unsigned* row = ktile + (8 * blk + g) * WK;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int bit = 16 * ks * KB;  // the step's 16 coordinates: bits [bit, bit + 16 KB)
+        const int w = bit >> 5, off = bit & 31;
+        const unsigned lo_w = row[w], hi_w = (w + 1 < WK) ? row[w + 1] : 0u;
+        unsigned b[2];
+        b[0] = kpair[tq_bits(lo_w, hi_w, off + 2 * tig * KB, 2 * KB)];
+        b[1] = kpair[tq_bits(lo_w, hi_w, off + (8 + 2 * tig) * KB, 2 * KB)];
+        const uint4 qa = reinterpret_cast<const uint4*>(qfrag)[ks * 32 + lane];
+        const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
+        tq_mma(s[blk], a, b);
+      }
+    }
+    // s[blk][0..1]: row g, tokens 8 blk + 2tig (+1); s[blk][2..3]: row g + 8, same tokens.
+    float p0[4], p1[4];  // rows g and g + 8, tokens 2tig, 2tig + 1, 8 + 2tig, 9 + 2tig
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int blk = u >> 1, c = u & 1;
+      const int r = 2 * tig + c + 8 * blk;
+      const bool live = r >= wlo && r < whi;
+      p0[u] = live ? fmaf(s[blk][c], kn[u], bias0) : NEG_INF;
+      p1[u] = live ? fmaf(s[blk][2 + c], kn[u], bias1) : NEG_INF;
+    }
+    float t0max = fmaxf(fmaxf(p0[0], p0[1]), fmaxf(p0[2], p0[3]));
+    float t1max = fmaxf(fmaxf(p1[0], p1[1]), fmaxf(p1[2], p1[3]));
+    t0max = fmaxf(t0max, __shfl_xor_sync(0xffffffffu, t0max, 1));
+    t0max = fmaxf(t0max, __shfl_xor_sync(0xffffffffu, t0max, 2));
+    t1max = fmaxf(t1max, __shfl_xor_sync(0xffffffffu, t1max, 1));
+    t1max = fmaxf(t1max, __shfl_xor_sync(0xffffffffu, t1max, 2));
+    const float n0 = fmaxf(m0, t0max), n1 = fmaxf(m1, t1max);
+    // a row that has seen no token keeps m = -inf: its weights are 0, its rescale 1
+    const float a0 = n0 == NEG_INF ? 1.0f : exp2f(m0 - n0);
+    const float a1 = n1 == NEG_INF ? 1.0f : exp2f(m1 - n1);
+    float sum0 = 0.0f, sum1 = 0.0f;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      p0[u] = n0 == NEG_INF ? 0.0f : exp2f(p0[u] - n0);
+      p1[u] = (two_halves && n1 != NEG_INF) ? exp2f(p1[u] - n1) : 0.0f;
+      sum0 += p0[u];
+      sum1 += p1[u];
+    }
+    l0 = l0 * a0 + sum0;
+    l1 = l1 * a1 + sum1;
+    m0 = n0;
+    m1 = n1;
+    // P (rows g, g + 8; tokens 2tig, 2tig + 1 | 8 + 2tig, 9 + 2tig) with vnorm folded in
+    const unsigned pa[4] = {tq_h2(p0[0] * vn[0], p0[1] * vn[1]),
+                            tq_h2(p1[0] * vn[0], p1[1] * vn[1]),
+                            tq_h2(p0[2] * vn[2], p0[3] * vn[3]),
+                            tq_h2(p1[2] * vn[2], p1[3] * vn[3])};
+
+    // -- values: coordinate 8 nt + g of tokens 2tig, 2tig + 1 and 8 + 2tig, 9 + 2tig --
+    const unsigned* va = vtile + (2 * tig) * WV;
+    const unsigned* vb = va + WV;
+    const unsigned* vc = va + 8 * WV;
+    const unsigned* vd = vc + WV;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      o[nt][0] *= a0;
+      o[nt][1] *= a0;
+      o[nt][2] *= a1;
+      o[nt][3] *= a1;
+      const int bit = 8 * nt * VB;  // the tile's 8 coordinates: bits [bit, bit + 8 VB)
+      const int w = bit >> 5, sh = (bit & 31) + g * VB;
+      const bool two = w + 1 < WV;
+      const unsigned ca = tq_bits(va[w], two ? va[w + 1] : 0u, sh, VB);
+      const unsigned cb = tq_bits(vb[w], two ? vb[w + 1] : 0u, sh, VB);
+      const unsigned cc = tq_bits(vc[w], two ? vc[w + 1] : 0u, sh, VB);
+      const unsigned cd = tq_bits(vd[w], two ? vd[w + 1] : 0u, sh, VB);
+      const unsigned b[2] = {vpair[ca | (cb << VB)], vpair[cc | (cd << VB)]};
+      tq_mma(o[nt], pa, b);
+    }
+    __syncwarp();  // the next tile overwrites the staged rows
+  }
+
+  // -- this warp's partial: l summed over the row's 4 lanes; m back in natural units --
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 1);
+  l0 += __shfl_xor_sync(0xffffffffu, l0, 2);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 1);
+  l1 += __shfl_xor_sync(0xffffffffu, l1, 2);
+  const float LN2 = 0.6931471805599453f;
+  const tq_i64 part = (bh * gridDim.x + split) * W + warp;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = g + 8 * h;
+    if (row < G) {
+      const tq_i64 o_row = part * G + row;
+      if (tig == 0) {
+        const float m = h ? m1 : m0;
+        out_m[o_row] = m == NEG_INF ? NEG_INF : m * LN2;
+        out_l[o_row] = h ? l1 : l0;
+      }
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        out_acc[o_row * D + 8 * nt + 2 * tig] = o[nt][2 * h];
+        out_acc[o_row * D + 8 * nt + 2 * tig + 1] = o[nt][2 * h + 1];
+      }
+    }
+  }
 }
 
-__device__ __forceinline__ tq_u8* tqa_align16(tq_u8* p) {
-  return p + ((16 - (reinterpret_cast<unsigned long long>(p) & 15)) & 15);
-}
-
-extern "C" __global__ void __launch_bounds__(TQA_THREADS)
+extern "C" __global__ void __launch_bounds__(32 * TQA_WARPS, TQA_MINB)
 tq_decode_attention(const float* __restrict__ qr, const float* __restrict__ qbias,
                     const tq_u8* __restrict__ kpacked, const float* __restrict__ knorm,
                     const float* __restrict__ kcent, const tq_u8* __restrict__ vpacked,
                     const float* __restrict__ vnorm, const float* __restrict__ vcent,
-                    const int* __restrict__ lo_t, const int* __restrict__ hi_t, int G, int d,
-                    int T, int kb, int vb, int g_log2, int per_split, double scale_d,
-                    float* __restrict__ out_m, float* __restrict__ out_l,
-                    float* __restrict__ out_acc) {
+                    const int* __restrict__ lo_t, const int* __restrict__ hi_t, int G, int T,
+                    int per_split, double scale, float* __restrict__ out_m,
+                    float* __restrict__ out_l, float* __restrict__ out_acc) {
   extern __shared__ __align__(16) unsigned char tqa_smem[];
-  const float NEG_INF = -__int_as_float(0x7f800000);
-  const float scale = (float)scale_d;
-  const int GL = 1 << g_log2;
-  const int TR = TQA_THREADS >> g_log2;
-  const int rbk = (d * kb + 7) >> 3, rbv = (d * vb + 7) >> 3;
-  const int cpt = (((d + GL - 1) >> g_log2) + 7) & ~7;
-  const int qpitch = cpt + 1, qstride = qpitch << g_log2;
-  const int split = blockIdx.x, nsplit = gridDim.x;
-  const tq_i64 bh = blockIdx.y;
-
-  float* q_s = reinterpret_cast<float*>(tqa_smem);
-  float* ck_s = q_s + G * qstride;
-  float* cv_s = ck_s + 256;
-  float* p_s = cv_s + 256;
-  float* vn_s = p_s + G * TR;
-  float* alpha_s = vn_s + TR;
-  float* m_s = alpha_s + G;
-  float* l_s = m_s + G;
-  tq_u8* ktile = tqa_align16(reinterpret_cast<tq_u8*>(l_s + G));
-  tq_u8* vtile = tqa_align16(ktile + TR * rbk + 64);
-
-  for (int i = threadIdx.x; i < G * qstride; i += TQA_THREADS) {
-    const int qi = i / qstride, r = i - qi * qstride;
-    const int ln = r / qpitch, c = r - ln * qpitch;
-    const int j = ln * cpt + c;
-    q_s[i] = (c < cpt && j < d) ? qr[(bh * G + qi) * d + j] : 0.0f;
-  }
-  for (int i = threadIdx.x; i < 256; i += TQA_THREADS) {
-    ck_s[i] = i < (1 << kb) ? kcent[i] : 0.0f;
-    cv_s[i] = i < (1 << vb) ? vcent[i] : 0.0f;
-  }
-  for (int i = threadIdx.x; i < G; i += TQA_THREADS) { m_s[i] = NEG_INF; l_s[i] = 0.0f; }
-  float acc[TQA_G_MAX][TQA_JPT];
-#pragma unroll
-  for (int qi = 0; qi < TQA_G_MAX; ++qi)
-#pragma unroll
-    for (int u = 0; u < TQA_JPT; ++u) acc[qi][u] = 0.0f;
-  __syncthreads();
-
-  const int lo = max(lo_t[bh], split * per_split);
-  const int hi = min(min(hi_t[bh], T), (split + 1) * per_split);
-  const int lane_row = threadIdx.x >> g_log2;
-  const int lane = threadIdx.x & (GL - 1);
-  const unsigned long long kmask = (1ull << kb) - 1ull;
-  const unsigned vmask = (1u << vb) - 1u;
-
-  for (int t0 = lo; t0 < hi; t0 += TR) {
-    const int rows = min(TR, hi - t0);
-    const tq_u8* ks = tqa_stage(ktile, kpacked + (bh * T + t0) * rbk, rows * rbk);
-    const tq_u8* vs = tqa_stage(vtile, vpacked + (bh * T + t0) * rbv, rows * rbv);
-    for (int i = threadIdx.x; i < TR; i += TQA_THREADS)
-      vn_s[i] = i < rows ? vnorm[bh * T + t0 + i] : 0.0f;
-    __syncthreads();
-
-    // -- scores: lane `lane` of key row `lane_row` sums coordinates [j0, j0 + cpt) --
-    float dot[TQA_G_MAX];
-#pragma unroll
-    for (int qi = 0; qi < TQA_G_MAX; ++qi) dot[qi] = 0.0f;
-    if (lane_row < rows) {
-      const tq_u8* row = ks + lane_row * rbk;
-      const int j0 = lane * cpt;
-      const int jend = min(j0 + cpt, d);
-      const float* ql = q_s + lane * qpitch - j0;
-      for (int j = j0; j < jend; j += 8) {
-        const tq_u8* src = row + (j >> 3) * kb;
-        unsigned long long w = 0;
-        for (int t = 0; t < kb; ++t) w |= (unsigned long long)src[t] << (8 * t);
-#pragma unroll
-        for (int t = 0; t < 8; ++t) {
-          const float cv = ck_s[(w >> (t * kb)) & kmask];
-#pragma unroll
-          for (int qi = 0; qi < TQA_G_MAX; ++qi)
-            if (qi < G) dot[qi] = fmaf(ql[qi * qstride + j + t], cv, dot[qi]);
-        }
-      }
-    }
-#pragma unroll
-    for (int qi = 0; qi < TQA_G_MAX; ++qi)
-      for (int off = GL >> 1; off > 0; off >>= 1)
-        dot[qi] += __shfl_xor_sync(0xffffffffu, dot[qi], off);
-    if (lane == 0) {
-      const bool live = lane_row < rows;
-      const float kn = live ? knorm[bh * T + t0 + lane_row] : 0.0f;
-#pragma unroll
-      for (int qi = 0; qi < TQA_G_MAX; ++qi)
-        if (qi < G)
-          p_s[qi * TR + lane_row] = live ? fmaf(scale * kn, dot[qi], qbias[bh * G + qi])
-                                         : NEG_INF;
-    }
-    __syncthreads();
-
-    // -- online softmax: thread qi rescans its query's tile scores --
-    if ((int)threadIdx.x < G) {
-      const int qi = threadIdx.x;
-      float* ps = p_s + qi * TR;
-      float mt = NEG_INF;
-      for (int t = 0; t < rows; ++t) mt = fmaxf(mt, ps[t]);
-      const float m_old = m_s[qi];
-      const float m_new = fmaxf(m_old, mt);
-      float sum = 0.0f;
-      for (int t = 0; t < TR; ++t) {
-        const float e = (t < rows && m_new > NEG_INF) ? expf(ps[t] - m_new) : 0.0f;
-        sum += e;
-        ps[t] = e * vn_s[t];  // the weight of value t (its norm folded in)
-      }
-      const float a = (m_old > NEG_INF) ? expf(m_old - m_new) : 0.0f;
-      alpha_s[qi] = a;
-      l_s[qi] = l_s[qi] * a + sum;
-      m_s[qi] = m_new;
-    }
-    __syncthreads();
-
-    // -- values: thread owns coordinates j = tid + u * 256 --
-#pragma unroll
-    for (int u = 0; u < TQA_JPT; ++u) {
-      const int j = threadIdx.x + u * TQA_THREADS;
-      if (j < d) {
-#pragma unroll
-        for (int qi = 0; qi < TQA_G_MAX; ++qi)
-          if (qi < G) acc[qi][u] *= alpha_s[qi];
-        const int bit = j * vb, byte = bit >> 3, sh = bit & 7;
-        for (int t = 0; t < rows; ++t) {
-          const tq_u8* row = vs + t * rbv;
-          unsigned w = row[byte];
-          if (sh + vb > 8) w |= (unsigned)row[byte + 1] << 8;
-          const float c = cv_s[(w >> sh) & vmask];
-#pragma unroll
-          for (int qi = 0; qi < TQA_G_MAX; ++qi)
-            if (qi < G) acc[qi][u] = fmaf(p_s[qi * TR + t], c, acc[qi][u]);
-        }
-      }
-    }
-    __syncthreads();  // the next tile overwrites the staged bytes and p_s
-  }
-
-  const tq_i64 o = (bh * nsplit + split) * G;
-  for (int qi = threadIdx.x; qi < G; qi += TQA_THREADS) {
-    out_m[o + qi] = m_s[qi];
-    out_l[o + qi] = l_s[qi];
-  }
-#pragma unroll
-  for (int u = 0; u < TQA_JPT; ++u) {
-    const int j = threadIdx.x + u * TQA_THREADS;
-    if (j < d) {
-#pragma unroll
-      for (int qi = 0; qi < TQA_G_MAX; ++qi)
-        if (qi < G) out_acc[(o + qi) * d + j] = acc[qi][u];
-    }
-  }
+  tqa_body<TQA_D, TQA_KB, TQA_VB, TQA_WARPS>(qr, qbias, kpacked, knorm, kcent, vpacked, vnorm,
+                                             vcent, lo_t, hi_t, G, T, per_split, scale, out_m,
+                                             out_l, out_acc, tqa_smem);
 }

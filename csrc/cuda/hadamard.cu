@@ -11,7 +11,6 @@
 // needed); the output is float32. s = float32(1/sqrt(p)) is passed as a double, computed by the
 // caller exactly as the reference computes it.
 
-typedef long long tq_i64;
 
 __device__ __forceinline__ float tq_load(const float* p, tq_i64 i) { return p[i]; }
 

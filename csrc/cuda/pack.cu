@@ -9,8 +9,6 @@
 // launcher passes Python ints as 32-bit C ints); offsets are computed in 64 bits. One thread per
 // output element, grid-stride loops, so any grid size is correct.
 
-typedef unsigned char tq_u8;
-typedef long long tq_i64;
 
 // idx (n, d) uint8 -> out (n, rb) uint8. One thread per output byte: gathers its 8 stream bits.
 extern "C" __global__ void tq_pack_bits(const tq_u8* __restrict__ idx, tq_u8* __restrict__ out,

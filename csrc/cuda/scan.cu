@@ -28,9 +28,6 @@
 //   sel rows qb*2kp*4 | counters qb*4 | thresholds qb*4 | tile TR*rb + 64 bytes (alignment
 //   and the over-read of a row's last 8-index group)
 
-typedef unsigned char tq_u8;
-typedef long long tq_i64;
-
 #define TQ_THREADS 256
 #define TQ_QB_MAX 8
 
@@ -205,4 +202,184 @@ tq_lut_scan(const float* __restrict__ qr, const tq_u8* __restrict__ packed,
       out_i[o] = (v > NEG_INF && ix >= 0) ? (tq_i64)ix : -1;
     }
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The same scan on the tensor cores (mma.sync m16n8k16), for D % 32 == 0, 1 <= B <= 4 and
+// k <= K <= 32 (compile-time TQS_D, TQS_B, TQS_K; TQS_WARPS warps per block).
+//
+// Grid (chunks, query tiles of 16). Every warp scores tiles of 16 rows of its block's chunk
+// (dealt round-robin) against the tile's 16 queries: scores (16 queries x 8 rows) += Q (16 x 16
+// coordinates) . C^T (16 coordinates x 8 rows), C the rows' centroids. A lane's two adjacent
+// coordinates of one row are one 2B-bit field of the packed code, looked up in a table of
+// centroid pairs. float32 accuracy from fp16 operands by splitting both sides into a high and a
+// low fp16 part: q.c ~ qh.ch + qh.cl + ql.ch (the dropped ql.cl is ~2^-22 relative).
+// Selection without barriers: each lane keeps, for each of its two queries (rows g and g + 8 of
+// the tile), the best K of the rows it scores in registers (an insertion only when a score beats
+// its K-th); every lane's list is written out (nq, chunks * warps * 4, K) and the caller takes
+// the best k of them. The union of the lists holds the best k of every query (each list holds
+// the best K >= k of its own rows).
+//
+// Dynamic shared memory (bytes; tqvec/ops/cuda.py computes it in this order):
+//   pairs hi 4 << 2B | pairs lo 4 << 2B | Q fragments hi, lo 2 * (D/16) * 32 * 16 |
+//   per warp: tile 16 * RB + 16
+#ifndef TQS_D
+#define TQS_D 128
+#endif
+#ifndef TQS_B
+#define TQS_B 4
+#endif
+#ifndef TQS_K
+#define TQS_K 16
+#endif
+#ifndef TQS_WARPS
+#define TQS_WARPS 8
+#endif
+
+// Insert (v, i) into the best-first list (lv, li) of length K when v beats its last entry.
+template <int K>
+__device__ __forceinline__ void tqs_insert(float (&lv)[K], int (&li)[K], float v, int i) {
+  if (!(v > lv[K - 1])) return;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    const bool take = v > lv[j];
+    const float tv = lv[j];
+    const int ti = li[j];
+    lv[j] = take ? v : tv;
+    li[j] = take ? i : ti;
+    v = take ? tv : v;
+    i = take ? ti : i;
+  }
+}
+
+template <int D, int B, int K, int W>
+__device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
+                                         const tq_u8* __restrict__ packed,
+                                         const float* __restrict__ cent,
+                                         const float* __restrict__ mult,
+                                         const float* __restrict__ add, int nq, int n,
+                                         int rows_per_chunk, float* __restrict__ out_v,
+                                         tq_i64* __restrict__ out_i, unsigned char* smem) {
+  constexpr int WB = D * B / 32;  // row words
+  constexpr int KS = D / 16;
+  const float NEG_INF = -__int_as_float(0x7f800000);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;
+  const int chunk = blockIdx.x, q0 = blockIdx.y * 16;
+
+  unsigned* phi = reinterpret_cast<unsigned*>(smem);
+  unsigned* plo = phi + (1 << (2 * B));
+  unsigned* qhi = plo + (1 << (2 * B));  // [KS][32][4]
+  unsigned* qlo = qhi + KS * 32 * 4;
+  unsigned* tile = qlo + KS * 32 * 4 + warp * (16 * WB + 4);
+
+  for (int i = threadIdx.x; i < (1 << (2 * B)); i += blockDim.x) {
+    const float c0 = cent[i & ((1 << B) - 1)], c1 = cent[i >> B];
+    const float h0 = tq_f16_round(c0), h1 = tq_f16_round(c1);
+    phi[i] = tq_h2(h0, h1);
+    plo[i] = tq_h2(c0 - h0, c1 - h1);
+  }
+  for (int i = threadIdx.x; i < KS * 32; i += blockDim.x) {
+    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = 16 * ks + 2 * (ln & 3);
+    float h[2][4], l[2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {  // query rows rg and rg + 8 of the tile
+      const int q = q0 + rg + 8 * r;
+      const float* src = qr + (tq_i64)q * D;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float x = q < nq ? src[c + (u & 1) + 8 * (u >> 1)] : 0.0f;
+        h[r][u] = tq_f16_round(x);
+        l[r][u] = x - h[r][u];
+      }
+    }
+    qhi[4 * i + 0] = tq_h2(h[0][0], h[0][1]);
+    qhi[4 * i + 1] = tq_h2(h[1][0], h[1][1]);
+    qhi[4 * i + 2] = tq_h2(h[0][2], h[0][3]);
+    qhi[4 * i + 3] = tq_h2(h[1][2], h[1][3]);
+    qlo[4 * i + 0] = tq_h2(l[0][0], l[0][1]);
+    qlo[4 * i + 1] = tq_h2(l[1][0], l[1][1]);
+    qlo[4 * i + 2] = tq_h2(l[0][2], l[0][3]);
+    qlo[4 * i + 3] = tq_h2(l[1][2], l[1][3]);
+  }
+  __syncthreads();
+
+  float lv0[K], lv1[K];
+  int li0[K], li1[K];
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    lv0[j] = lv1[j] = NEG_INF;
+    li0[j] = li1[j] = -1;
+  }
+  const bool live0 = q0 + g < nq, live1 = q0 + g + 8 < nq;
+  const int start = chunk * rows_per_chunk, end = min(n, start + rows_per_chunk);
+  const int iters = (rows_per_chunk + 16 * W - 1) / (16 * W);  // uniform in the grid
+  const unsigned* base = reinterpret_cast<const unsigned*>(packed);
+
+  for (int it = 0; it < iters; ++it) {
+    const int t0 = start + (it * W + warp) * 16;
+    const int valid = max(0, min(16, end - t0));  // rows [t0, t0 + valid) exist
+    for (int i = lane; i < 16 * WB; i += 32)
+      tile[i] = i < valid * WB ? base[(tq_i64)t0 * WB + i] : 0u;
+    float mu[4], ad[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int r = 2 * tig + (u & 1) + 8 * (u >> 1);
+      mu[u] = r < valid ? mult[t0 + r] : 0.0f;
+      ad[u] = r < valid ? add[t0 + r] : NEG_INF;
+    }
+    __syncwarp();
+    float s[2][4];
+#pragma unroll
+    for (int blk = 0; blk < 2; ++blk) {
+      s[blk][0] = s[blk][1] = s[blk][2] = s[blk][3] = 0.0f;
+      const unsigned* row = tile + (8 * blk + g) * WB;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const int bit = 16 * ks * B, w = bit >> 5, off = bit & 31;
+        const unsigned lo_w = row[w], hi_w = (w + 1 < WB) ? row[w + 1] : 0u;
+        const unsigned i0 = tq_bits(lo_w, hi_w, off + 2 * tig * B, 2 * B);
+        const unsigned i1 = tq_bits(lo_w, hi_w, off + (8 + 2 * tig) * B, 2 * B);
+        const unsigned bh[2] = {phi[i0], phi[i1]}, bl[2] = {plo[i0], plo[i1]};
+        const uint4 ah = reinterpret_cast<const uint4*>(qhi)[ks * 32 + lane];
+        const uint4 al = reinterpret_cast<const uint4*>(qlo)[ks * 32 + lane];
+        const unsigned ahi[4] = {ah.x, ah.y, ah.z, ah.w}, alo[4] = {al.x, al.y, al.z, al.w};
+        tq_mma(s[blk], ahi, bh);
+        tq_mma(s[blk], ahi, bl);
+        tq_mma(s[blk], alo, bh);
+      }
+    }
+    // s[blk][c]: query g, row 8 blk + 2tig + c; s[blk][2 + c]: query g + 8, same row
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int blk = u >> 1, c = u & 1, r = 2 * tig + c + 8 * blk;
+      if (live0) tqs_insert<K>(lv0, li0, s[blk][c] * mu[u] + ad[u], t0 + r);
+      if (live1) tqs_insert<K>(lv1, li1, s[blk][2 + c] * mu[u] + ad[u], t0 + r);
+    }
+    __syncwarp();  // the next tile overwrites the staged rows
+  }
+
+  const tq_i64 lists = (tq_i64)gridDim.x * W * 4;
+  const tq_i64 list = ((tq_i64)chunk * W + warp) * 4 + tig;
+#pragma unroll
+  for (int j = 0; j < K; ++j) {
+    if (live0) {
+      out_v[((q0 + g) * lists + list) * K + j] = lv0[j];
+      out_i[((q0 + g) * lists + list) * K + j] = li0[j];
+    }
+    if (live1) {
+      out_v[((q0 + g + 8) * lists + list) * K + j] = lv1[j];
+      out_i[((q0 + g + 8) * lists + list) * K + j] = li1[j];
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(32 * TQS_WARPS)
+tq_mma_scan(const float* __restrict__ qr, const tq_u8* __restrict__ packed,
+            const float* __restrict__ cent, const float* __restrict__ mult,
+            const float* __restrict__ add, int nq, int n, int rows_per_chunk,
+            float* __restrict__ out_v, tq_i64* __restrict__ out_i) {
+  extern __shared__ __align__(16) unsigned char tq_smem[];
+  tqs_body<TQS_D, TQS_B, TQS_K, TQS_WARPS>(qr, packed, cent, mult, add, nq, n, rows_per_chunk,
+                                          out_v, out_i, tq_smem);
 }

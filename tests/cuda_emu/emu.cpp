@@ -27,7 +27,7 @@ static std::barrier<>* tq_bar = nullptr;
 #define __device__
 #define __forceinline__ inline
 #define __restrict__ __restrict
-#define __launch_bounds__(n)
+#define __launch_bounds__(...)
 #define __shared__
 #define __align__(n) __attribute__((aligned(n)))
 
@@ -55,6 +55,47 @@ static inline float __shfl_xor_sync(unsigned, float v, int off) {
   return r;
 }
 
+static inline void __syncwarp() { tq_bar->arrive_and_wait(); }  // warps run in lockstep here
+
+// mma.sync m16n8k16 (f16 x f16 -> f32) as a block-wide exchange of the fragments: lane l of
+// warp w reads its partners' registers (PTX ISA fragment layouts: A row-major 16x16, B
+// column-major 16x8, C/D 16x8; groupID = lane / 4, thread-in-group = lane % 4).
+static unsigned tq_mma_x[1024][6];
+static inline float tq_h2f(unsigned bits16) {
+  return static_cast<float>(std::bit_cast<_Float16>(static_cast<unsigned short>(bits16)));
+}
+static inline unsigned tq_h2(float lo, float hi) {
+  const unsigned l = std::bit_cast<unsigned short>(static_cast<_Float16>(lo));
+  const unsigned h = std::bit_cast<unsigned short>(static_cast<_Float16>(hi));
+  return l | (h << 16);
+}
+static inline float tq_f16_round(float x) {
+  return static_cast<float>(static_cast<_Float16>(x));
+}
+static inline void tq_mma(float (&d)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+  const int t = threadIdx.x, w0 = t & ~31, g = (t & 31) >> 2, tig = t & 3;
+  for (int i = 0; i < 4; ++i) tq_mma_x[t][i] = a[i];
+  tq_mma_x[t][4] = b[0];
+  tq_mma_x[t][5] = b[1];
+  tq_bar->arrive_and_wait();
+  auto half = [](unsigned v, int k) { return tq_h2f((k & 1) ? v >> 16 : v & 0xffffu); };
+  auto A = [&](int r, int k) {
+    return half(tq_mma_x[w0 + (r & 7) * 4 + ((k & 7) >> 1)][(r >= 8) + 2 * (k >= 8)], k);
+  };
+  auto B = [&](int k, int n) {
+    return half(tq_mma_x[w0 + n * 4 + ((k & 7) >> 1)][4 + (k >= 8)], k);
+  };
+  float out[4];
+  for (int i = 0; i < 4; ++i) {
+    const int r = g + 8 * (i >> 1), c = 2 * tig + (i & 1);
+    float acc = d[i];
+    for (int k = 0; k < 16; ++k) acc += A(r, k) * B(k, c);
+    out[i] = acc;
+  }
+  tq_bar->arrive_and_wait();
+  for (int i = 0; i < 4; ++i) d[i] = out[i];
+}
+
 static inline int atomicAdd(int* p, int v) { return std::atomic_ref<int>(*p).fetch_add(v); }
 static inline uint4 __ldg(const uint4* p) { return *p; }
 static inline float __int_as_float(int v) { return std::bit_cast<float>(v); }
@@ -62,7 +103,9 @@ static inline float __uint_as_float(unsigned v) { return std::bit_cast<float>(v)
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
+using std::exp2f;
 using std::fmaf;
+using std::fmaxf;
 using std::min;
 using std::max;
 
@@ -72,6 +115,8 @@ alignas(16) float tq_row[1 << 16];
 alignas(16) float thr_s[1 << 10];
 alignas(16) unsigned char tqa_smem[1 << 18];
 
+#define TQ_EMU 1
+#include "../../csrc/cuda/common.cuh"
 #include "../../csrc/cuda/pack.cu"
 #include "../../csrc/cuda/hadamard.cu"
 #include "../../csrc/cuda/scan.cu"
@@ -100,8 +145,18 @@ static void run_grid(int gx, int gy, int bx, const std::function<void()>& body) 
 
 template <typename T> static T A(void** a, int i) { return *static_cast<T*>(a[i]); }
 
+// The compile-time shape of the next tq_decode_attention / tq_mma_scan launch (NVRTC's -D
+// options on a GPU).
+static int tq_variant[3] = {128, 3, 3};
+extern "C" void emu_variant(int d, int kb, int vb) {
+  tq_variant[0] = d;
+  tq_variant[1] = kb;
+  tq_variant[2] = vb;
+}
+
 // cuLaunchKernel-like entry: args[i] points at the i-th argument's value. Returns 0 on success,
-// 1 for an unknown kernel, 2 when the dynamic shared memory does not fit the static buffer.
+// 1 for an unknown kernel, 2 when the dynamic shared memory does not fit the static buffer,
+// 3 for an attention variant the emulation was not built with.
 extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long smem, void** a) {
   using u8 = unsigned char;
   using i64 = long long;
@@ -114,6 +169,24 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
                   A<int>(a, 7), A<int>(a, 8), A<int>(a, 9), A<int>(a, 10), A<int>(a, 11),
                   A<int>(a, 12), A<int>(a, 13), A<float*>(a, 14), A<i64*>(a, 15));
     });
+  } else if (n == "tq_mma_scan") {
+    if (smem > static_cast<long long>(sizeof(tq_smem))) return 2;
+    auto body = [&](auto f) {
+      run_grid(gx, gy, bx, [&] {
+        f(A<const float*>(a, 0), A<const u8*>(a, 1), A<const float*>(a, 2),
+          A<const float*>(a, 3), A<const float*>(a, 4), A<int>(a, 5), A<int>(a, 6),
+          A<int>(a, 7), A<float*>(a, 8), A<i64*>(a, 9), tq_smem);
+      });
+    };
+    // the (D, B, K) variants the tests use, 8 warps per block
+#define TQS_VARIANT(D_, B_, K_) \
+    if (tq_variant[0] == D_ && tq_variant[1] == B_ && tq_variant[2] == K_) { \
+      body(tqs_body<D_, B_, K_, 8>); return 0; }
+    TQS_VARIANT(128, 4, 16) TQS_VARIANT(96, 3, 16) TQS_VARIANT(64, 2, 1) TQS_VARIANT(256, 1, 32)
+    TQS_VARIANT(32, 4, 8) TQS_VARIANT(128, 4, 32) TQS_VARIANT(128, 4, 8)
+    TQS_VARIANT(64, 3, 8)
+#undef TQS_VARIANT
+    return 3;
   } else if (n == "tq_pack_bits") {
     run_grid(gx, gy, bx, [&] {
       tq_pack_bits(A<const u8*>(a, 0), A<u8*>(a, 1), A<int>(a, 2), A<int>(a, 3), A<int>(a, 4));
@@ -145,15 +218,25 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
     });
   } else if (n == "tq_decode_attention") {
     if (smem > static_cast<long long>(sizeof(tqa_smem))) return 2;
-    run_grid(gx, gy, bx, [&] {
-      tq_decode_attention(A<const float*>(a, 0), A<const float*>(a, 1), A<const u8*>(a, 2),
-                          A<const float*>(a, 3), A<const float*>(a, 4), A<const u8*>(a, 5),
-                          A<const float*>(a, 6), A<const float*>(a, 7), A<const int*>(a, 8),
-                          A<const int*>(a, 9), A<int>(a, 10), A<int>(a, 11), A<int>(a, 12),
-                          A<int>(a, 13), A<int>(a, 14), A<int>(a, 15), A<int>(a, 16),
-                          A<double>(a, 17), A<float*>(a, 18), A<float*>(a, 19),
-                          A<float*>(a, 20));
-    });
+    auto body = [&](auto f) {
+      run_grid(gx, gy, bx, [&] {
+        f(A<const float*>(a, 0), A<const float*>(a, 1), A<const u8*>(a, 2),
+          A<const float*>(a, 3), A<const float*>(a, 4), A<const u8*>(a, 5),
+          A<const float*>(a, 6), A<const float*>(a, 7), A<const int*>(a, 8),
+          A<const int*>(a, 9), A<int>(a, 10), A<int>(a, 11), A<int>(a, 12), A<double>(a, 13),
+          A<float*>(a, 14), A<float*>(a, 15), A<float*>(a, 16), tqa_smem);
+      });
+    };
+    // the (D, KB, VB) variants the tests use, 8 warps per block (on a GPU: one NVRTC compile per
+    // variant)
+#define TQA_VARIANT(D_, KB_, VB_) \
+    if (tq_variant[0] == D_ && tq_variant[1] == KB_ && tq_variant[2] == VB_) { \
+      body(tqa_body<D_, KB_, VB_, 8>); return 0; }
+    TQA_VARIANT(128, 3, 3) TQA_VARIANT(64, 4, 2) TQA_VARIANT(96, 2, 4) TQA_VARIANT(256, 4, 4)
+    TQA_VARIANT(32, 1, 1) TQA_VARIANT(64, 3, 3) TQA_VARIANT(256, 2, 2) TQA_VARIANT(160, 3, 1)
+    TQA_VARIANT(32, 3, 2)
+#undef TQA_VARIANT
+    return 3;
   } else {
     return 1;
   }

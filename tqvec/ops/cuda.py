@@ -26,14 +26,16 @@ from .ref import decode_attention_ref, row_bytes
 
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
            "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
-           "decode_attention_cuda", "SOURCES",
+           "decode_attention_cuda", "attention_kernel_applies", "ATTENTION_LAUNCH",
+           "SOURCES", "PRELUDE", "kernel_source", "MMA_SCAN",
+           "mma_scan_applies",
            "source_path"]
 
 #: kernel file -> kernels it defines (what the nvcc compile check and the loader know about).
 SOURCES = {
     "pack.cu": ("tq_pack_bits", "tq_unpack_bits", "tq_quantize_pack"),
     "hadamard.cu": ("tq_hadamard_f32", "tq_hadamard_h16"),
-    "scan.cu": ("tq_lut_scan",),
+    "scan.cu": ("tq_lut_scan", "tq_mma_scan"),
     "attention.cu": ("tq_decode_attention",),
 }
 # Bit-exact kernels must not contract a*b+c into an FMA (the reference rounds twice).
@@ -41,7 +43,7 @@ _OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.
             "attention.cu": []}
 _INT32_MAX = 2**31 - 1
 _lock = threading.Lock()
-_compiled: dict[tuple[str, str, str, str, int], object] = {}
+_compiled: dict[tuple, object] = {}
 
 
 def source_path(name: str) -> Path:
@@ -77,7 +79,7 @@ def unavailable_reason() -> str | None:
             return (f"torch {torch.__version__} has no torch.cuda._compile_kernel (needs >= 2.8) "
                     "and CuPy is not installed")
     try:
-        for name in SOURCES:
+        for name in (PRELUDE, *SOURCES):
             source_path(name)
     except FileNotFoundError as e:
         return str(e)
@@ -166,25 +168,36 @@ def _on(device: torch.device):
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
+#: Device helpers put in front of every kernel file (the files stay header-free: NVRTC runs
+#: with no include path).
+PRELUDE = "common.cuh"
+
+
 @functools.cache
-def _source(file: str) -> tuple[str, str]:
-    """(text, sha256) of a kernel file, read once per process (not on every launch)."""
-    src = source_path(file).read_text()
+def kernel_source(file: str) -> tuple[str, str]:
+    """(text, sha256) of what NVRTC compiles for a kernel file: the prelude, then the file
+    (numbered from its own line 1 in compiler messages). Read once per process."""
+    src = (source_path(PRELUDE).read_text() + f'\n#line 1 "{file}"\n'
+           + source_path(file).read_text())
     return src, hashlib.sha256(src.encode()).hexdigest()
 
 
-def _kernel(file: str, name: str, device: torch.device) -> _Launcher:
+def _kernel(file: str, name: str, device: torch.device,
+            defines: tuple[tuple[str, int], ...] = ()) -> _Launcher:
+    """The compiled kernel; ``defines`` are compile-time shape parameters (-D options: one
+    variant per value set)."""
     props = torch.cuda.get_device_properties(device)
     arch = f"{props.major}{props.minor}"
-    src, sha = _source(file)
+    src, sha = kernel_source(file)
     # A module is loaded into one device's context: the device index is part of the key.
     key = (file, name, arch, sha, device.index if device.index is not None
-           else torch.cuda.current_device())
+           else torch.cuda.current_device(), defines)
     with _lock:
         k = _compiled.get(key)
         if k is None:
             with torch.cuda.device(device):
-                k = _Launcher(src, name, arch, _OPTIONS[file])
+                k = _Launcher(src, name, arch,
+                              _OPTIONS[file] + [f"-D{n}={v}" for n, v in defines])
             _compiled[key] = k
     return k
 
@@ -345,6 +358,9 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
                             torch.empty((nq, 0), dtype=torch.int64, device=dev), k)
     _check_int32(n=n, d=d, nq=nq)
     kk = min(k, n)
+    if (MMA_SCAN and mma_scan_applies(d, b, kk)
+            and _mma_scan_smem(d, b, _MMA_SCAN_WARPS) <= _props(dev)[1]):
+        return _mma_scan(qr, packed, centroids, mult, add, b, k, kk)
     kp = 1 << max(0, (kk - 1).bit_length())
     if kp > _SCAN_KMAX:
         return _blocked_gemm_scan(qr, packed, centroids, mult, add, b, k)
@@ -372,6 +388,51 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
                                                  top.indices), k)
 
 
+#: The tensor-core scan (tq_mma_scan) wherever it applies; False forces the LUT kernel
+#: (tq_lut_scan) - benchmarks time both side by side.
+MMA_SCAN = True
+_MMA_SCAN_WARPS = 8
+_MMA_SCAN_K_MAX = 32
+
+
+def mma_scan_applies(d: int, b: int, k: int) -> bool:
+    """Whether tq_mma_scan covers (d, b, k): d % 32 == 0, 1 <= b <= 4, k <= 32."""
+    return d % 32 == 0 and 1 <= b <= 4 and 1 <= k <= _MMA_SCAN_K_MAX
+
+
+def _mma_scan_smem(d: int, b: int, warps: int) -> int:
+    """Dynamic shared memory of tq_mma_scan, in the kernel's order (see scan.cu)."""
+    return 8 * (1 << 2 * b) + 2 * (d // 16) * 32 * 16 + warps * (16 * row_bytes(d, b) + 16)
+
+
+def _mma_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
+              mult: torch.Tensor, add: torch.Tensor, b: int, k: int, kk: int
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    nq, d = qr.shape
+    n = packed.shape[0]
+    dev = qr.device
+    lk = 1 << max(0, (kk - 1).bit_length())  # each lane's list: a power of two >= k
+    warps = _MMA_SCAN_WARPS
+    qtiles = _cdiv(nq, 16)
+    sms, _ = _props(dev)
+    step = 16 * warps
+    chunks = max(1, min(_cdiv(n, step), _cdiv(4 * sms, qtiles)))  # ~4 blocks per SM
+    rows_per_chunk = _cdiv(_cdiv(n, chunks), step) * step
+    chunks = _cdiv(n, rows_per_chunk)
+    lists = chunks * warps * 4
+    out_v = torch.empty((nq, lists, lk), dtype=torch.float32, device=dev)
+    out_i = torch.empty((nq, lists, lk), dtype=torch.int64, device=dev)
+    with _on(dev):
+        _kernel("scan.cu", "tq_mma_scan", dev,
+                (("TQS_D", d), ("TQS_B", b), ("TQS_K", lk), ("TQS_WARPS", warps)))(
+            (chunks, qtiles, 1), (32 * warps, 1, 1),
+            [qr, packed, centroids, mult, add, nq, n, rows_per_chunk, out_v, out_i],
+            smem=_mma_scan_smem(d, b, warps))
+    top = torch.topk(out_v.reshape(nq, lists * lk), kk, dim=1)
+    return _padded_topk(top.values, torch.gather(out_i.reshape(nq, lists * lk), 1, top.indices),
+                        k)
+
+
 def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
                        mult: torch.Tensor, add: torch.Tensor, b: int, k: int,
                        block: int = 1 << 16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -394,15 +455,25 @@ def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.
 
 
 # -- decode attention ---------------------------------------------------------------------------
-_ATTN_G_MAX = 8
-_ATTN_D_MAX = 512
+#: tq_decode_attention's launch shape: (warps per block, blocks per multiprocessor that the
+#: register allocation must allow). Each warp is one partial of the split-K merge.
+ATTENTION_LAUNCH = (8, 1)
+_ATTN_TILE = 16       # tokens per warp and step
+_ATTN_G_MAX = 16      # query rows of the mma tile
+_ATTN_D_MAX = 256
+_ATTN_BITS = (1, 2, 3, 4)
 
 
-def _attn_smem(d: int, g: int, kb: int, vb: int) -> int:
+def attention_kernel_applies(g: int, d: int, kb: int, vb: int) -> bool:
+    """Whether tq_decode_attention covers the shape (else the reference runs on the GPU)."""
+    return (g <= _ATTN_G_MAX and d % 32 == 0 and 0 < d <= _ATTN_D_MAX and kb in _ATTN_BITS
+            and vb in _ATTN_BITS)
+
+
+def _attn_smem(d: int, kb: int, vb: int, warps: int) -> int:
     """Dynamic shared memory of tq_decode_attention, in the kernel's order (see attention.cu)."""
-    g_log2, tr, cpt = _scan_shape(d, kb)
-    return (4 * g * (cpt + 1) * (1 << g_log2) + 4 * 256 * 2 + 4 * g * tr + 4 * tr + 12 * g
-            + 16 + tr * row_bytes(d, kb) + 64 + 16 + tr * row_bytes(d, vb) + 64)
+    per_warp = 16 * (row_bytes(d, kb) + row_bytes(d, vb)) + 32
+    return 4 * (1 << 2 * kb) + 4 * (1 << 2 * vb) + (d // 16) * 32 * 16 + warps * per_warp
 
 
 def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tensor,
@@ -411,8 +482,11 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
                           vb: int, lo: torch.Tensor, hi: torch.Tensor, scale: float,
                           splits: int | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Flash-decoding over the codes: one block per (split of the tokens, batch x KV head), each
-    writing a partial (m, l, acc); the splits are merged here by log-sum-exp."""
+    """Flash-decoding over the codes on the tensor cores: blocks of (split of the tokens, batch x
+    KV head), each warp of a block writing a partial (m, l, acc); the partials are merged here
+    by log-sum-exp. Scores and values go through fp16 operands with fp32 accumulation (the
+    codebook's centroids and the queries rounded to fp16: relative error ~1e-3 against the
+    float32 reference)."""
     bh, g, d = qr.shape
     t = kpacked.shape[1]
     dev = qr.device
@@ -426,30 +500,34 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
                                        scale, splits)
                  for s, e in ((s, min(bh, s + _GRID_Y_MAX)) for s in range(0, bh, _GRID_Y_MAX))]
         return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
-    if g > _ATTN_G_MAX or d > _ATTN_D_MAX:
+    if not attention_kernel_applies(g, d, kb, vb):
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
     _check_int32(tokens=bh * t)
-    g_log2, tr, _ = _scan_shape(d, kb)
     sms, limit = _props(dev)
-    smem = _attn_smem(d, g, kb, vb)
+    warps, min_blocks = ATTENTION_LAUNCH
+    smem = _attn_smem(d, kb, vb, warps)
     if smem > limit:
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
-    if splits is None:  # enough blocks to fill the device twice, whole tiles per split
-        splits = max(1, min(_cdiv(max(t, 1), tr), _cdiv(2 * sms, max(bh, 1))))
-    per_split = _cdiv(_cdiv(max(t, 1), splits), tr) * tr
+    step = _ATTN_TILE * warps  # tokens a block covers per step
+    if splits is None:  # enough blocks to fill the device twice
+        splits = max(1, min(_cdiv(max(t, 1), step), _cdiv(2 * sms, max(bh, 1))))
+    per_split = _cdiv(_cdiv(max(t, 1), splits), step) * step
     splits = _cdiv(max(t, 1), per_split)
-    pm = torch.empty((bh, splits, g), dtype=torch.float32, device=dev)
+    parts = splits * warps
+    pm = torch.empty((bh, parts, g), dtype=torch.float32, device=dev)
     pl = torch.empty_like(pm)
-    pacc = torch.empty((bh, splits, g, d), dtype=torch.float32, device=dev)
+    pacc = torch.empty((bh, parts, g, d), dtype=torch.float32, device=dev)
     if bh:
         with _on(dev):
-            _kernel("attention.cu", "tq_decode_attention", dev)(
-                (splits, bh, 1), (256, 1, 1),
-                [qr, qbias, kpacked, knorm, kcent, vpacked, vnorm, vcent, lo, hi, g, d, t, kb,
-                 vb, g_log2, per_split, float(scale), pm, pl, pacc], smem=smem)
+            _kernel("attention.cu", "tq_decode_attention", dev,
+                    (("TQA_D", d), ("TQA_KB", kb), ("TQA_VB", vb), ("TQA_WARPS", warps),
+                     ("TQA_MINB", min_blocks)))(
+                (splits, bh, 1), (32 * warps, 1, 1),
+                [qr, qbias, kpacked, knorm, kcent, vpacked, vnorm, vcent, lo, hi, g, t,
+                 per_split, float(scale), pm, pl, pacc], smem=smem)
     m = pm.amax(1)                                             # (bh, g)
     w = torch.exp(pm - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None])
-    w = torch.where(torch.isfinite(pm), w, torch.zeros_like(w))  # empty splits weigh 0
+    w = torch.where(torch.isfinite(pm), w, torch.zeros_like(w))  # empty partials weigh 0
     return m, (w * pl).sum(1), (w[..., None] * pacc).sum(1)

@@ -251,7 +251,12 @@ def main() -> None:
            "copy_GBps": copy_bandwidth(a.repeat), "steps": []}
     for batch in a.batch:
         for ctx in a.ctx:
-            r = step(batch, ctx, a.kbits, a.vbits, 128, 32, 8, a.repeat, res["copy_GBps"])
+            try:  # report a failing row and go on with the others
+                r = step(batch, ctx, a.kbits, a.vbits, 128, 32, 8, a.repeat, res["copy_GBps"])
+            except Exception:
+                traceback.print_exc()
+                cuda_ops.ATTENTION_LAUNCH = LAUNCHES[0]
+                continue
             if r is None:
                 print(f"skip batch {batch} ctx {ctx}: does not fit", flush=True)
                 continue

@@ -241,6 +241,16 @@ def test_emulated_mma_scan_matches_reference(emulated, monkeypatch, d, b, n, nq,
     assert calls
 
 
+@pytest.mark.parametrize("qscale", [1e6, 1e-6])
+def test_emulated_mma_scan_is_scale_free(emulated, qscale, rng):
+    """Queries far outside fp16's range (either way) are scaled by powers of two first."""
+    qr, *rest = _scan_case(rng, 3, 500, 128, 4)
+    case = (qr * qscale, *rest)
+    (vg, pg), (vr, pr) = (emulated.lut_scan_cuda(*case, 4, 10),
+                          ops.lut_scan(*case, 4, 10, backend="ref"))
+    _assert_same_topk((vg / qscale, pg), (vr / qscale, pr))  # on the unscaled scores' scale
+
+
 def test_emulated_lut_scan_large_k_takes_the_gemm_path(emulated, rng):
     case = _scan_case(rng, 3, 2000, 32, 4)
     got = emulated.lut_scan_cuda(*case, 4, 300)  # kp = 512 > kernel limit: blocked GEMM

@@ -213,7 +213,9 @@ tq_lut_scan(const float* __restrict__ qr, const tq_u8* __restrict__ packed,
 // coordinates) . C^T (16 coordinates x 8 rows), C the rows' centroids. A lane's two adjacent
 // coordinates of one row are one 2B-bit field of the packed code, looked up in a table of
 // centroid pairs. float32 accuracy from fp16 operands by splitting both sides into a high and a
-// low fp16 part: q.c ~ qh.ch + qh.cl + ql.ch (the dropped ql.cl is ~2^-22 relative).
+// low fp16 part: q.c ~ qh.ch + qh.cl + ql.ch (the dropped ql.cl is ~2^-22 relative). The caller
+// scales each query by a power of two (qscale, exact) so that its largest coordinate lies in
+// [0.5, 1]: no query overflows fp16, whatever the data's scale.
 // Selection without barriers: each lane keeps, for each of its two queries (rows g and g + 8 of
 // the tile), the best K of the rows it scores in registers (an insertion only when a score beats
 // its K-th); every lane's list is written out (nq, chunks * warps * 4, K) and the caller takes
@@ -257,7 +259,8 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
                                          const tq_u8* __restrict__ packed,
                                          const float* __restrict__ cent,
                                          const float* __restrict__ mult,
-                                         const float* __restrict__ add, int nq, int n,
+                                         const float* __restrict__ add,
+                                         const float* __restrict__ qscale, int nq, int n,
                                          int rows_per_chunk, float* __restrict__ out_v,
                                          tq_i64* __restrict__ out_i, unsigned char* smem) {
   constexpr int WB = D * B / 32;  // row words
@@ -312,6 +315,7 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
     li0[j] = li1[j] = -1;
   }
   const bool live0 = q0 + g < nq, live1 = q0 + g + 8 < nq;
+  const float qs0 = live0 ? qscale[q0 + g] : 0.0f, qs1 = live1 ? qscale[q0 + g + 8] : 0.0f;
   const int start = chunk * rows_per_chunk, end = min(n, start + rows_per_chunk);
   const int iters = (rows_per_chunk + 16 * W - 1) / (16 * W);  // uniform in the grid
   const unsigned* base = reinterpret_cast<const unsigned*>(packed);
@@ -325,7 +329,7 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int r = 2 * tig + (u & 1) + 8 * (u >> 1);
-      mu[u] = r < valid ? mult[t0 + r] : 0.0f;
+      mu[u] = r < valid ? mult[t0 + r] : 0.0f;  // (score * qscale) * mult + add
       ad[u] = r < valid ? add[t0 + r] : NEG_INF;
     }
     __syncwarp();
@@ -353,8 +357,8 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int blk = u >> 1, c = u & 1, r = 2 * tig + c + 8 * blk;
-      if (live0) tqs_insert<K>(lv0, li0, s[blk][c] * mu[u] + ad[u], t0 + r);
-      if (live1) tqs_insert<K>(lv1, li1, s[blk][2 + c] * mu[u] + ad[u], t0 + r);
+      if (live0) tqs_insert<K>(lv0, li0, (s[blk][c] * qs0) * mu[u] + ad[u], t0 + r);
+      if (live1) tqs_insert<K>(lv1, li1, (s[blk][2 + c] * qs1) * mu[u] + ad[u], t0 + r);
     }
     __syncwarp();  // the next tile overwrites the staged rows
   }
@@ -377,9 +381,9 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
 extern "C" __global__ void __launch_bounds__(32 * TQS_WARPS)
 tq_mma_scan(const float* __restrict__ qr, const tq_u8* __restrict__ packed,
             const float* __restrict__ cent, const float* __restrict__ mult,
-            const float* __restrict__ add, int nq, int n, int rows_per_chunk,
-            float* __restrict__ out_v, tq_i64* __restrict__ out_i) {
+            const float* __restrict__ add, const float* __restrict__ qscale, int nq, int n,
+            int rows_per_chunk, float* __restrict__ out_v, tq_i64* __restrict__ out_i) {
   extern __shared__ __align__(16) unsigned char tq_smem[];
-  tqs_body<TQS_D, TQS_B, TQS_K, TQS_WARPS>(qr, packed, cent, mult, add, nq, n, rows_per_chunk,
-                                          out_v, out_i, tq_smem);
+  tqs_body<TQS_D, TQS_B, TQS_K, TQS_WARPS>(qr, packed, cent, mult, add, qscale, nq, n,
+                                          rows_per_chunk, out_v, out_i, tq_smem);
 }

@@ -174,8 +174,8 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
     auto body = [&](auto f) {
       run_grid(gx, gy, bx, [&] {
         f(A<const float*>(a, 0), A<const u8*>(a, 1), A<const float*>(a, 2),
-          A<const float*>(a, 3), A<const float*>(a, 4), A<int>(a, 5), A<int>(a, 6),
-          A<int>(a, 7), A<float*>(a, 8), A<i64*>(a, 9), tq_smem);
+          A<const float*>(a, 3), A<const float*>(a, 4), A<const float*>(a, 5), A<int>(a, 6),
+          A<int>(a, 7), A<int>(a, 8), A<float*>(a, 9), A<i64*>(a, 10), tq_smem);
       });
     };
     // the (D, B, K) variants the tests use, 8 warps per block

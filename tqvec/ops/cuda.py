@@ -358,8 +358,8 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
                             torch.empty((nq, 0), dtype=torch.int64, device=dev), k)
     _check_int32(n=n, d=d, nq=nq)
     kk = min(k, n)
-    if (MMA_SCAN and mma_scan_applies(d, b, kk)
-            and _mma_scan_smem(d, b, _MMA_SCAN_WARPS) <= _props(dev)[1]):
+    if (MMA_SCAN and mma_scan_applies(d, b, kk) and packed.data_ptr() % 4 == 0
+            and _mma_scan_smem(d, b, _MMA_SCAN_WARPS) <= _props(dev)[1]):  # 4-byte row loads
         return _mma_scan(qr, packed, centroids, mult, add, b, k, kk)
     kp = 1 << max(0, (kk - 1).bit_length())
     if kp > _SCAN_KMAX:
@@ -422,12 +422,15 @@ def _mma_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
     lists = chunks * warps * 4
     out_v = torch.empty((nq, lists, lk), dtype=torch.float32, device=dev)
     out_i = torch.empty((nq, lists, lk), dtype=torch.int64, device=dev)
+    # each query scaled by a power of two (exact) so that its largest coordinate is in [0.5, 1]:
+    # the kernel's fp16 operands cannot overflow; no host read
+    qscale = torch.exp2(torch.ceil(torch.log2(qr.abs().amax(1).clamp_min(2.0 ** -100))))
     with _on(dev):
         _kernel("scan.cu", "tq_mma_scan", dev,
                 (("TQS_D", d), ("TQS_B", b), ("TQS_K", lk), ("TQS_WARPS", warps)))(
             (chunks, qtiles, 1), (32 * warps, 1, 1),
-            [qr, packed, centroids, mult, add, nq, n, rows_per_chunk, out_v, out_i],
-            smem=_mma_scan_smem(d, b, warps))
+            [(qr / qscale[:, None]).contiguous(), packed, centroids, mult, add, qscale, nq, n,
+             rows_per_chunk, out_v, out_i], smem=_mma_scan_smem(d, b, warps))
     top = torch.topk(out_v.reshape(nq, lists * lk), kk, dim=1)
     return _padded_topk(top.values, torch.gather(out_i.reshape(nq, lists * lk), 1, top.indices),
                         k)
@@ -500,7 +503,8 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
                                        scale, splits)
                  for s, e in ((s, min(bh, s + _GRID_Y_MAX)) for s in range(0, bh, _GRID_Y_MAX))]
         return tuple(torch.cat(xs) for xs in zip(*parts, strict=True))
-    if not attention_kernel_applies(g, d, kb, vb):
+    if (not attention_kernel_applies(g, d, kb, vb) or kpacked.data_ptr() % 4
+            or vpacked.data_ptr() % 4):  # the kernel loads codes 4 bytes at a time
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
     _check_int32(tokens=bh * t)

@@ -92,21 +92,23 @@ def _all_visible(m: torch.Tensor) -> bool:
     return bool(m.all() if m.dtype == torch.bool else (m == 0).all())
 
 
-def _bias(mask, pos, qpos: torch.Tensor, kv_offset: int, B: int, H: int, G: int
-          ) -> torch.Tensor | None:
+def _bias(mask, pos, qpos: range, kv_offset: int, B: int, H: int, G: int,
+          device: torch.device) -> torch.Tensor | None:
     """Additive mask (B or 1, H or 1, G*Q, n) for keys at positions ``pos``: a (start, stop)
-    range or a (B, H, n) tensor. mask: None (causal) or (B, 1, Q, kv_len) bool / additive."""
-    Q = qpos.shape[0]
+    range or a (B, H, n) tensor, seen by queries at positions ``qpos``. mask: None (causal) or
+    (B, 1, Q, kv_len) bool / additive."""
+    Q = len(qpos)
     if mask is None:
         if isinstance(pos, tuple):
-            p = torch.arange(pos[0], pos[1], device=qpos.device)
-            allowed = p[None, :] <= qpos[:, None]  # (Q, n)
-            if bool(allowed.all()):
-                return None
-            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+            if pos[1] - 1 <= qpos.start:  # every stored token precedes every query: no mask,
+                return None               # known on the host (no GPU sync)
+            p = torch.arange(pos[0], pos[1], device=device)
+            allowed = p[None, :] <= torch.arange(qpos.start, qpos.stop, device=device)[:, None]
+            bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
             bias = bias.masked_fill_(~allowed, float("-inf"))
             return bias.repeat(G, 1)[None, None]
-        allowed = pos[:, :, None, :] <= qpos[None, None, :, None]  # (B, H, Q, n)
+        qt = torch.arange(qpos.start, qpos.stop, device=device)
+        allowed = pos[:, :, None, :] <= qt[None, None, :, None]  # (B, H, Q, n)
     else:
         kv_len = mask.shape[-1]
         if isinstance(pos, tuple):
@@ -127,7 +129,7 @@ def _bias(mask, pos, qpos: torch.Tensor, kv_offset: int, B: int, H: int, G: int
             allowed = m
         else:
             return m.float().repeat(1, 1, G, 1)
-    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=qpos.device)
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
     bias.masked_fill_(~allowed, float("-inf"))
     return bias.repeat(1, 1, G, 1)
 
@@ -149,7 +151,7 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
         out = _compiled_step(layer, query, mask, kv_offset, scaling, G)
         if out is not None:
             return out.to(query.dtype)
-    qpos = torch.arange(L - Q, L, device=query.device)
+    qpos = range(L - Q, L)
     qs = query.float().reshape(B, H, G, Q, D)
     segs = list(layer.segments())
     outs = []
@@ -259,7 +261,7 @@ def _attend_rows_kernel(plans, segs, q, G, qpos, mask, kv_offset, scaling):
         if kind == "codes":
             continue
         s = (q @ k.float().transpose(-1, -2)) * scaling
-        bias = _bias(mask, pos, qpos, kv_offset, B, H, G)
+        bias = _bias(mask, pos, qpos, kv_offset, B, H, G, q.device)
         exact.append((s + bias if bias is not None else s, v))
     top = states[0][0]
     for m, _, _ in states[1:]:
@@ -394,7 +396,7 @@ def _attend_rows(layer, segs, q, G, qpos, mask, kv_offset, scaling, softcap):
         s = s * scaling
         if softcap is not None:
             s = torch.tanh(s / softcap) * softcap
-        bias = _bias(mask, pos, qpos, kv_offset, B, H, G)
+        bias = _bias(mask, pos, qpos, kv_offset, B, H, G, q.device)
         if bias is not None:
             s = s + bias
         if logw:

@@ -52,8 +52,13 @@ from tqvec import ops  # noqa: E402
 from tqvec.ops import cuda as cuda_ops  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
-#: tq_decode_attention launch shapes timed per row (warps per block, blocks per SM)
-LAUNCHES = [(8, 1), (8, 2), (4, 1), (4, 2)]
+#: tq_decode_attention launch shapes timed per row (warps per block, blocks per SM, Q in
+#: registers); the first is the library's default
+LAUNCHES = [(4, 2, False), (8, 1, False), (4, 1, True), (4, 2, True), (8, 1, True)]
+
+
+def _launch_name(shape) -> str:
+    return f"{shape[0]}x{shape[1]}{'q' if shape[2] else ''}"
 
 
 def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repeat: int,
@@ -100,14 +105,14 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
     default = cuda_ops.ATTENTION_LAUNCH
     for shape in LAUNCHES:
         cuda_ops.ATTENTION_LAUNCH = shape
-        launches[f"{shape[0]}x{shape[1]}"] = 1e3 * cuda_time(kernel, repeat)
+        launches[_launch_name(shape)] = 1e3 * cuda_time(kernel, repeat)
     cuda_ops.ATTENTION_LAUNCH = default
     t_ours = cuda_time(ours, repeat)
     t_bf16 = cuda_time(bf16, repeat)
     g_ours, g_bf16 = graph_time(ours, repeat), graph_time(bf16, repeat)
     bytes_ours = bh * ctx * (rbk + rbv + 8)
     bytes_bf16 = bh * ctx * 2 * d * 2
-    t_kernel = launches[f"{default[0]}x{default[1]}"] / 1e3
+    t_kernel = launches[_launch_name(default)] / 1e3
     return {"batch": batch, "ctx": ctx, "kbits": kb, "vbits": vb, "d": d, "hq": hq, "hkv": hkv,
             "ours_ms": 1e3 * t_ours, "bf16_sdpa_ms": 1e3 * t_bf16,
             "speedup_vs_bf16": t_bf16 / t_ours,
@@ -173,6 +178,49 @@ def e2e(ctx: int, batch: int, steps: int, device: str = "cuda") -> dict:
             "bits_per_element": caches["TurboQuantCache"].bits_per_element()}
 
 
+def e2e_profile(ctx: int, batch: int, device: str = "cuda") -> None:
+    """Where a decode step's time goes, per cache: torch.profiler over 3 steps after 2 warm-up
+    steps (printed: wall ms per step and the top operators by CPU and by CUDA time)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    from tqvec import kv
+
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
+                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
+                      max_position_embeddings=ctx + 16)
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 8),
+                        generator=torch.Generator().manual_seed(1)).to(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch.no_grad():
+        for name in ("DynamicCache", "TurboQuantCache"):
+            model.config._attn_implementation = "sdpa"
+            cache = (DynamicCache(config=cfg) if name == "DynamicCache"
+                     else kv.TurboQuantCache(cfg, **E2E_CACHE))
+            model(ids[:, :ctx], past_key_values=cache, logits_to_keep=1)
+            walls = []
+            for t in range(ctx, ctx + 2):
+                model(ids[:, t:t + 1], past_key_values=cache, logits_to_keep=1)
+            sync()
+            with profile(activities=acts) as prof:
+                for t in range(ctx + 2, ctx + 5):
+                    t0 = time.perf_counter()
+                    model(ids[:, t:t + 1], past_key_values=cache, logits_to_keep=1)
+                    sync()
+                    walls.append(1e3 * (time.perf_counter() - t0))
+            print(f"== {name}: batch {batch}, ctx {ctx}: step wall ms {walls}", flush=True)
+            ka = prof.key_averages()
+            print(ka.table(sort_by="cpu_time_total", row_limit=12, max_name_column_width=60),
+                  flush=True)
+            if device == "cuda":
+                print(ka.table(sort_by="cuda_time_total", row_limit=8,
+                               max_name_column_width=60), flush=True)
+
+
 def write(res: dict) -> None:
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "kv_gpu.json"), "w") as f:
@@ -199,7 +247,8 @@ def write(res: dict) -> None:
                      f"{r['bf16_fraction_of_bandwidth']:.2f} | {r['bytes_ratio']:.2f} |")
     shapes = sorted({k for r in res["steps"] for k in r.get("kernel_ms_by_launch", {})})
     if shapes:
-        lines += ["", "Kernel ms by launch shape (warps per block x blocks per SM):", "",
+        lines += ["", "Kernel ms by launch shape (warps per block x blocks per SM; q: the "
+                  "query's fragments in registers):", "",
                   "| batch | ctx | " + " | ".join(shapes) + " |",
                   "|---|---|" + "---|" * len(shapes)]
         for r in res["steps"]:
@@ -238,11 +287,16 @@ def main() -> None:
     ap.add_argument("--e2e-ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--e2e-steps", type=int, default=24)
+    ap.add_argument("--e2e-profile", action="store_true",
+                    help="only profile one decode step per cache (batch 1, the first --e2e-ctx)")
     a = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench/kv_gpu.py needs a CUDA device")
     if "cuda" not in tqvec.available_backends():
         sys.exit(f"tqvec CUDA kernels unavailable: {tqvec.ops.cuda.unavailable_reason()}")
+    if a.e2e_profile:
+        e2e_profile(a.e2e_ctx[0], 1)
+        return
     if a.quick:
         a.ctx, a.batch, a.repeat = a.ctx[:1], a.batch[:1], 5
     from _machine import machine_info

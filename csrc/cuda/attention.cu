@@ -26,7 +26,8 @@
 //
 // Compile-time shape (NVRTC -D options, one variant per (D, KB, VB) and launch shape): D % 32 == 0,
 // D <= 256, 1 <= KB, VB <= 4 (a 16-coordinate key field and an 8-coordinate value field fit in
-// 64 bits); TQA_WARPS warps per block, TQA_MINB blocks per multiprocessor (a register cap).
+// 64 bits); TQA_WARPS warps per block, TQA_MINB blocks per multiprocessor (a register cap),
+// TQA_QREG where Q's fragments live.
 //
 // Dynamic shared memory (bytes; tqvec/ops/cuda.py computes it in this order):
 //   key pairs 4 << 2KB | value pairs 4 << 2VB | Q fragments (D/16) * 32 * 16 |
@@ -47,8 +48,11 @@
 #ifndef TQA_MINB
 #define TQA_MINB 1  // blocks per multiprocessor the register allocation must allow
 #endif
+#ifndef TQA_QREG
+#define TQA_QREG 0  // 1: Q's fragments held in registers (D <= 128), 0: read from shared memory
+#endif
 
-template <int D, int KB, int VB, int W>
+template <int D, int KB, int VB, int W, bool QREG>
 __device__ __forceinline__ void tqa_body(
     const float* __restrict__ qr, const float* __restrict__ qbias,
     const tq_u8* __restrict__ kpacked, const float* __restrict__ knorm,
@@ -60,6 +64,13 @@ __device__ __forceinline__ void tqa_body(
   constexpr int RBK = D * KB / 8, RBV = D * VB / 8;  // row bytes (multiples of 4)
   constexpr int WK = RBK / 4, WV = RBV / 4;          // row words
   constexpr int KS = D / 16, NT = D / 8;             // k-steps of the scores, value n-tiles
+  // Coordinates are dealt to the mma fragments so that every lane reads one contiguous run of
+  // each code row (a dot product and the output's order allow any permutation): in the scores,
+  // lane (g, t) of step ks holds coordinates t * CR + 4 ks + (0, 1) and (2, 3) of token g, a
+  // run of CR coordinates per token; in the values, column g of n-tile nt is coordinate
+  // g * NT + nt, a run of NT coordinates per token.
+  constexpr int CR = D / 4;
+  constexpr int RK = (CR * KB + 31) / 32, RV = (NT * VB + 31) / 32;  // words of a lane's runs
   const float NEG_INF = -__int_as_float(0x7f800000);
   const float LOG2E = 1.4426950408889634f;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -79,17 +90,16 @@ __device__ __forceinline__ void tqa_body(
   for (int i = threadIdx.x; i < (1 << (2 * VB)); i += blockDim.x)
     vpair[i] = tq_h2(vcent[i & ((1 << VB) - 1)], vcent[i >> VB]);
   for (int i = threadIdx.x; i < KS * 32; i += blockDim.x) {
-    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = 16 * ks + 2 * (ln & 3);
+    // lane (rg, t) of step ks: coordinates t * CR + 4 ks + (0, 1 | 2, 3) (see CR)
+    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = (ln & 3) * CR + 4 * ks;
     float q[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {  // rows rg and rg + 8
       const int row = rg + 8 * h;
       const float* src = qr + (bh * G + row) * D;
       const bool ok = row < G;
-      q[h][0] = ok ? src[c] : 0.0f;
-      q[h][1] = ok ? src[c + 1] : 0.0f;
-      q[h][2] = ok ? src[c + 8] : 0.0f;
-      q[h][3] = ok ? src[c + 9] : 0.0f;
+#pragma unroll
+      for (int u = 0; u < 4; ++u) q[h][u] = ok ? src[c + u] : 0.0f;
     }
     qfrag[4 * i + 0] = tq_h2(q[0][0], q[0][1]);
     qfrag[4 * i + 1] = tq_h2(q[1][0], q[1][1]);
@@ -103,6 +113,19 @@ __device__ __forceinline__ void tqa_body(
   const float bias0 = g < G ? qbias[bh * G + g] * LOG2E : 0.0f;
   const float bias1 = g + 8 < G ? qbias[bh * G + g + 8] * LOG2E : 0.0f;
   const bool two_halves = G > 8;  // rows g + 8 hold queries
+  // Q's fragments: in registers (QREG, D <= 128: 4 D / 16 registers), else read from shared
+  // memory at each use (fewer registers, more shared-memory traffic)
+  constexpr bool QINREG = QREG && KS <= 8;
+  constexpr int QR = QINREG ? KS : 1;
+  unsigned qreg[QR][4];
+#pragma unroll
+  for (int ks = 0; ks < QR; ++ks) {
+    const uint4 qa = reinterpret_cast<const uint4*>(qfrag)[ks * 32 + lane];
+    qreg[ks][0] = qa.x;
+    qreg[ks][1] = qa.y;
+    qreg[ks][2] = qa.z;
+    qreg[ks][3] = qa.w;
+  }
   float m0 = NEG_INF, m1 = NEG_INF, l0 = 0.0f, l1 = 0.0f;
   float o[NT][4];
 #pragma unroll
@@ -143,18 +166,19 @@ __device__ __forceinline__ void tqa_body(
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
       s[blk][0] = s[blk][1] = s[blk][2] = s[blk][3] = 0.0f;
-      const unsigned* row = ktile + (8 * blk + g) * WK;
+      unsigned run[RK];
+      tq_run<RK>(ktile + (8 * blk + g) * WK, tig * CR * KB, run);
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const int bit = 16 * ks * KB;  // the step's 16 coordinates: bits [bit, bit + 16 KB)
-        const int w = bit >> 5, off = bit & 31;
-        const unsigned lo_w = row[w], hi_w = (w + 1 < WK) ? row[w + 1] : 0u;
-        unsigned b[2];
-        b[0] = kpair[tq_bits(lo_w, hi_w, off + 2 * tig * KB, 2 * KB)];
-        b[1] = kpair[tq_bits(lo_w, hi_w, off + (8 + 2 * tig) * KB, 2 * KB)];
-        const uint4 qa = reinterpret_cast<const uint4*>(qfrag)[ks * 32 + lane];
-        const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
-        tq_mma(s[blk], a, b);
+        const unsigned b[2] = {kpair[tq_field(run, 4 * ks * KB, 2 * KB)],
+                               kpair[tq_field(run, (4 * ks + 2) * KB, 2 * KB)]};
+        if (QINREG) {
+          tq_mma(s[blk], qreg[QINREG ? ks : 0], b);
+        } else {
+          const uint4 qa = reinterpret_cast<const uint4*>(qfrag)[ks * 32 + lane];
+          const unsigned a[4] = {qa.x, qa.y, qa.z, qa.w};
+          tq_mma(s[blk], a, b);
+        }
       }
     }
     // s[blk][0..1]: row g, tokens 8 blk + 2tig (+1); s[blk][2..3]: row g + 8, same tokens.
@@ -195,25 +219,27 @@ __device__ __forceinline__ void tqa_body(
                             tq_h2(p0[2] * vn[2], p0[3] * vn[3]),
                             tq_h2(p1[2] * vn[2], p1[3] * vn[3])};
 
-    // -- values: coordinate 8 nt + g of tokens 2tig, 2tig + 1 and 8 + 2tig, 9 + 2tig --
+    // -- values: coordinate g * NT + nt of tokens 2tig, 2tig + 1 and 8 + 2tig, 9 + 2tig --
+    if (__any_sync(0xffffffffu, a0 != 1.0f || a1 != 1.0f)) {  // a new max somewhere: rescale
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        o[nt][0] *= a0;
+        o[nt][1] *= a0;
+        o[nt][2] *= a1;
+        o[nt][3] *= a1;
+      }
+    }
+    unsigned ra[RV], rb[RV], rc[RV], rd[RV];
     const unsigned* va = vtile + (2 * tig) * WV;
-    const unsigned* vb = va + WV;
-    const unsigned* vc = va + 8 * WV;
-    const unsigned* vd = vc + WV;
+    tq_run<RV>(va, g * NT * VB, ra);
+    tq_run<RV>(va + WV, g * NT * VB, rb);
+    tq_run<RV>(va + 8 * WV, g * NT * VB, rc);
+    tq_run<RV>(va + 9 * WV, g * NT * VB, rd);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      o[nt][0] *= a0;
-      o[nt][1] *= a0;
-      o[nt][2] *= a1;
-      o[nt][3] *= a1;
-      const int bit = 8 * nt * VB;  // the tile's 8 coordinates: bits [bit, bit + 8 VB)
-      const int w = bit >> 5, sh = (bit & 31) + g * VB;
-      const bool two = w + 1 < WV;
-      const unsigned ca = tq_bits(va[w], two ? va[w + 1] : 0u, sh, VB);
-      const unsigned cb = tq_bits(vb[w], two ? vb[w + 1] : 0u, sh, VB);
-      const unsigned cc = tq_bits(vc[w], two ? vc[w + 1] : 0u, sh, VB);
-      const unsigned cd = tq_bits(vd[w], two ? vd[w + 1] : 0u, sh, VB);
-      const unsigned b[2] = {vpair[ca | (cb << VB)], vpair[cc | (cd << VB)]};
+      const unsigned b[2] = {
+          vpair[tq_field(ra, nt * VB, VB) | (tq_field(rb, nt * VB, VB) << VB)],
+          vpair[tq_field(rc, nt * VB, VB) | (tq_field(rd, nt * VB, VB) << VB)]};
       tq_mma(o[nt], pa, b);
     }
     __syncwarp();  // the next tile overwrites the staged rows
@@ -237,9 +263,9 @@ __device__ __forceinline__ void tqa_body(
         out_l[o_row] = h ? l1 : l0;
       }
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        out_acc[o_row * D + 8 * nt + 2 * tig] = o[nt][2 * h];
-        out_acc[o_row * D + 8 * nt + 2 * tig + 1] = o[nt][2 * h + 1];
+      for (int nt = 0; nt < NT; ++nt) {  // columns 2tig, 2tig + 1: coordinates (2tig + c) NT + nt
+        out_acc[o_row * D + 2 * tig * NT + nt] = o[nt][2 * h];
+        out_acc[o_row * D + (2 * tig + 1) * NT + nt] = o[nt][2 * h + 1];
       }
     }
   }
@@ -254,7 +280,7 @@ tq_decode_attention(const float* __restrict__ qr, const float* __restrict__ qbia
                     int per_split, double scale, float* __restrict__ out_m,
                     float* __restrict__ out_l, float* __restrict__ out_acc) {
   extern __shared__ __align__(16) unsigned char tqa_smem[];
-  tqa_body<TQA_D, TQA_KB, TQA_VB, TQA_WARPS>(qr, qbias, kpacked, knorm, kcent, vpacked, vnorm,
+  tqa_body<TQA_D, TQA_KB, TQA_VB, TQA_WARPS, TQA_QREG != 0>(qr, qbias, kpacked, knorm, kcent, vpacked, vnorm,
                                              vcent, lo_t, hi_t, G, T, per_split, scale, out_m,
                                              out_l, out_acc, tqa_smem);
 }

@@ -42,3 +42,25 @@ __device__ __forceinline__ unsigned tq_bits(unsigned lo, unsigned hi, int shift,
   const tq_u64 w = ((tq_u64)hi << 32) | lo;
   return (unsigned)(w >> shift) & ((1u << width) - 1u);
 }
+
+// The N words of bits [start, start + 32 N) of a row of 32-bit words (bit i of the row is bit
+// i % 32 of word i / 32), moved down to bit 0. Reads the row up to word start / 32 + N.
+template <int N>
+__device__ __forceinline__ void tq_run(const unsigned* row, int start, unsigned (&out)[N]) {
+  const int w = start >> 5, off = start & 31;
+  unsigned prev = row[w];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const unsigned next = row[w + i + 1];
+    out[i] = (unsigned)((((tq_u64)next << 32) | prev) >> off);
+    prev = next;
+  }
+}
+
+// Bits [off, off + width) of a run from tq_run (off and width compile-time after unrolling).
+template <int N>
+__device__ __forceinline__ unsigned tq_field(const unsigned (&run)[N], int off, int width) {
+  const int w = off >> 5;
+  const unsigned lo = run[w], hi = (w + 1 < N) ? run[w + 1] : 0u;
+  return (unsigned)((((tq_u64)hi << 32) | lo) >> (off & 31)) & ((1u << width) - 1u);
+}

@@ -223,7 +223,7 @@ tq_lut_scan(const float* __restrict__ qr, const tq_u8* __restrict__ packed,
 // the best K >= k of its own rows).
 //
 // Dynamic shared memory (bytes; tqvec/ops/cuda.py computes it in this order):
-//   pairs hi 4 << 2B | pairs lo 4 << 2B | Q fragments hi, lo 2 * (D/16) * 32 * 16 |
+//   pairs (hi, lo) 8 << 2B | Q fragments (hi, lo) 2 * (D/16) * 32 * 16 |
 //   per warp: tile 16 * RB + 16
 #ifndef TQS_D
 #define TQS_D 128
@@ -265,25 +265,29 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
                                          tq_i64* __restrict__ out_i, unsigned char* smem) {
   constexpr int WB = D * B / 32;  // row words
   constexpr int KS = D / 16;
+  // Coordinates dealt to the fragments so that a lane reads one contiguous run of a row: lane
+  // (g, t) of step ks holds coordinates t * CR + 4 ks + (0, 1) and (2, 3) of row g (as in
+  // attention.cu; a dot product allows any permutation).
+  constexpr int CR = D / 4, RK = (CR * B + 31) / 32;
   const float NEG_INF = -__int_as_float(0x7f800000);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, tig = lane & 3;
   const int chunk = blockIdx.x, q0 = blockIdx.y * 16;
 
-  unsigned* phi = reinterpret_cast<unsigned*>(smem);
-  unsigned* plo = phi + (1 << (2 * B));
-  unsigned* qhi = plo + (1 << (2 * B));  // [KS][32][4]
-  unsigned* qlo = qhi + KS * 32 * 4;
-  unsigned* tile = qlo + KS * 32 * 4 + warp * (16 * WB + 4);
+  uint2* pairs = reinterpret_cast<uint2*>(smem);  // (hi, lo) f16x2 pairs of centroids
+  unsigned* qfr = reinterpret_cast<unsigned*>(pairs + (1 << (2 * B)));  // [KS][32][hi 4, lo 4]
+  unsigned* tile = qfr + KS * 32 * 8 + warp * (16 * WB + 4);
 
   for (int i = threadIdx.x; i < (1 << (2 * B)); i += blockDim.x) {
     const float c0 = cent[i & ((1 << B) - 1)], c1 = cent[i >> B];
     const float h0 = tq_f16_round(c0), h1 = tq_f16_round(c1);
-    phi[i] = tq_h2(h0, h1);
-    plo[i] = tq_h2(c0 - h0, c1 - h1);
+    uint2 v;
+    v.x = tq_h2(h0, h1);
+    v.y = tq_h2(c0 - h0, c1 - h1);
+    pairs[i] = v;
   }
   for (int i = threadIdx.x; i < KS * 32; i += blockDim.x) {
-    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = 16 * ks + 2 * (ln & 3);
+    const int ks = i >> 5, ln = i & 31, rg = ln >> 2, c = (ln & 3) * CR + 4 * ks;
     float h[2][4], l[2][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {  // query rows rg and rg + 8 of the tile
@@ -291,19 +295,20 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
       const float* src = qr + (tq_i64)q * D;
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        const float x = q < nq ? src[c + (u & 1) + 8 * (u >> 1)] : 0.0f;
+        const float x = q < nq ? src[c + u] : 0.0f;
         h[r][u] = tq_f16_round(x);
         l[r][u] = x - h[r][u];
       }
     }
-    qhi[4 * i + 0] = tq_h2(h[0][0], h[0][1]);
-    qhi[4 * i + 1] = tq_h2(h[1][0], h[1][1]);
-    qhi[4 * i + 2] = tq_h2(h[0][2], h[0][3]);
-    qhi[4 * i + 3] = tq_h2(h[1][2], h[1][3]);
-    qlo[4 * i + 0] = tq_h2(l[0][0], l[0][1]);
-    qlo[4 * i + 1] = tq_h2(l[1][0], l[1][1]);
-    qlo[4 * i + 2] = tq_h2(l[0][2], l[0][3]);
-    qlo[4 * i + 3] = tq_h2(l[1][2], l[1][3]);
+    unsigned* f = qfr + 8 * i;
+    f[0] = tq_h2(h[0][0], h[0][1]);
+    f[1] = tq_h2(h[1][0], h[1][1]);
+    f[2] = tq_h2(h[0][2], h[0][3]);
+    f[3] = tq_h2(h[1][2], h[1][3]);
+    f[4] = tq_h2(l[0][0], l[0][1]);
+    f[5] = tq_h2(l[1][0], l[1][1]);
+    f[6] = tq_h2(l[0][2], l[0][3]);
+    f[7] = tq_h2(l[1][2], l[1][3]);
   }
   __syncthreads();
 
@@ -333,21 +338,20 @@ __device__ __forceinline__ void tqs_body(const float* __restrict__ qr,
       ad[u] = r < valid ? add[t0 + r] : NEG_INF;
     }
     __syncwarp();
-    float s[2][4];
+    float s[2][4] = {{0.0f, 0.0f, 0.0f, 0.0f}, {0.0f, 0.0f, 0.0f, 0.0f}};
+    unsigned run[2][RK];  // this lane's run of rows g and 8 + g
+    tq_run<RK>(tile + g * WB, tig * CR * B, run[0]);
+    tq_run<RK>(tile + (8 + g) * WB, tig * CR * B, run[1]);
 #pragma unroll
-    for (int blk = 0; blk < 2; ++blk) {
-      s[blk][0] = s[blk][1] = s[blk][2] = s[blk][3] = 0.0f;
-      const unsigned* row = tile + (8 * blk + g) * WB;
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint4 ah = reinterpret_cast<const uint4*>(qfr)[2 * (ks * 32 + lane)];
+      const uint4 al = reinterpret_cast<const uint4*>(qfr)[2 * (ks * 32 + lane) + 1];
+      const unsigned ahi[4] = {ah.x, ah.y, ah.z, ah.w}, alo[4] = {al.x, al.y, al.z, al.w};
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        const int bit = 16 * ks * B, w = bit >> 5, off = bit & 31;
-        const unsigned lo_w = row[w], hi_w = (w + 1 < WB) ? row[w + 1] : 0u;
-        const unsigned i0 = tq_bits(lo_w, hi_w, off + 2 * tig * B, 2 * B);
-        const unsigned i1 = tq_bits(lo_w, hi_w, off + (8 + 2 * tig) * B, 2 * B);
-        const unsigned bh[2] = {phi[i0], phi[i1]}, bl[2] = {plo[i0], plo[i1]};
-        const uint4 ah = reinterpret_cast<const uint4*>(qhi)[ks * 32 + lane];
-        const uint4 al = reinterpret_cast<const uint4*>(qlo)[ks * 32 + lane];
-        const unsigned ahi[4] = {ah.x, ah.y, ah.z, ah.w}, alo[4] = {al.x, al.y, al.z, al.w};
+      for (int blk = 0; blk < 2; ++blk) {
+        const uint2 p0 = pairs[tq_field(run[blk], 4 * ks * B, 2 * B)];
+        const uint2 p1 = pairs[tq_field(run[blk], (4 * ks + 2) * B, 2 * B)];
+        const unsigned bh[2] = {p0.x, p1.x}, bl[2] = {p0.y, p1.y};
         tq_mma(s[blk], ahi, bh);
         tq_mma(s[blk], ahi, bl);
         tq_mma(s[blk], alo, bh);

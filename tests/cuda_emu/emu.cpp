@@ -19,6 +19,7 @@
 
 struct tq_dim3 { unsigned x = 1, y = 1, z = 1; };
 struct uint4 { unsigned x, y, z, w; };
+struct uint2 { unsigned x, y; };
 static tq_dim3 blockIdx, blockDim, gridDim;
 static thread_local tq_dim3 threadIdx;
 static std::barrier<>* tq_bar = nullptr;
@@ -51,6 +52,16 @@ static inline float __shfl_xor_sync(unsigned, float v, int off) {
   tq_xchg[threadIdx.x] = v;
   tq_bar->arrive_and_wait();
   const float r = tq_xchg[threadIdx.x ^ off];
+  tq_bar->arrive_and_wait();
+  return r;
+}
+
+static int tq_ixchg[1024];
+static inline int __any_sync(unsigned, int pred) {
+  tq_ixchg[threadIdx.x] = pred != 0;
+  tq_bar->arrive_and_wait();
+  int r = 0;
+  for (unsigned l = threadIdx.x & ~31u; l < (threadIdx.x & ~31u) + 32; ++l) r |= tq_ixchg[l];
   tq_bar->arrive_and_wait();
   return r;
 }
@@ -147,11 +158,13 @@ template <typename T> static T A(void** a, int i) { return *static_cast<T*>(a[i]
 
 // The compile-time shape of the next tq_decode_attention / tq_mma_scan launch (NVRTC's -D
 // options on a GPU).
-static int tq_variant[3] = {128, 3, 3};
-extern "C" void emu_variant(int d, int kb, int vb) {
-  tq_variant[0] = d;
-  tq_variant[1] = kb;
-  tq_variant[2] = vb;
+static int tq_variant[5] = {128, 3, 3, 4, 0};
+extern "C" void emu_variant(int a, int b, int c, int d, int e) {
+  tq_variant[0] = a;
+  tq_variant[1] = b;
+  tq_variant[2] = c;
+  tq_variant[3] = d;
+  tq_variant[4] = e;
 }
 
 // cuLaunchKernel-like entry: args[i] points at the i-th argument's value. Returns 0 on success,
@@ -180,7 +193,8 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
     };
     // the (D, B, K) variants the tests use, 8 warps per block
 #define TQS_VARIANT(D_, B_, K_) \
-    if (tq_variant[0] == D_ && tq_variant[1] == B_ && tq_variant[2] == K_) { \
+    if (tq_variant[0] == D_ && tq_variant[1] == B_ && tq_variant[2] == K_ && \
+        tq_variant[3] == 8) { \
       body(tqs_body<D_, B_, K_, 8>); return 0; }
     TQS_VARIANT(128, 4, 16) TQS_VARIANT(96, 3, 16) TQS_VARIANT(64, 2, 1) TQS_VARIANT(256, 1, 32)
     TQS_VARIANT(32, 4, 8) TQS_VARIANT(128, 4, 32) TQS_VARIANT(128, 4, 8)
@@ -227,14 +241,16 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
           A<float*>(a, 14), A<float*>(a, 15), A<float*>(a, 16), tqa_smem);
       });
     };
-    // the (D, KB, VB) variants the tests use, 8 warps per block (on a GPU: one NVRTC compile per
-    // variant)
-#define TQA_VARIANT(D_, KB_, VB_) \
-    if (tq_variant[0] == D_ && tq_variant[1] == KB_ && tq_variant[2] == VB_) { \
-      body(tqa_body<D_, KB_, VB_, 8>); return 0; }
-    TQA_VARIANT(128, 3, 3) TQA_VARIANT(64, 4, 2) TQA_VARIANT(96, 2, 4) TQA_VARIANT(256, 4, 4)
-    TQA_VARIANT(32, 1, 1) TQA_VARIANT(64, 3, 3) TQA_VARIANT(256, 2, 2) TQA_VARIANT(160, 3, 1)
-    TQA_VARIANT(32, 3, 2)
+    // the (D, KB, VB, warps, Q in registers) variants the tests use (on a GPU: one NVRTC compile
+    // per variant)
+#define TQA_VARIANT(D_, KB_, VB_, W_, Q_) \
+    if (tq_variant[0] == D_ && tq_variant[1] == KB_ && tq_variant[2] == VB_ && \
+        tq_variant[3] == W_ && tq_variant[4] == Q_) { \
+      body(tqa_body<D_, KB_, VB_, W_, Q_ != 0>); return 0; }
+    TQA_VARIANT(128, 3, 3, 4, 0) TQA_VARIANT(128, 3, 3, 8, 1) TQA_VARIANT(64, 4, 2, 4, 0)
+    TQA_VARIANT(96, 2, 4, 4, 1) TQA_VARIANT(256, 4, 4, 4, 0) TQA_VARIANT(32, 1, 1, 8, 0)
+    TQA_VARIANT(64, 3, 3, 4, 0) TQA_VARIANT(256, 2, 2, 4, 0) TQA_VARIANT(160, 3, 1, 4, 0)
+    TQA_VARIANT(32, 3, 2, 4, 0)
 #undef TQA_VARIANT
     return 3;
   } else {

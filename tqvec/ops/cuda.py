@@ -459,8 +459,9 @@ def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.
 
 # -- decode attention ---------------------------------------------------------------------------
 #: tq_decode_attention's launch shape: (warps per block, blocks per multiprocessor that the
-#: register allocation must allow). Each warp is one partial of the split-K merge.
-ATTENTION_LAUNCH = (8, 1)
+#: register allocation must allow, Q's fragments in registers). Each warp is one partial of
+#: the split-K merge.
+ATTENTION_LAUNCH = (4, 2, False)
 _ATTN_TILE = 16       # tokens per warp and step
 _ATTN_G_MAX = 16      # query rows of the mma tile
 _ATTN_D_MAX = 256
@@ -509,14 +510,14 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
                                      vb, lo, hi, scale)
     _check_int32(tokens=bh * t)
     sms, limit = _props(dev)
-    warps, min_blocks = ATTENTION_LAUNCH
+    warps, min_blocks, q_in_registers = ATTENTION_LAUNCH
     smem = _attn_smem(d, kb, vb, warps)
     if smem > limit:
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)
     step = _ATTN_TILE * warps  # tokens a block covers per step
-    if splits is None:  # enough blocks to fill the device twice
-        splits = max(1, min(_cdiv(max(t, 1), step), _cdiv(2 * sms, max(bh, 1))))
+    if splits is None:  # enough blocks for ~16 warps per multiprocessor
+        splits = max(1, min(_cdiv(max(t, 1), step), _cdiv(16 * sms // warps, max(bh, 1))))
     per_split = _cdiv(_cdiv(max(t, 1), splits), step) * step
     splits = _cdiv(max(t, 1), per_split)
     parts = splits * warps
@@ -527,7 +528,7 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
         with _on(dev):
             _kernel("attention.cu", "tq_decode_attention", dev,
                     (("TQA_D", d), ("TQA_KB", kb), ("TQA_VB", vb), ("TQA_WARPS", warps),
-                     ("TQA_MINB", min_blocks)))(
+                     ("TQA_MINB", min_blocks), ("TQA_QREG", int(q_in_registers))))(
                 (splits, bh, 1), (32 * warps, 1, 1),
                 [qr, qbias, kpacked, knorm, kcent, vpacked, vnorm, vcent, lo, hi, g, t,
                  per_split, float(scale), pm, pl, pacc], smem=smem)

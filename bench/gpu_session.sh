@@ -24,14 +24,14 @@ stage() {  # stage SECONDS COMMAND...: run with a time limit, say how it ended
         --format=csv
     python3 -c "import sys, torch; print(sys.version.split()[0], torch.__version__, \
 torch.version.cuda, torch.cuda.get_device_name(0))"
-    stage 60 python3 -c "import time; t = time.time(); from tqvec.ops import cuda; \
+    stage 30 python3 -c "import time; t = time.time(); from tqvec.ops import cuda; \
 print('unavailable_reason:', cuda.unavailable_reason(), f'({time.time() - t:.1f}s)')"
-    stage 90 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
+    stage 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
     stage 40 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_turbo.py \
         tests/test_polar.py -k cuda
-    stage 100 python3 bench/kv_gpu.py --ctx 4096 16384 131072 1048576
+    stage 90 python3 bench/kv_gpu.py --ctx 4096 16384 131072 1048576
     stage 30 python3 bench/gpu.py --dims 128 --bits 4 --n 10000000 --out gpu_10m
-    stage 50 python3 bench/gpu.py --dims 128 1536 --bits 2 4 --n 1000000
     stage 40 python3 bench/kv_gpu.py --e2e-profile --e2e-ctx 4096
+    stage 50 python3 bench/gpu.py --dims 128 1536 --bits 2 4 --n 1000000
 } 2>&1 | tee "$OUT/log.txt"
 ls -l "$OUT"

@@ -54,7 +54,7 @@ from tqvec.ops import cuda as cuda_ops  # noqa: E402
 RESULTS = os.path.join(HERE, "results")
 #: tq_decode_attention launch shapes timed per row (warps per block, blocks per SM, Q in
 #: registers); the first is the library's default
-LAUNCHES = [(4, 2, False), (8, 1, False), (4, 1, True), (4, 2, True), (8, 1, True)]
+LAUNCHES = [(8, 1, False), (4, 2, False), (4, 1, True), (4, 2, True), (8, 1, True)]
 
 
 def _launch_name(shape) -> str:
@@ -245,6 +245,8 @@ def write(res: dict) -> None:
                      f"{f(r.get('speedup_vs_bf16_graph'), '.2f')}× | {r['kernel_ms']:.3f} | "
                      f"{r['kernel_fraction_of_bandwidth']:.2f} | "
                      f"{r['bf16_fraction_of_bandwidth']:.2f} | {r['bytes_ratio']:.2f} |")
+    if res.get("launch_note"):
+        lines += ["", f"Note: {res['launch_note']}."]
     shapes = sorted({k for r in res["steps"] for k in r.get("kernel_ms_by_launch", {})})
     if shapes:
         lines += ["", "Kernel ms by launch shape (warps per block x blocks per SM; q: the "
@@ -261,7 +263,8 @@ def write(res: dict) -> None:
                   "BF16 Llama with random weights (16 layers, width 2,048, head_dim 128, 16 / 4 "
                   f"heads); ours: `TurboQuantCache({cache_args})`. Median ms per decode step, "
                   "alternating caches. The logits' difference is a sanity check only (random "
-                  "weights say nothing of quality).", "",
+                  "weights say nothing of quality)."
+                  + (f" Note: {res['e2e_note']}." if res.get("e2e_note") else ""), "",
                   "| batch | ctx | DynamicCache ms | ours ms | speedup | tokens/s ours | "
                   "bits/elem | logits rel. diff |", "|---|---|---|---|---|---|---|---|"]
         for r in res["e2e"]:

@@ -279,11 +279,11 @@ def assert_attention_close(got, ref):
 
 @pytest.mark.parametrize("bh,g,d,t,kb,vb,splits,launch", [
     (3, 4, 128, 700, 3, 3, None, None),     # GQA 4, several splits, d = 128, default launch
-    (3, 4, 128, 700, 3, 3, None, (8, 1, True)),  # 8 warps per block, Q in registers
+    (3, 4, 128, 700, 3, 3, None, (4, 1, True)),  # 4 warps per block, Q in registers
     (2, 1, 64, 300, 4, 2, 1, None),         # a single query, one split
     (4, 8, 96, 257, 2, 4, 3, (4, 2, True)),  # G = 8, d = 96, T not a multiple of the tile
     (2, 16, 256, 190, 4, 4, None, None),    # G = 16 (both halves of the mma tile), d = 256
-    (2, 12, 32, 50, 1, 1, 7, (8, 1, False)),  # more splits than tiles; 1-bit codes
+    (2, 12, 32, 50, 1, 1, 7, (4, 2, False)),  # more splits than tiles; 1-bit codes
     (3, 5, 160, 333, 3, 1, 2, None),        # d = 160 (10 key steps), 1-bit values
 ])
 def test_emulated_decode_attention_matches_reference(emulated, monkeypatch, bh, g, d, t, kb, vb,

@@ -247,10 +247,9 @@ extern "C" int emu_launch(const char* name, int gx, int gy, int bx, long long sm
     if (tq_variant[0] == D_ && tq_variant[1] == KB_ && tq_variant[2] == VB_ && \
         tq_variant[3] == W_ && tq_variant[4] == Q_) { \
       body(tqa_body<D_, KB_, VB_, W_, Q_ != 0>); return 0; }
-    TQA_VARIANT(128, 3, 3, 4, 0) TQA_VARIANT(128, 3, 3, 8, 1) TQA_VARIANT(64, 4, 2, 4, 0)
-    TQA_VARIANT(96, 2, 4, 4, 1) TQA_VARIANT(256, 4, 4, 4, 0) TQA_VARIANT(32, 1, 1, 8, 0)
-    TQA_VARIANT(64, 3, 3, 4, 0) TQA_VARIANT(256, 2, 2, 4, 0) TQA_VARIANT(160, 3, 1, 4, 0)
-    TQA_VARIANT(32, 3, 2, 4, 0)
+    TQA_VARIANT(128, 3, 3, 8, 0) TQA_VARIANT(128, 3, 3, 4, 1) TQA_VARIANT(64, 4, 2, 8, 0)
+    TQA_VARIANT(96, 2, 4, 4, 1) TQA_VARIANT(256, 4, 4, 8, 0) TQA_VARIANT(32, 1, 1, 4, 0)
+    TQA_VARIANT(64, 3, 3, 8, 0) TQA_VARIANT(160, 3, 1, 8, 0) TQA_VARIANT(32, 3, 2, 8, 0)
 #undef TQA_VARIANT
     return 3;
   } else {

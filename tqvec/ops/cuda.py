@@ -461,7 +461,7 @@ def _blocked_gemm_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.
 #: tq_decode_attention's launch shape: (warps per block, blocks per multiprocessor that the
 #: register allocation must allow, Q's fragments in registers). Each warp is one partial of
 #: the split-K merge.
-ATTENTION_LAUNCH = (4, 2, False)
+ATTENTION_LAUNCH = (8, 1, False)
 _ATTN_TILE = 16       # tokens per warp and step
 _ATTN_G_MAX = 16      # query rows of the mma tile
 _ATTN_D_MAX = 256

@@ -77,7 +77,7 @@ def test_nvrtc_compiles_with_the_runtime_options(src, arch):
     from tests.nvrtc import compile_source
     kernels = list(C.SOURCES[src.name])
     ok, log, lowered = compile_source(lib, C.kernel_source(src.name)[0], kernels, arch,
-                                      C._OPTIONS[src.name])
+                                      C.NVRTC_OPTIONS[src.name])
     assert ok, log
     assert lowered == {k: k for k in kernels}  # extern "C": unmangled names
 
@@ -93,7 +93,7 @@ def test_nvrtc_compiles_every_attention_shape(d, kb, vb, warps, min_blocks, qreg
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc to run this check)")
     from tests.nvrtc import compile_source
     assert C.attention_kernel_applies(16, d, kb, vb)
-    opts = C._OPTIONS["attention.cu"] + [f"-DTQA_D={d}", f"-DTQA_KB={kb}", f"-DTQA_VB={vb}",
+    opts = C.NVRTC_OPTIONS["attention.cu"] + [f"-DTQA_D={d}", f"-DTQA_KB={kb}", f"-DTQA_VB={vb}",
                                          f"-DTQA_WARPS={warps}", f"-DTQA_MINB={min_blocks}",
                                          f"-DTQA_QREG={qreg}"]
     ok, log, _ = compile_source(lib, C.kernel_source("attention.cu")[0],

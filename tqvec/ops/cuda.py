@@ -27,7 +27,8 @@ from .ref import decode_attention_ref, row_bytes
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
            "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
            "decode_attention_cuda", "attention_kernel_applies", "ATTENTION_LAUNCH",
-           "SOURCES", "PRELUDE", "kernel_source", "MMA_SCAN",
+           "SOURCES", "PRELUDE", "NVRTC_OPTIONS", "kernel_source", "MMA_SCAN",
+           "attention_smem", "mma_scan_smem",
            "mma_scan_applies",
            "source_path"]
 
@@ -39,7 +40,7 @@ SOURCES = {
     "attention.cu": ("tq_decode_attention",),
 }
 # Bit-exact kernels must not contract a*b+c into an FMA (the reference rounds twice).
-_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": [],
+NVRTC_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": [],
             "attention.cu": []}
 _INT32_MAX = 2**31 - 1
 _lock = threading.Lock()
@@ -197,7 +198,7 @@ def _kernel(file: str, name: str, device: torch.device,
         if k is None:
             with torch.cuda.device(device):
                 k = _Launcher(src, name, arch,
-                              _OPTIONS[file] + [f"-D{n}={v}" for n, v in defines])
+                              NVRTC_OPTIONS[file] + [f"-D{n}={v}" for n, v in defines])
             _compiled[key] = k
     return k
 
@@ -359,7 +360,7 @@ def lut_scan_cuda(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tenso
     _check_int32(n=n, d=d, nq=nq)
     kk = min(k, n)
     if (MMA_SCAN and mma_scan_applies(d, b, kk) and packed.data_ptr() % 4 == 0
-            and _mma_scan_smem(d, b, _MMA_SCAN_WARPS) <= _props(dev)[1]):  # 4-byte row loads
+            and mma_scan_smem(d, b, _MMA_SCAN_WARPS) <= _props(dev)[1]):  # 4-byte row loads
         return _mma_scan(qr, packed, centroids, mult, add, b, k, kk)
     kp = 1 << max(0, (kk - 1).bit_length())
     if kp > _SCAN_KMAX:
@@ -400,7 +401,7 @@ def mma_scan_applies(d: int, b: int, k: int) -> bool:
     return d % 32 == 0 and 1 <= b <= 4 and 1 <= k <= _MMA_SCAN_K_MAX
 
 
-def _mma_scan_smem(d: int, b: int, warps: int) -> int:
+def mma_scan_smem(d: int, b: int, warps: int) -> int:
     """Dynamic shared memory of tq_mma_scan, in the kernel's order (see scan.cu)."""
     return 8 * (1 << 2 * b) + 2 * (d // 16) * 32 * 16 + warps * (16 * row_bytes(d, b) + 16)
 
@@ -430,7 +431,7 @@ def _mma_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
                 (("TQS_D", d), ("TQS_B", b), ("TQS_K", lk), ("TQS_WARPS", warps)))(
             (chunks, qtiles, 1), (32 * warps, 1, 1),
             [(qr / qscale[:, None]).contiguous(), packed, centroids, mult, add, qscale, nq, n,
-             rows_per_chunk, out_v, out_i], smem=_mma_scan_smem(d, b, warps))
+             rows_per_chunk, out_v, out_i], smem=mma_scan_smem(d, b, warps))
     top = torch.topk(out_v.reshape(nq, lists * lk), kk, dim=1)
     return _padded_topk(top.values, torch.gather(out_i.reshape(nq, lists * lk), 1, top.indices),
                         k)
@@ -474,7 +475,7 @@ def attention_kernel_applies(g: int, d: int, kb: int, vb: int) -> bool:
             and vb in _ATTN_BITS)
 
 
-def _attn_smem(d: int, kb: int, vb: int, warps: int) -> int:
+def attention_smem(d: int, kb: int, vb: int, warps: int) -> int:
     """Dynamic shared memory of tq_decode_attention, in the kernel's order (see attention.cu)."""
     per_warp = 16 * (row_bytes(d, kb) + row_bytes(d, vb)) + 32
     return 4 * (1 << 2 * kb) + 4 * (1 << 2 * vb) + (d // 16) * 32 * 16 + warps * per_warp
@@ -511,7 +512,7 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
     _check_int32(tokens=bh * t)
     sms, limit = _props(dev)
     warps, min_blocks, q_in_registers = ATTENTION_LAUNCH
-    smem = _attn_smem(d, kb, vb, warps)
+    smem = attention_smem(d, kb, vb, warps)
     if smem > limit:
         return decode_attention_ref(qr, qbias, kpacked, knorm, kcent, kb, vpacked, vnorm, vcent,
                                      vb, lo, hi, scale)

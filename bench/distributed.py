@@ -17,7 +17,8 @@ call (median latency over the queries, after a warm-up); the one index and the s
 measured call by call alternately, after 2 s of warm-up. Pipelined: the first PIPE_QUERIES
 queries one per call from PIPE_THREADS threads at once (a server's concurrent requests), wall
 time over queries; median of 3. Results must be identical to the
-one index's (checked, reported). Writes bench/results/distributed.{json,md}.
+one index's (checked, reported). Writes bench/results/distributed.{json,md} (--stem: another
+name).
 """
 
 from __future__ import annotations
@@ -318,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dataset", default="fashion-mnist-784-euclidean")
     ap.add_argument("--nq", type=int, default=1000)
     ap.add_argument("--out", default=os.path.join("bench", "results"))
+    ap.add_argument("--stem", default="distributed", help="results file name (no extension)")
     a = ap.parse_args(argv)
     import ray
 
@@ -336,8 +338,8 @@ def main(argv: list[str] | None = None) -> int:
     res["search"] = search_rows(xb, xq, ray, dist)
     res["model"] = model(res)
     os.makedirs(a.out, exist_ok=True)
-    write(res, os.path.join(a.out, "distributed"), argv)
-    print(open(os.path.join(a.out, "distributed.md")).read())
+    write(res, os.path.join(a.out, a.stem), argv)
+    print(open(os.path.join(a.out, a.stem + ".md")).read())
     return 0
 
 

@@ -57,6 +57,32 @@ def test_nvcc_compiles_without_warnings(src, arch, tmp_path):
     assert r.returncode == 0, r.stderr
 
 
+@pytest.mark.nvcc
+@pytest.mark.parametrize("file,kernel,defines", [
+    ("attention.cu", "tq_decode_attention", {"TQA_D": 128, "TQA_KB": 3, "TQA_VB": 3}),
+    ("attention.cu", "tq_decode_attention", {"TQA_D": 256, "TQA_KB": 4, "TQA_VB": 4}),
+    ("scan.cu", "tq_mma_scan", {"TQS_D": 128, "TQS_B": 4, "TQS_K": 16}),
+    ("scan.cu", "tq_mma_scan", {"TQS_D": 1536, "TQS_B": 2, "TQS_K": 16}),
+], ids=["attention-d128", "attention-d256", "scan-d128", "scan-d1536"])
+def test_tensor_core_kernels_do_not_spill(file, kernel, defines, tmp_path):
+    """The measured variants (attention at the default launch shape) keep their registers:
+    a spill to local memory would cost more than any instruction saved."""
+    if file == "attention.cu":
+        warps, min_blocks, qreg = C.ATTENTION_LAUNCH
+        defines = {**defines, "TQA_WARPS": warps, "TQA_MINB": min_blocks,
+                   "TQA_QREG": int(qreg)}
+    full = tmp_path / file
+    full.write_text(C.kernel_source(file)[0])
+    r = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v",
+                        *(f"-D{k}={v}" for k, v in defines.items()), *C.NVRTC_OPTIONS[file],
+                        str(full), "-o", str(tmp_path / "k.cubin")], capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    report = r.stderr[r.stderr.index(f"Compiling entry function '{kernel}'"):]
+    report = report.split("Compiling entry function")[1]
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+
+
 _NVRTC = None
 
 

@@ -37,12 +37,6 @@ __device__ __forceinline__ float tq_f16_round(float x) {
 }
 #endif
 
-// Bits [shift, shift + width) of the 64-bit word (hi:lo).
-__device__ __forceinline__ unsigned tq_bits(unsigned lo, unsigned hi, int shift, int width) {
-  const tq_u64 w = ((tq_u64)hi << 32) | lo;
-  return (unsigned)(w >> shift) & ((1u << width) - 1u);
-}
-
 // The N words of bits [start, start + 32 N) of a row of 32-bit words (bit i of the row is bit
 // i % 32 of word i / 32), moved down to bit 0. Reads the row up to word start / 32 + N.
 template <int N>

@@ -28,7 +28,10 @@ import sys
 import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
+
+from kv_gpu import launch_name  # noqa: E402
 
 from tqvec.ops import cuda as C  # noqa: E402
 
@@ -105,7 +108,7 @@ def model_attention(measured: dict) -> list[dict]:
         loop = hot_loop(ptx)
         smem = C.attention_smem(d, kb, vb, warps)
         occ = occupancy(res["registers"], smem, warps)
-        name = f"{warps}x{minb}{'q' if qreg else ''}"
+        name = launch_name((warps, minb, qreg))
         for r in measured["steps"]:
             ms = r.get("kernel_ms_by_launch", {}).get(name)
             if ms is None or r["ctx"] < 131072:

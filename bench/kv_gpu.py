@@ -57,7 +57,7 @@ RESULTS = os.path.join(HERE, "results")
 LAUNCHES = [(8, 1, False), (4, 2, False), (4, 1, True), (4, 2, True), (8, 1, True)]
 
 
-def _launch_name(shape) -> str:
+def launch_name(shape) -> str:
     return f"{shape[0]}x{shape[1]}{'q' if shape[2] else ''}"
 
 
@@ -105,14 +105,14 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
     default = cuda_ops.ATTENTION_LAUNCH
     for shape in LAUNCHES:
         cuda_ops.ATTENTION_LAUNCH = shape
-        launches[_launch_name(shape)] = 1e3 * cuda_time(kernel, repeat)
+        launches[launch_name(shape)] = 1e3 * cuda_time(kernel, repeat)
     cuda_ops.ATTENTION_LAUNCH = default
     t_ours = cuda_time(ours, repeat)
     t_bf16 = cuda_time(bf16, repeat)
     g_ours, g_bf16 = graph_time(ours, repeat), graph_time(bf16, repeat)
     bytes_ours = bh * ctx * (rbk + rbv + 8)
     bytes_bf16 = bh * ctx * 2 * d * 2
-    t_kernel = launches[_launch_name(default)] / 1e3
+    t_kernel = launches[launch_name(default)] / 1e3
     return {"batch": batch, "ctx": ctx, "kbits": kb, "vbits": vb, "d": d, "hq": hq, "hkv": hkv,
             "ours_ms": 1e3 * t_ours, "bf16_sdpa_ms": 1e3 * t_bf16,
             "speedup_vs_bf16": t_bf16 / t_ours,
@@ -131,31 +131,46 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
 E2E_CACHE = dict(key_bits=3, value_bits=3, residual_length=32, sink_length=4)
 
 
-def e2e(ctx: int, batch: int, steps: int, device: str = "cuda") -> dict:
-    """Decode ms/step of a BF16 model through ``DynamicCache`` and ``TurboQuantCache``."""
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
-
-    from tqvec import kv
+def _e2e_model(tokens: int, batch: int, device: str):
+    """(config, model, ids, sync) of the end-to-end runs: a randomly initialised BF16 Llama and
+    ``tokens`` random ids per batch row."""
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
                       num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=ctx + steps + 8)
+                      max_position_embeddings=tokens + 8)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, ctx + steps),
+    ids = torch.randint(0, cfg.vocab_size, (batch, tokens),
                         generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    return cfg, model, ids, sync
+
+
+def _e2e_cache(model, cfg, name: str, ids: torch.Tensor, ctx: int):
+    """(cache, attention implementation it runs with): a ``DynamicCache`` or a
+    ``TurboQuantCache`` (E2E_CACHE) prefilled with the first ``ctx`` ids, 4,096 at a time."""
+    from transformers import DynamicCache
+
+    from tqvec import kv
+
+    model.config._attn_implementation = "sdpa"
+    cache = (DynamicCache(config=cfg) if name == "DynamicCache"
+             else kv.TurboQuantCache(cfg, **E2E_CACHE))
+    for a in range(0, ctx, 4096):
+        model(ids[:, a:min(ctx, a + 4096)], past_key_values=cache, logits_to_keep=1)
+    return cache, model.config._attn_implementation
+
+
+def e2e(ctx: int, batch: int, steps: int, device: str = "cuda") -> dict:
+    """Decode ms/step of a BF16 model through ``DynamicCache`` and ``TurboQuantCache``."""
+    cfg, model, ids, sync = _e2e_model(ctx + steps, batch, device)
     caches, impl, last = {}, {}, {}
     with torch.no_grad():
         for name in ("DynamicCache", "TurboQuantCache"):
-            model.config._attn_implementation = "sdpa"
-            cache = (DynamicCache(config=cfg) if name == "DynamicCache"
-                     else kv.TurboQuantCache(cfg, **E2E_CACHE))
-            for a in range(0, ctx, 4096):
-                model(ids[:, a:min(ctx, a + 4096)], past_key_values=cache, logits_to_keep=1)
-            caches[name], impl[name] = cache, model.config._attn_implementation
+            caches[name], impl[name] = _e2e_cache(model, cfg, name, ids, ctx)
         times = {name: [] for name in caches}
         names = list(caches)
         for i, t in enumerate(range(ctx, ctx + steps)):
@@ -182,26 +197,12 @@ def e2e_profile(ctx: int, batch: int, device: str = "cuda") -> None:
     """Where a decode step's time goes, per cache: torch.profiler over 3 steps after 2 warm-up
     steps (printed: wall ms per step and the top operators by CPU and by CUDA time)."""
     from torch.profiler import ProfilerActivity, profile
-    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-    from tqvec import kv
-
-    cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
-                      num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4,
-                      max_position_embeddings=ctx + 16)
-    cfg._attn_implementation = "sdpa"
-    with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ids = torch.randint(0, cfg.vocab_size, (batch, ctx + 8),
-                        generator=torch.Generator().manual_seed(1)).to(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    cfg, model, ids, sync = _e2e_model(ctx + 5, batch, device)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with torch.no_grad():
         for name in ("DynamicCache", "TurboQuantCache"):
-            model.config._attn_implementation = "sdpa"
-            cache = (DynamicCache(config=cfg) if name == "DynamicCache"
-                     else kv.TurboQuantCache(cfg, **E2E_CACHE))
-            model(ids[:, :ctx], past_key_values=cache, logits_to_keep=1)
+            cache, model.config._attn_implementation = _e2e_cache(model, cfg, name, ids, ctx)
             walls = []
             for t in range(ctx, ctx + 2):
                 model(ids[:, t:t + 1], past_key_values=cache, logits_to_keep=1)

@@ -430,7 +430,7 @@ def _mma_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
         _kernel("scan.cu", "tq_mma_scan", dev,
                 (("TQS_D", d), ("TQS_B", b), ("TQS_K", lk), ("TQS_WARPS", warps)))(
             (chunks, qtiles, 1), (32 * warps, 1, 1),
-            [(qr / qscale[:, None]).contiguous(), packed, centroids, mult, add, qscale, nq, n,
+            [qr / qscale[:, None], packed, centroids, mult, add, qscale, nq, n,
              rows_per_chunk, out_v, out_i], smem=mma_scan_smem(d, b, warps))
     top = torch.topk(out_v.reshape(nq, lists * lk), kk, dim=1)
     return _padded_topk(top.values, torch.gather(out_i.reshape(nq, lists * lk), 1, top.indices),

@@ -514,6 +514,28 @@ def test_decode_attention_matches_reference(backend, bh, g, d, t, kb, vb, rng):
         torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_attention_splits_large_work_between_threads(rng):
+    """Work worth a second thread (tokens x query rows x d past the kernel's threshold) is split
+    into parts whose softmax states are merged: the same state as one thread, within float
+    rounding, and as the reference; a small call stays on one thread either way."""
+    if "cpu" not in ops.available_backends():
+        pytest.skip("tqvec._C not built")
+    case = list(attn_case(rng, 2, 4, 128, 9000, 3, 3))
+    m0, l0, a0 = ops.decode_attention(*case, backend="ref")
+    threads = torch.get_num_threads()
+    try:
+        got = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got.append(ops.decode_attention(*case, backend="cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    for m1, l1, a1 in got:
+        torch.testing.assert_close(m1, m0, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(l1, l0, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(a1, a0, rtol=1e-4, atol=1e-4)
+
+
 def test_fast_scan_terms_rejects_bad_terms(rng):
     qr, packed, c, mult, add = scan_case(rng, 2, 64, 16, 2, excluded_every=5)
     bl = ops.block_codes(packed, 16, 2)

@@ -555,7 +555,18 @@ struct StateArgs {
 void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int64_t d,
                     float scale, int nthreads) {
   constexpr int64_t kMinPart = 512;  // tokens per part below which a split costs more than it saves
-  const int64_t workers0 = std::max<int64_t>(1, nthreads);
+  // A second thread only for work worth waking it: a parked worker takes ~0.1-0.25 ms to start
+  // in a virtual machine (futex wake of a halted vCPU, or one that torch's OpenMP threads spin
+  // on), while a 1k-token head of 4 x 256 query coordinates is ~0.15 ms of one core's work.
+  constexpr int64_t kMinWork = int64_t{1} << 21;  // visible tokens x query rows x d per thread (~0.3 ms)
+  int64_t work = 0;
+  for (int s = 0; s < nseg; ++s)
+    for (int64_t h = 0; h < bh; ++h) {
+      const int64_t a = std::clamp<int64_t>(segs[s].lo[h], 0, segs[s].t);
+      work += std::clamp<int64_t>(segs[s].hi[h], a, segs[s].t) - a;
+    }
+  work *= g * d;
+  const int64_t workers0 = std::clamp<int64_t>(work / kMinWork, 1, std::max(1, nthreads));
   std::vector<int64_t> parts(static_cast<size_t>(nseg)), first(static_cast<size_t>(nseg) + 1, 0);
   for (int s = 0; s < nseg; ++s) {
     parts[s] = std::clamp<int64_t>((4 * workers0 + bh - 1) / bh, 1,

@@ -87,6 +87,42 @@ def test_centroid_stats_matches_reference(backend, b, d, rng):
         ops.centroid_stats(packed, d, b, c, y, backend=backend)
 
 
+@pytest.mark.parametrize("fit", [False, True])
+@pytest.mark.parametrize("b,d", [(1, 7), (3, 64), (3, 256), (4, 100), (8, 96)])
+def test_turbo_mse_encode_is_the_steps_in_one_call(backend, b, d, fit, rng):
+    """The rotation, the quantization by 1 / norm (0 for a zero row) and the fitted multiplier
+    nrm <u, c> / ||c||^2 in one call: the same bits as those ops one by one on the same
+    backend, and the reference's codes (multipliers to the centroid sums' last rounding)."""
+    n = 37
+    x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    x[5] = 0
+    nrm = torch.linalg.vector_norm(x, dim=1)
+    rot = make_rotation("hadamard", d, 3)
+    thr = torch.from_numpy(np.sort(rng.standard_normal((1 << b) - 1)).astype(np.float32))
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    args = (rot.perms, rot.signs, rot.p, thr, c, b, fit)
+    packed, mult = ops.turbo_mse_encode(*on(backend, x, nrm), *on(backend, *args[:2]), rot.p,
+                                        *on(backend, thr, c), b, fit, backend=backend)
+    inv = torch.where(nrm > 0, nrm.reciprocal(), 0.0)
+    y = ops.hadamard_rotate(*on(backend, x, rot.perms, rot.signs), rot.p, backend=backend)
+    steps = ops.quantize_pack(y, *on(backend, inv, thr), b, backend=backend)
+    assert torch.equal(packed.cpu(), steps.cpu())
+    if fit:
+        csq, dot = ops.centroid_stats(steps, d, b, on(backend, c), y, on(backend, inv),
+                                      backend=backend)
+        assert torch.equal(mult.cpu(), (on(backend, nrm) * dot / csq).cpu())
+        assert mult[5] == 0
+    else:
+        assert mult is None
+    ref_packed, ref_mult = ops.turbo_mse_encode(x, nrm, *args, backend="ref")
+    assert torch.equal(packed.cpu(), ref_packed)
+    if fit:
+        torch.testing.assert_close(mult.cpu(), ref_mult, rtol=1e-6, atol=1e-7)
+    empty, _ = ops.turbo_mse_encode(*on(backend, x[:0], nrm[:0]), *on(backend, *args[:2]),
+                                    rot.p, *on(backend, thr, c), b, fit, backend=backend)
+    assert empty.shape == (0, ops.row_bytes(d, b))
+
+
 @pytest.mark.parametrize("d", AWKWARD_D[1:] + [1536])
 def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
     rot = make_rotation("hadamard", d, 7)

@@ -225,6 +225,13 @@ struct RotationArgs {
   int64_t p;
 };
 
+// TurboQuant-mse codes of n float32 rows x (n, d) with their norms nrm (n): the rows rotated,
+// scaled by 1 / norm and quantized against thr (2^b - 1) into packed (n, row_bytes(d, b));
+// with fit non-null, each row's least-squares multiplier nrm <u, c> / ||c||^2 (encode.cpp).
+void turbo_mse_encode(const float* x, const float* nrm, int64_t n, int64_t d,
+                      const RotationArgs& rot, const float* thr, const float* centroids, int b,
+                      uint8_t* packed, float* fit, int nthreads);
+
 // One decode step of attention over a layer's stored segments (attention.cpp; its meaning is
 // the composition in tqvec/kv/attention.py, _attend_rows_kernel): code segments - keys and
 // values as TurboQuant-mse codes - and full-precision segments, every token visible to every

@@ -224,9 +224,18 @@ class TurboQuant(Codec):
     # -- encode -----------------------------------------------------------------------------
     def encode_block(self, x: torch.Tensor, nrm: torch.Tensor):
         dev = x.device
+        dt = NORM_DTYPES[self.norm_dtype]
+        if self._one_call_encode(dev):
+            # the steps below in one compiled call (the same bits; ops.turbo_mse_encode)
+            rot = self._rot.op(dev)
+            packed, fit = ops.turbo_mse_encode(
+                x, nrm, rot.perms, rot.signs, rot.p, self._arr.get("thresholds", dev),
+                self._arr.get("centroids", dev), self.mse_bits, self.scale == "fit",
+                self.backend)
+            return packed, ({"fit": store_norm(fit, dt, "fit")} if fit is not None
+                            else {"norm": store_norm(nrm, dt)})
         inv = inverse_norms(nrm)
         y = self._rot.apply(x)
-        dt = NORM_DTYPES[self.norm_dtype]
         scalars = {"norm": store_norm(nrm, dt)} if self.scale != "fit" else {}
         parts = []
         if self.mse_bits:
@@ -258,6 +267,13 @@ class TurboQuant(Codec):
                 r = u
             parts.append(sign_pack(r @ self._arr.get("S", dev).T, self.backend))
         return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0], scalars
+
+    def _one_call_encode(self, device: torch.device) -> bool:
+        """Whether ``encode_block`` runs as one compiled call here: TurboQuant-mse with the
+        norm or the fitted scale, a Hadamard rotation, the compiled CPU kernel."""
+        return (self.variant == "mse" and self.scale in ("norm", "fit")
+                and isinstance(self._rot, HadamardRotation)
+                and ops.compiled_cpu("turbo_mse_encode", device, self.backend))
 
     # -- decode / score ---------------------------------------------------------------------
     def _rotated_unit(self, codes: Codes) -> torch.Tensor:

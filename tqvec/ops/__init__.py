@@ -19,7 +19,8 @@ from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
-           "quantize_pack", "centroid_stats", "hadamard_rotate", "HadamardRotate", "lut_scan",
+           "quantize_pack", "centroid_stats", "turbo_mse_encode", "hadamard_rotate",
+           "HadamardRotate", "lut_scan",
            "lut_rescore", "block_codes", "unblock_codes", "fast_scan", "fast_scan_terms",
            "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
@@ -59,6 +60,20 @@ def centroid_stats(packed: torch.Tensor, d: int, b: int, centroids: torch.Tensor
         y, scale = y.to(torch.float32).contiguous(), scale.to(torch.float32).contiguous()
     return pick("centroid_stats", packed.device, backend)(
         packed.contiguous(), d, b, centroids.to(torch.float32).contiguous(), y, scale)
+
+
+def turbo_mse_encode(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor,
+                     signs: torch.Tensor, p: int, thresholds: torch.Tensor,
+                     centroids: torch.Tensor, b: int, fit: bool, backend: str = "auto"
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TurboQuant-mse codes of float32 rows x (n, d) with their norms (n,): (packed (n,
+    row_bytes(d, b)) uint8, and with ``fit`` the float32 least-squares multipliers, else None)
+    - ``hadamard_rotate``, ``quantize_pack`` by 1 / norm and ``centroid_stats`` in one call
+    (``ref.turbo_mse_encode_ref``); the same bits as those ops one by one."""
+    return pick("turbo_mse_encode", x.device, backend)(
+        x.contiguous(), nrm.to(torch.float32).contiguous(), perms.contiguous(),
+        signs.contiguous(), int(p), thresholds.contiguous(),
+        centroids.to(torch.float32).contiguous(), b, bool(fit))
 
 
 def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,

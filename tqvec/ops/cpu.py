@@ -24,7 +24,8 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
-           "decode_attention_cpu", "kv_side", "step_plan", "attention_step_np", "rescore_topk_np",
+           "decode_attention_cpu", "turbo_mse_encode_cpu", "kv_side", "step_plan",
+           "attention_step_np", "rescore_topk_np",
            "rescore_topk_cpu"]
 
 
@@ -87,6 +88,20 @@ def centroid_stats_cpu(packed: torch.Tensor, d: int, b: int, centroids: torch.Te
                           None if y is None else y.numpy(),
                           None if scale is None else scale.numpy(), csq, dot, threads())
     return torch.from_numpy(csq), None if dot is None else torch.from_numpy(dot)
+
+
+def turbo_mse_encode_cpu(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor,
+                         signs: torch.Tensor, p: int, thresholds: torch.Tensor,
+                         centroids: torch.Tensor, b: int, fit: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, d = x.shape
+    packed = torch.empty((n, row_bytes(d, b)), dtype=torch.uint8)
+    out = torch.empty(n, dtype=torch.float32) if fit else None
+    if n:
+        _C.turbo_mse_encode(*host_views(x, nrm, perms, signs), p,
+                            *host_views(thresholds, centroids), b, packed.numpy(),
+                            None if out is None else out.numpy(), threads())
+    return packed, out
 
 
 def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p: int,

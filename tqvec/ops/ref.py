@@ -70,6 +70,23 @@ def centroid_stats_ref(packed: torch.Tensor, d: int, b: int, centroids: torch.Te
     return csq, ((y * scale[:, None]).to(torch.float64) * c).sum(1).float()
 
 
+def turbo_mse_encode_ref(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor,
+                         signs: torch.Tensor, p: int, thresholds: torch.Tensor,
+                         centroids: torch.Tensor, b: int, fit: bool
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """TurboQuant-mse codes of float32 rows x (n, d) with their norms nrm (n): the rotated rows
+    scaled by 1 / norm (0 for a zero row) quantized and packed, and with ``fit`` each row's
+    least-squares multiplier nrm <u, c> / ||c||^2 (u the scaled row, c its centroids), else
+    None - the codec's steps (``TurboQuant.encode_block``) in one op."""
+    inv = torch.where(nrm > 0, nrm.reciprocal(), 0.0)
+    y = hadamard_rotate_ref(x, perms, signs, p)
+    packed = quantize_pack_ref(y, inv, thresholds, b)
+    if not fit:
+        return packed, None
+    csq, dot = centroid_stats_ref(packed, x.shape[1], b, centroids, y, inv)
+    return packed, nrm * dot / csq
+
+
 def _fwht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of the rows of x (n, p), butterfly order
     h = 1, 2, 4, ...; pairs (j, j + h) within blocks of 2h."""

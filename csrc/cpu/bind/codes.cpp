@@ -75,6 +75,26 @@ void bind_codes(nb::module_& m) {
                     nthreads);
   });
 
+  m.def("turbo_mse_encode", [](CArr<const float> x, CArr<const float> nrm,
+                               CArr<const int64_t> perms, CArr<const float> signs, int64_t p,
+                               CArr<const float> thr, CArr<const float> centroids, int b,
+                               CArr<uint8_t> packed, std::optional<CArr<float>> fit,
+                               int nthreads) {
+    const char* op = "turbo_mse_encode";
+    check_bits(b, 8, op);
+    check_shape(x, {kAny, kAny}, op, "x");
+    const int64_t n = dim(x, 0), d = dim(x, 1);
+    check_shape(nrm, {n}, op, "nrm");
+    const RotationArgs r = rotation_args(perms, signs, p, d, op);
+    check_shape(thr, {(int64_t{1} << b) - 1}, op, "thresholds");
+    check_shape(centroids, {int64_t{1} << b}, op, "centroids");
+    check_shape(packed, {n, packed_row_bytes(d, b)}, op, "packed");
+    if (fit) check_shape(*fit, {n}, op, "fit");
+    nb::gil_scoped_release rel;
+    turbo_mse_encode(x.data(), nrm.data(), n, d, r, thr.data(), centroids.data(), b,
+                     packed.data(), fit ? fit->data() : nullptr, nthreads);
+  });
+
   m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
                           int nthreads) {
     check_bits(b, 8, "block_codes");

@@ -160,6 +160,7 @@ class CompressedLayer(CacheLayerMixin):
         self.mr: MergeAndReduce | None = None
         self.kq = self.vq = None
         self.awaiting_attention = False
+        self.unsettled = False  # tokens appended since the last flush (else flush is a no-op)
         self.q_energy = None  # (H, d) query mean squares seen at the first attention
 
     # -- setup -------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class CompressedLayer(CacheLayerMixin):
         self.cumulative_length += key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=2)
         self.values = torch.cat([self.values, value_states], dim=2)
+        self.unsettled = True
         if self._codes_attention():
             self.awaiting_attention = True
             handle_k, handle_v = self.keys, self.values
@@ -315,7 +317,9 @@ class CompressedLayer(CacheLayerMixin):
         A codec call costs far more than its arithmetic on a few tokens, about as much for 64
         tokens as for 16: per 64 decode steps these blocks make 7 calls (four 8-bit encodes,
         one 8-bit decode, the key and the value encodes) where blocks of 16 for both made 16."""
-        if not self.is_initialized:
+        # a flush leaves less than a move's overflow and a block's exact tokens: only appended
+        # tokens give the next one work (it runs at every layer's update and attention)
+        if not self.is_initialized or not self.unsettled:
             return
         block = 1 if self.wkq is None else self.WINDOW_BLOCK
         # a sliding layer holds at most its window: there the longer 8-bit window of bigger
@@ -338,6 +342,7 @@ class CompressedLayer(CacheLayerMixin):
             self.wkbuf.append({k: v[:, :, :n] for k, v in f.items()})
             self.wvbuf.append({k: v[:, :, n:] for k, v in f.items()})
             self.keys, self.values = _window(self.keys, 0, 0), _window(self.values, 0, 0)
+        self.unsettled = False
 
     def window_length(self) -> int:
         return len(self.wkbuf) + self.keys.shape[2]

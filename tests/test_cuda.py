@@ -119,9 +119,9 @@ def test_nvrtc_compiles_every_attention_shape(d, kb, vb, warps, min_blocks, qreg
         pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc to run this check)")
     from tests.nvrtc import compile_source
     assert C.attention_kernel_applies(16, d, kb, vb)
-    opts = C.NVRTC_OPTIONS["attention.cu"] + [f"-DTQA_D={d}", f"-DTQA_KB={kb}", f"-DTQA_VB={vb}",
-                                         f"-DTQA_WARPS={warps}", f"-DTQA_MINB={min_blocks}",
-                                         f"-DTQA_QREG={qreg}"]
+    opts = C.NVRTC_OPTIONS["attention.cu"] + [
+        f"-DTQA_D={d}", f"-DTQA_KB={kb}", f"-DTQA_VB={vb}", f"-DTQA_WARPS={warps}",
+        f"-DTQA_MINB={min_blocks}", f"-DTQA_QREG={qreg}"]
     ok, log, _ = compile_source(lib, C.kernel_source("attention.cu")[0],
                                 ["tq_decode_attention"], "90", opts)
     assert ok, log

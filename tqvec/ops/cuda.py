@@ -41,7 +41,7 @@ SOURCES = {
 }
 # Bit-exact kernels must not contract a*b+c into an FMA (the reference rounds twice).
 NVRTC_OPTIONS = {"pack.cu": ["--fmad=false"], "hadamard.cu": ["--fmad=false"], "scan.cu": [],
-            "attention.cu": []}
+                 "attention.cu": []}
 _INT32_MAX = 2**31 - 1
 _lock = threading.Lock()
 _compiled: dict[tuple, object] = {}

@@ -546,8 +546,27 @@ def passkey_prompt(tok, context: int, depth: float, key: int) -> torch.Tensor:
     return tok(text, return_tensors="pt").input_ids
 
 
+def answer_chunked(model, ids: torch.Tensor, cache, chunk: int, eos: int,
+                   new_tokens: int = 8) -> torch.Tensor:
+    """Greedy answer (as ``generate`` with do_sample=False) after a prefill in chunks of
+    ``chunk`` tokens: each chunk's queries attend to the tokens before it as the cache holds
+    them (compressed, for a compressed cache), as a serving engine's chunked prefill does."""
+    n = ids.shape[1]
+    for a in range(0, n, chunk):
+        logits = model(ids[:, a:min(n, a + chunk)], past_key_values=cache,
+                       logits_to_keep=1).logits
+    out = []
+    for _ in range(new_tokens):
+        t = int(logits[0, -1].argmax())
+        out.append(t)
+        if t == eos:
+            break
+        logits = model(torch.tensor([[t]]), past_key_values=cache).logits
+    return torch.tensor(out)
+
+
 def run_passkey(args) -> None:
-    rows = other_models_rows(args.out or "kv_passkey", args)
+    rows = other_models_rows(args.out or "kv_passkey", args, args.context)
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
     dtype = getattr(torch, args.dtype)
@@ -561,20 +580,27 @@ def run_passkey(args) -> None:
         # prompt: a run stopped early holds the same trials for every method
         mine = {name: {"model": model_name, "context": context, "dtype": args.dtype,
                        "method": name, "bits": None, "found": 0, "trials": 0,
-                       "answers": [], "seconds": 0.0} for name in cands}
+                       "answers": [], "seconds": 0.0, "prefill_chunk": args.prefill_chunk}
+                for name in cands}
         rows += mine.values()
-        for depth in args.depths:
-            for key in keys:
+        # keys outer, depths inner: a run stopped early has tried every depth
+        for key in keys:
+            for depth in args.depths:
                 ids = passkey_prompt(tok, context, depth, key)
                 for name, st in cands.items():
                     t0 = time.time()
                     model.config._attn_implementation = "sdpa"
                     cache = new_cache(model.config, st)
                     with torch.no_grad():
-                        out = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                             past_key_values=cache, max_new_tokens=8,
-                                             do_sample=False, pad_token_id=tok.eos_token_id)
-                    text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+                        if args.prefill_chunk:
+                            new = answer_chunked(model, ids, cache, args.prefill_chunk,
+                                                 tok.eos_token_id)
+                        else:
+                            new = model.generate(ids, attention_mask=torch.ones_like(ids),
+                                                 past_key_values=cache, max_new_tokens=8,
+                                                 do_sample=False, pad_token_id=tok.eos_token_id
+                                                 )[0, ids.shape[1]:]
+                    text = tok.decode(new, skip_special_tokens=True)
                     ok = str(key) in text
                     row = mine[name]
                     row["found"] += ok
@@ -592,8 +618,9 @@ def run_passkey(args) -> None:
 
 
 def passkey_md(rows, depths) -> str:
-    out = ["| model | context | method | bits/element | found | " + " | ".join(
-        f"depth {d:g}" for d in depths) + " |", "|---|---|---|---|---|" + "---|" * len(depths)]
+    out = ["| model | context | prefill | method | bits/element | found | " + " | ".join(
+        f"depth {d:g}" for d in depths) + " | s/trial |",
+        "|---|---|---|---|---|---|" + "---|" * len(depths) + "---|"]
     for r in rows:
         per = []
         for d in depths:
@@ -602,8 +629,10 @@ def passkey_md(rows, depths) -> str:
         dt = r.get("dtype", "float32")
         bits = (f"{r['bits']:.2f}" if r["bits"] else
                 {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}[dt])
-        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {bits} | "
-                   f"{r['found']}/{r['trials']} | " + " | ".join(per) + " |")
+        pre = (f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one forward")
+        per_trial = f"{r['seconds'] / r['trials']:.0f}" if r["trials"] else "-"
+        out.append(f"| {r['model']} | {r['context']} | {pre} | {r['method']} | {bits} | "
+                   f"{r['found']}/{r['trials']} | " + " | ".join(per) + f" | {per_trial} |")
     return "\n".join(out) + "\n"
 
 
@@ -794,13 +823,14 @@ def speed_md(rows, commands: list[str], machine: dict) -> str:
     return head + "\n".join(out) + "\n"
 
 
-def other_models_rows(stem: str, args) -> list[dict]:
+def other_models_rows(stem: str, args, context: int | None = None) -> list[dict]:
     """With --resume, the stored rows of models other than args.models (one model per run fits
-    a CPU session); otherwise none."""
+    a CPU session) and, given ``context``, those of other contexts; otherwise none."""
     path = RESULTS / f"{stem}.json"
     if not (args.resume and path.exists()):
         return []
-    return [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models]
+    return [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models
+            or (context and r.get("context") != context)]
 
 
 def write(stem: str, obj, md: str) -> None:
@@ -864,7 +894,10 @@ def main(argv=None) -> None:
     k.add_argument("--keys", type=int, default=2, help="pass keys tried per depth")
     k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    k.add_argument("--resume", action="store_true", help="keep other models' rows")
+    k.add_argument("--resume", action="store_true",
+                   help="keep other models' rows and, given --context, other contexts'")
+    k.add_argument("--prefill-chunk", type=int, default=0,
+                   help="prefill in chunks of this many tokens (0: generate's one forward)")
     k.add_argument("--out")
     v = sub.add_parser("speed")
     v.add_argument("--models", nargs="+", default=["smollm2", "gemma3"])

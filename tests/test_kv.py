@@ -462,6 +462,45 @@ def test_8bit_window_codes_attention_matches_decode_then_sdpa(make, monkeypatch)
     torch.testing.assert_close(codes, decoded, atol=2e-4, rtol=2e-4)
 
 
+def chunked(model, ids, cache, chunk):
+    """Logits of every position, the sequence fed in forwards of ``chunk`` tokens."""
+    with torch.no_grad():
+        return torch.cat([model(ids[:, a:a + chunk], past_key_values=cache).logits
+                          for a in range(0, ids.shape[1], chunk)], dim=1)
+
+
+@pytest.mark.parametrize("make", [llama, gemma3])
+@pytest.mark.parametrize("kw", [dict(calibrate=False), dict(calibrate=True),
+                                dict(residual_bits=8, norm_bits=8), dict(dtype=torch.bfloat16),
+                                dict(outlier_channels=8)])
+def test_many_row_forward_attends_over_decoded_tokens(make, kw, monkeypatch):
+    """A forward of DECODED_FROM or more new tokens over stored codes (a chunked prefill, a
+    later turn's prompt) decodes the stored tokens once and runs SDPA: the same logits as
+    scoring the codes row by row, channel scales, 8-bit windows, outlier splits, bf16 and
+    sliding layers included; BalanceKV keeps the codes path (its token weights)."""
+    from tqvec.kv import attention
+
+    kw = dict(kw)
+    dtype = kw.pop("dtype", torch.float32)
+    model = make().to(dtype)
+    ids = torch.randint(0, 97, (2, 48), generator=torch.Generator().manual_seed(7))
+    kw = dict(dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2), **kw)
+    monkeypatch.setattr(attention, "DECODED_FROM", 0)
+    rows = chunked(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    decoded, real = [], kv.CompressedLayer.decoded
+    monkeypatch.setattr(kv.CompressedLayer, "decoded",
+                        lambda self: decoded.append(self.mr is not None) or real(self))
+    monkeypatch.setattr(attention, "DECODED_FROM", 12)
+    sdpa = chunked(model, ids, kv.TurboQuantCache(model.config, **kw), 12)
+    assert len(decoded) >= 3  # the three chunks after the first, in the global layer at least
+    tol = 2e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(sdpa.float(), rows.float(), atol=tol, rtol=tol)
+    decoded.clear()
+    chunked(model, ids, kv.TurboQuantCache(model.config, balance=kv.BalanceConfig(rounds=1),
+                                           **kw), 12)
+    assert decoded == [False] * len(decoded)  # Gemma's sliding layers select no tokens
+
+
 def test_8bit_window_crop_and_reorder():
     model = llama()
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(6))

@@ -26,6 +26,12 @@ the merge - as one compiled call (``ops.attention_step``, csrc/cpu/attention.cpp
 ops per layer and step cost more than the codes' arithmetic. ``COMPILED_STEP = False`` keeps
 the composition (the tests compare the two).
 
+A forward of many new tokens (a prefill chunk, a later turn's prompt: ``DECODED_FROM`` query
+rows or more) decodes the layer's stored tokens once and hands them to SDPA: decoding costs
+O(tokens x d) once, while scoring from the codes costs lookups for every (query, token) pair
+that SDPA's matrix products do faster once the queries are many; same scores up to float
+rounding (the decode reference's), the codes stay the only thing the cache holds.
+
 Any other cache (or none) gets transformers' SDPA attention unchanged, so switching a model to
 "tqvec" is harmless for it; a layer holding only full-precision tokens also goes to SDPA, which
 makes a cache whose window covers the sequence reproduce DynamicCache's logits bit for bit.
@@ -45,12 +51,16 @@ from .. import ops
 from ..codecs.turbo import TurboQuant
 from .quant import ChannelScale, CodecQuantizer
 
-__all__ = ["ATTENTION_NAME", "CODES_KERNEL", "register", "tqvec_attention", "attend"]
+__all__ = ["ATTENTION_NAME", "CODES_KERNEL", "DECODED_FROM", "register", "tqvec_attention",
+           "attend"]
 
 ATTENTION_NAME = "tqvec"
 CODES_KERNEL = "auto"  # "auto" | "always" | "never": see the module docstring
 COMPILED_STEP = True  # one compiled call per decode step where it applies (module docstring)
 _QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
+#: A forward of at least this many query positions attends over the decoded tokens with SDPA
+#: (module docstring; the crossover measured in docs/kv-benchmarks.md); 0 never does.
+DECODED_FROM = 64
 
 
 def register() -> None:
@@ -74,6 +84,11 @@ def tqvec_attention(module, query, key, value, attention_mask, dropout: float = 
     try:
         if layer.only_window() and softcap is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                          dropout=0.0, scaling=scaling, **kwargs)
+        if (softcap is None and DECODED_FROM and query.shape[2] >= DECODED_FROM
+                and layer.mr is None):  # BalanceKV's token weights are not SDPA's to apply
+            k, v = layer.decoded()
+            return sdpa_attention_forward(module, query, k, v, attention_mask,
                                           dropout=0.0, scaling=scaling, **kwargs)
         if scaling is None:
             scaling = 1.0 / math.sqrt(query.shape[-1])

@@ -83,7 +83,7 @@ def chunks(name: str = "gemma3", n: int = 8192, chunk: int = 4096) -> list[dict]
 
 def markdown(res: dict) -> str:
     lines = ["# Many-row forwards over a compressed cache", "",
-             f"Command: `python bench/kv_rows.py {' '.join(res['argv'])}`. Machine: "
+             f"Command: `{' '.join(['python bench/kv_rows.py', *res['argv']])}`. Machine: "
              f"{cpu_label(res['machine'])}, SIMD {', '.join(res['machine'].get('simd', []))}, "
              f"{res['machine'].get('torch_threads')} torch threads.", "",
              "Forwards of Q tokens after the prefill, ms (minimum of 3, routes alternating):",

@@ -566,7 +566,8 @@ def answer_chunked(model, ids: torch.Tensor, cache, chunk: int, eos: int,
 
 
 def run_passkey(args) -> None:
-    rows = other_models_rows(args.out or "kv_passkey", args, args.context)
+    path = RESULTS / f"{args.out or 'kv_passkey'}.json"
+    rows = json.loads(path.read_text())["rows"] if args.resume and path.exists() else []
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
     dtype = getattr(torch, args.dtype)
@@ -582,12 +583,24 @@ def run_passkey(args) -> None:
                        "method": name, "bits": None, "found": 0, "trials": 0,
                        "answers": [], "seconds": 0.0, "prefill_chunk": args.prefill_chunk}
                 for name in cands}
+        # --resume keeps every other setting's rows and continues this one's: the trials a
+        # stopped run made are kept, not rerun
+        setting = (model_name, context, args.dtype, args.prefill_chunk)
+        for r in rows:
+            if _passkey_setting(r) == setting and r["method"] in mine:
+                mine[r["method"]] = r
+        rows = [r for r in rows if not (_passkey_setting(r) == setting and r["method"] in mine)]
         rows += mine.values()
         # keys outer, depths inner: a run stopped early has tried every depth
         for key in keys:
             for depth in args.depths:
+                todo = [name for name in cands if not any(
+                    (a["key"], a["depth"]) == (key, depth) for a in mine[name]["answers"])]
+                if not todo:
+                    continue
                 ids = passkey_prompt(tok, context, depth, key)
-                for name, st in cands.items():
+                for name in todo:
+                    st = cands[name]
                     t0 = time.time()
                     model.config._attn_implementation = "sdpa"
                     cache = new_cache(model.config, st)
@@ -605,9 +618,10 @@ def run_passkey(args) -> None:
                     row = mine[name]
                     row["found"] += ok
                     row["trials"] += 1
+                    dt = time.time() - t0
                     row["answers"].append({"depth": depth, "key": key, "answer": text,
-                                           "found": ok})
-                    row["seconds"] += time.time() - t0
+                                           "found": ok, "seconds": dt})
+                    row["seconds"] += dt
                     if st is not None:
                         row["bits"] = cache.bits_per_element()
                     print(json.dumps({k: v for k, v in row.items() if k != "answers"}),
@@ -823,14 +837,18 @@ def speed_md(rows, commands: list[str], machine: dict) -> str:
     return head + "\n".join(out) + "\n"
 
 
-def other_models_rows(stem: str, args, context: int | None = None) -> list[dict]:
+def _passkey_setting(row: dict) -> tuple:
+    return (row["model"], row.get("context"), row.get("dtype", "float32"),
+            row.get("prefill_chunk", 0))
+
+
+def other_models_rows(stem: str, args) -> list[dict]:
     """With --resume, the stored rows of models other than args.models (one model per run fits
-    a CPU session) and, given ``context``, those of other contexts; otherwise none."""
+    a CPU session); otherwise none."""
     path = RESULTS / f"{stem}.json"
     if not (args.resume and path.exists()):
         return []
-    return [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models
-            or (context and r.get("context") != context)]
+    return [r for r in json.loads(path.read_text())["rows"] if r["model"] not in args.models]
 
 
 def write(stem: str, obj, md: str) -> None:
@@ -895,7 +913,8 @@ def main(argv=None) -> None:
     k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
     k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     k.add_argument("--resume", action="store_true",
-                   help="keep other models' rows and, given --context, other contexts'")
+                   help="keep the stored rows of other settings and continue this one's, "
+                        "skipping the trials they hold")
     k.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill in chunks of this many tokens (0: generate's one forward)")
     k.add_argument("--out")

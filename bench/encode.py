@@ -1,15 +1,18 @@
-"""Encode throughput and peak memory: tqvec TurboQuant vs faiss's TurboQuant SQ, one run.
+"""Encode and decode throughput and encode's peak memory: tqvec TurboQuant vs faiss's
+TurboQuant SQ, one run.
 
     python bench/encode.py [--n 100000] [--dim 384] [--bits 4] [--threads 2]
 
 Each method runs in its own child process (so peak RSS is its own), on the same seeded data,
-with the same thread count; the median of --repeat timed runs after one warm-up is reported.
+with the same thread count; the median of --repeat timed runs after one warm-up is reported
+(decode: of the codes the encode made, tqvec's ``decode`` against faiss's ``sa_decode``).
 Writes bench/results/encode.json and encode.md.
 
 The floor: encode must read n*d*4 bytes and write n*code_size; the rotation costs 2*d^2 flops
 per vector for a dense (Haar) rotation, and 3 rounds * 2 blocks * p*log2(p) adds for the
 Hadamard one (p = largest power of two <= d). Both are compared with measured copy bandwidth and
-matmul rate on this machine.
+matmul rate on this machine. Decode reads n*code_size bytes, writes n*d*4 and rotates back (the
+same flops).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ def worker(method: str, n: int, d: int, b: int, threads: int, repeat: int) -> di
 
         codec = tqvec.TurboQuant(d, b, seed=0, rotation=method.split()[1])
         run = lambda: codec.encode(x)  # noqa: E731
+        back = codec.decode
         code_size = codec.code_size
     else:
         import faiss
@@ -72,6 +76,7 @@ def worker(method: str, n: int, d: int, b: int, threads: int, repeat: int) -> di
         if not index.is_trained:
             index.train(x[:1000])  # RR/HR: draws the rotation; the SQtq codebook is fixed
         run = lambda: index.sa_encode(x)  # noqa: E731
+        back = index.sa_decode
         code_size = index.sa_code_size()
     run()  # warm-up (also builds codebooks / rotations)
     _reset_peak()
@@ -82,8 +87,22 @@ def worker(method: str, n: int, d: int, b: int, threads: int, repeat: int) -> di
         run()
         times.append(time.perf_counter() - t)
     med = statistics.median(times)
+    peak_extra_mb = _status_mb("VmHWM") - base  # encode's alone, before the decodes
+    codes = run()
+    dtimes, refused = [], None
+    try:
+        back(codes)  # warm-up
+    except RuntimeError as e:  # faiss's HR pads d to a power of two and cannot invert then
+        refused = str(e).strip().splitlines()[-1][:200]
+    for _ in range(repeat if refused is None else 0):
+        t = time.perf_counter()
+        back(codes)
+        dtimes.append(time.perf_counter() - t)
+    dmed = statistics.median(dtimes) if dtimes else None
     return {"method": method.format(b=b), "seconds": med, "vectors_per_s": n / med,
-            "code_size": code_size, "peak_extra_mb": _status_mb("VmHWM") - base,
+            "decode_seconds": dmed, "decode_vectors_per_s": n / dmed if dmed else None,
+            "decode_refused": refused, "decode_times": dtimes,
+            "code_size": code_size, "peak_extra_mb": peak_extra_mb,
             "codes_mb": n * code_size / 2**20,
             "times": times}
 
@@ -130,6 +149,7 @@ def main() -> None:
                              check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
         print(f"{rows[-1]['method']:>22}: {rows[-1]['vectors_per_s']:>12,.0f} vec/s, "
+              f"decode {rows[-1]['decode_vectors_per_s'] or 0:>12,.0f} vec/s, "
               f"peak +{rows[-1]['peak_extra_mb']:.0f} MB", flush=True)
     roof = roofline(a.dim, a.threads)
     d, n = a.dim, a.n
@@ -142,22 +162,30 @@ def main() -> None:
         "hadamard_adds_per_vector": had_flops,
     }
     best_faiss = max(r["vectors_per_s"] for r in rows if r["method"].startswith("faiss"))
+    best_faiss_dec = max(r["decode_vectors_per_s"] or 0 for r in rows
+                         if r["method"].startswith("faiss"))
     for r in rows:
         r["ratio_vs_best_faiss"] = r["vectors_per_s"] / best_faiss
+        r["decode_ratio_vs_best_faiss"] = (r["decode_vectors_per_s"] / best_faiss_dec
+                                           if r["decode_vectors_per_s"] and best_faiss_dec
+                                           else None)
     result = {"n": n, "d": d, "bits": a.bits, "threads": a.threads, "rows": rows,
               "roofline": roof, "floor": floor, "machine": machine_info()}
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, "encode.json"), "w") as f:
         json.dump(result, f, indent=1)
-    lines = [f"# Encode throughput, n={n:,}, d={d}, b={a.bits}, {a.threads} threads",
+    lines = [f"# Encode and decode throughput, n={n:,}, d={d}, b={a.bits}, {a.threads} threads",
              "", f"Machine: {result['machine'].get('cpu', '?')}, "
              f"{result['machine']['cpus']} CPUs, torch {result['machine'].get('torch')}, "
              f"faiss {result['machine'].get('faiss')}. Command: `python bench/encode.py`.", "",
-             "| method | bytes/vec | vectors/s | vs best faiss | peak extra MB (codes MB) |",
-             "|---|---|---|---|---|"]
+             "| method | bytes/vec | encode vectors/s | vs best faiss | decode vectors/s | "
+             "vs best faiss | encode's peak extra MB (codes MB) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
+        dec = (f"{r['decode_vectors_per_s']:,.0f} | {r['decode_ratio_vs_best_faiss']:.2f}x"
+               if r["decode_vectors_per_s"] else "cannot decode | -")
         lines.append(f"| {r['method']} | {r['code_size']} | {r['vectors_per_s']:,.0f} | "
-                     f"{r['ratio_vs_best_faiss']:.2f}x | {r['peak_extra_mb']:.0f} "
+                     f"{r['ratio_vs_best_faiss']:.2f}x | {dec} | {r['peak_extra_mb']:.0f} "
                      f"({r['codes_mb']:.0f}) |")
     lines += ["", f"Floor: reading {d * 4} B + writing {rows[0]['code_size']} B per vector at "
               f"the measured {roof['copy_GBps']:.1f} GB/s copy bandwidth = "
@@ -166,6 +194,8 @@ def main() -> None:
               f"vec/s; the Hadamard rotation needs {had_flops:,.0f} adds/vector.",
               "faiss's codes store no norm (its SQtq types assume unit vectors); tqvec's add a "
               "float32 norm (4 B)."]
+    lines += [f"{r['method']} cannot decode here: {r['decode_refused']}" for r in rows
+              if r["decode_refused"]]
     with open(os.path.join(a.out, "encode.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

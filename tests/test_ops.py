@@ -123,6 +123,37 @@ def test_turbo_mse_encode_is_the_steps_in_one_call(backend, b, d, fit, rng):
     assert empty.shape == (0, ops.row_bytes(d, b))
 
 
+@pytest.mark.parametrize("b,d", [(1, 7), (2, 64), (3, 64), (3, 256), (4, 100), (8, 96),
+                                 (3, 769)])
+def test_turbo_mse_decode_is_the_steps_in_one_call(backend, b, d, rng):
+    """The lookup of the centroids, the multiply by the row's multiplier and the inverse
+    rotation in one call: bit for bit the reference's and the steps' one by one on the same
+    backend (tail rows past a group of 8 and past a chunk included; a zero multiplier gives a
+    zero row)."""
+    n = 1037
+    idx = torch.from_numpy(rng.integers(0, 1 << b, (n, d)).astype(np.uint8))
+    packed = ops.pack_bits(idx, b, backend="ref")
+    mult = torch.from_numpy(rng.uniform(0.1, 3.0, n).astype(np.float32))
+    mult[5] = 0
+    rot = make_rotation("hadamard", d, 3)
+    c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
+    out = ops.turbo_mse_decode(*on(backend, packed, mult, rot.perms, rot.signs), rot.p,
+                               on(backend, c), b, d, backend=backend)
+    assert out.shape == (n, d) and out.dtype == torch.float32
+    steps = ops.hadamard_rotate(on(backend, c)[ops.unpack_bits(on(backend, packed), d, b,
+                                                               backend=backend).long()]
+                                * on(backend, mult)[:, None],
+                                *on(backend, rot.perms, rot.signs), rot.p, inverse=True,
+                                backend=backend)
+    assert torch.equal(out.cpu(), steps.cpu())
+    ref = ops.turbo_mse_decode(packed, mult, rot.perms, rot.signs, rot.p, c, b, d, backend="ref")
+    assert torch.equal(out.cpu(), ref)
+    assert not out[5].any()
+    empty = ops.turbo_mse_decode(*on(backend, packed[:0], mult[:0], rot.perms, rot.signs),
+                                 rot.p, on(backend, c), b, d, backend=backend)
+    assert empty.shape == (0, d)
+
+
 @pytest.mark.parametrize("d", AWKWARD_D[1:] + [1536])
 def test_hadamard_matches_reference_and_is_orthogonal(backend, d, rng):
     rot = make_rotation("hadamard", d, 7)

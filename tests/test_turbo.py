@@ -135,6 +135,23 @@ def test_same_seed_same_codes_on_every_backend(backend, variant, scale, rng):
     assert not torch.equal(other.payload.cpu(), ref.payload)
 
 
+@pytest.mark.parametrize("scale", ["norm", "fit", "unbiased"])
+@pytest.mark.parametrize("bits,d", [(1, 96), (3, 64), (4, 300)])
+def test_decode_is_the_same_on_every_backend(backend, scale, bits, d, rng):
+    """The CPU's one-call decode (ops.turbo_mse_decode) reconstructs exactly what the
+    reference's steps do, over several decode blocks."""
+    from tqvec.codecs.base import block_rows
+
+    n = block_rows(torch.device("cpu"), d) + 77
+    x = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
+    ref = tqvec.TurboQuant(d, bits, seed=3, scale=scale, backend="ref")
+    codes = ref.encode(x)
+    got = tqvec.TurboQuant(d, bits, seed=3, scale=scale, backend=backend).decode(
+        codes.to(on(backend, x).device) if backend == "cuda" else codes)
+    torch.testing.assert_close(got.cpu(), ref.decode(codes), rtol=0,
+                               atol=0 if backend != "cuda" else 1e-6)
+
+
 @pytest.mark.parametrize("variant,bits,expect", [("mse", 4, 64 + 4), ("mse", 3, 48 + 4),
                                                  ("prod", 3, 32 + 16 + 8), ("prod", 1, 16 + 4)])
 def test_code_size_is_bytes_stored(variant, bits, expect, rng):

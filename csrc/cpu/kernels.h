@@ -48,6 +48,10 @@ void quantize_pack(const float* y, const float* scale, int64_t n, int64_t d, con
 // (dot may then be null otherwise). The sums run in double, rounded to float32 once.
 void centroid_stats(const uint8_t* packed, int64_t n, int64_t d, int b, const float* centroids,
                     const float* y, const float* scale, float* csq, float* dot, int nthreads);
+// y (n, d) = centroids[idx] * mult[:, None] for b-bit packed codes (n, row_bytes(d, b)) and
+// per-row multipliers mult (n): the rotated-domain reconstruction, one thread.
+void dequantize_rows(const uint8_t* packed, const float* mult, int64_t n, int64_t d, int b,
+                     const float* centroids, float* y);
 void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
                      const float* signs, int rounds, int64_t p, bool inverse, float* out,
                      int nthreads);
@@ -231,6 +235,12 @@ struct RotationArgs {
 void turbo_mse_encode(const float* x, const float* nrm, int64_t n, int64_t d,
                       const RotationArgs& rot, const float* thr, const float* centroids, int b,
                       uint8_t* packed, float* fit, int nthreads);
+
+// The reconstruction of TurboQuant-mse codes (n, row_bytes(d, b)) with per-row multipliers mult
+// (n): Pi^T (centroids[idx] * mult) into out (n, d) float32 (encode.cpp).
+void turbo_mse_decode(const uint8_t* packed, const float* mult, int64_t n, int64_t d,
+                      const RotationArgs& rot, const float* centroids, int b, float* out,
+                      int nthreads);
 
 // One decode step of attention over a layer's stored segments (attention.cpp; its meaning is
 // the composition in tqvec/kv/attention.py, _attend_rows_kernel): code segments - keys and

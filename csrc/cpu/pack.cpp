@@ -147,6 +147,32 @@ void centroid_stats(const uint8_t* packed, int64_t n, int64_t d, int b, const fl
   });
 }
 
+void dequantize_rows(const uint8_t* packed, const float* mult, int64_t n, int64_t d, int b,
+                     const float* centroids, float* y) {
+  const int64_t rb = row_bytes(d, b);
+  with_bits(b, [&](auto bc) {
+    constexpr int B = decltype(bc)::value;
+    constexpr uint64_t mask = (uint64_t{1} << B) - 1u;
+    const int64_t full = d / 8;  // groups of 8 indices: B whole bytes each (LSB-first)
+    std::vector<uint8_t> idx(static_cast<size_t>(d));
+    for (int64_t i = 0; i < n; ++i) {
+      const uint8_t* in = packed + i * rb;
+      // one float32 multiply per element, as centroids[idx] * mult[:, None] in torch
+      const float m = mult[i];
+      float* yi = y + i * d;
+      for (int64_t g = 0; g < full; ++g) {
+        uint64_t v = 0;
+        std::memcpy(&v, in + g * B, B);  // little-endian hosts (x86, arm64)
+        for (int k = 0; k < 8; ++k) yi[g * 8 + k] = centroids[(v >> (k * B)) & mask] * m;
+      }
+      if (full * 8 < d) {
+        unpack_row_fixed<B>(in, d, idx.data());
+        for (int64_t j = full * 8; j < d; ++j) yi[j] = centroids[idx[j]] * m;
+      }
+    }
+  });
+}
+
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads) {
   const int64_t rb = row_bytes(d, b);
   with_bits(b, [&](auto bc) {

@@ -218,6 +218,13 @@ class Codec:
         """Decode checked codes -> (B, d) float32 (``decode`` validates and calls it per block)."""
         raise NotImplementedError
 
+    def _decode_rows(self, device: torch.device) -> int:
+        """Rows per ``decode_block`` call: cache-sized blocks (``block_rows``) bound the
+        intermediates of a decode made of torch steps; a codec whose decode is one compiled
+        call that works through the rows in cache-sized chunks itself takes them all at once
+        (no copy of each block's output into the result)."""
+        return block_rows(device, self.dim)
+
     def _prepare_queries(self, q: torch.Tensor) -> Any:
         return self.query_terms(q)
 
@@ -384,7 +391,7 @@ class Codec:
         """Reconstruct (n, d) float32. Returns numpy if the codes were made from numpy input
         (``like`` decides when given: a numpy array or a torch tensor), else torch."""
         codes = self.check_codes(codes)
-        step = block_rows(codes.device, self.dim)
+        step = self._decode_rows(codes.device)
         if 0 < len(codes) <= step:  # one block: no copy into a second tensor
             out = self.decode_block(codes).to(torch.float32).contiguous()
         else:

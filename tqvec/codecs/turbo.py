@@ -306,8 +306,24 @@ class TurboQuant(Codec):
         return (self._rotated_unit(codes) ** 2).sum(1) * self.multiplier(codes) ** 2
 
     def decode_block(self, codes: Codes) -> torch.Tensor:
+        if self._one_call_decode(codes.device):
+            # the steps below in one compiled call (the same bits; ops.turbo_mse_decode)
+            rot = self._rot.op(codes.device)
+            return ops.turbo_mse_decode(codes.payload, self.multiplier(codes), rot.perms,
+                                        rot.signs, rot.p, self._arr.get("centroids", codes.device),
+                                        self.mse_bits, self.dim, self.backend)
         y = self._rotated_unit(codes) * self.multiplier(codes)[:, None]
         return self._rot.inverse(y.contiguous())
+
+    def _decode_rows(self, device: torch.device) -> int:
+        return 1 << 62 if self._one_call_decode(device) else super()._decode_rows(device)
+
+    def _one_call_decode(self, device: torch.device) -> bool:
+        """Whether ``decode_block`` runs as one compiled call here: TurboQuant-mse with a
+        Hadamard rotation, the compiled CPU kernel."""
+        return (self.variant == "mse" and self.mse_bits > 0
+                and isinstance(self._rot, HadamardRotation)
+                and ops.compiled_cpu("turbo_mse_decode", device, self.backend))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Pi x for (n, d) float32 rows: the domain the codes live in."""

@@ -19,8 +19,8 @@ from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
-           "quantize_pack", "centroid_stats", "turbo_mse_encode", "hadamard_rotate",
-           "HadamardRotate", "lut_scan",
+           "quantize_pack", "centroid_stats", "turbo_mse_encode", "turbo_mse_decode",
+           "hadamard_rotate", "HadamardRotate", "lut_scan",
            "lut_rescore", "block_codes", "unblock_codes", "fast_scan", "fast_scan_terms",
            "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
@@ -74,6 +74,18 @@ def turbo_mse_encode(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor,
         x.contiguous(), nrm.to(torch.float32).contiguous(), perms.contiguous(),
         signs.contiguous(), int(p), thresholds.contiguous(),
         centroids.to(torch.float32).contiguous(), b, bool(fit))
+
+
+def turbo_mse_decode(packed: torch.Tensor, mult: torch.Tensor, perms: torch.Tensor,
+                     signs: torch.Tensor, p: int, centroids: torch.Tensor, b: int, d: int,
+                     backend: str = "auto") -> torch.Tensor:
+    """The reconstruction of TurboQuant-mse codes packed (n, row_bytes(d, b)) uint8 with
+    per-row float32 multipliers mult (n): Pi^T (centroids[idx] * mult), (n, d) float32 -
+    ``unpack_bits``, the lookup and the inverse ``hadamard_rotate`` in one call
+    (``ref.turbo_mse_decode_ref``); the same bits as those steps one by one."""
+    return pick("turbo_mse_decode", packed.device, backend)(
+        packed.contiguous(), mult.to(torch.float32).contiguous(), perms.contiguous(),
+        signs.contiguous(), int(p), centroids.to(torch.float32).contiguous(), b, int(d))
 
 
 def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,

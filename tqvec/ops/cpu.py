@@ -24,7 +24,8 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
-           "decode_attention_cpu", "turbo_mse_encode_cpu", "kv_side", "step_plan",
+           "decode_attention_cpu", "turbo_mse_encode_cpu", "turbo_mse_decode_cpu", "kv_side",
+           "step_plan",
            "attention_step_np", "rescore_topk_np",
            "rescore_topk_cpu"]
 
@@ -102,6 +103,16 @@ def turbo_mse_encode_cpu(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor
                             *host_views(thresholds, centroids), b, packed.numpy(),
                             None if out is None else out.numpy(), threads())
     return packed, out
+
+
+def turbo_mse_decode_cpu(packed: torch.Tensor, mult: torch.Tensor, perms: torch.Tensor,
+                         signs: torch.Tensor, p: int, centroids: torch.Tensor, b: int, d: int
+                         ) -> torch.Tensor:
+    out = np.empty((packed.shape[0], d), dtype=np.float32)
+    if packed.shape[0]:
+        _C.turbo_mse_decode(*host_views(packed, mult, perms, signs), p, centroids.numpy(), b,
+                            out, threads())
+    return torch.from_numpy(out)
 
 
 def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p: int,

@@ -44,6 +44,7 @@ OPS: dict[str, Op] = {
                         _cuda.quantize_pack_cuda),
     "centroid_stats": Op(_ref.centroid_stats_ref, _cpu.centroid_stats_cpu),
     "turbo_mse_encode": Op(_ref.turbo_mse_encode_ref, _cpu.turbo_mse_encode_cpu),
+    "turbo_mse_decode": Op(_ref.turbo_mse_decode_ref, _cpu.turbo_mse_decode_cpu),
     "hadamard_rotate": Op(_ref.hadamard_rotate_ref, _cpu.hadamard_rotate_cpu,
                           _cuda.hadamard_rotate_cuda),
     "lut_scan": Op(_ref.lut_scan_ref, _cpu.lut_scan_cpu, _cuda.lut_scan_cuda),

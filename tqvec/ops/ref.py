@@ -87,6 +87,16 @@ def turbo_mse_encode_ref(x: torch.Tensor, nrm: torch.Tensor, perms: torch.Tensor
     return packed, nrm * dot / csq
 
 
+def turbo_mse_decode_ref(packed: torch.Tensor, mult: torch.Tensor, perms: torch.Tensor,
+                         signs: torch.Tensor, p: int, centroids: torch.Tensor, b: int, d: int
+                         ) -> torch.Tensor:
+    """The reconstruction of TurboQuant-mse codes packed (n, row_bytes(d, b)) with per-row
+    multipliers mult (n): Pi^T (centroids[idx] * mult) as float32 (n, d) - the codec's steps
+    (``TurboQuant.decode_block``) in one op."""
+    y = centroids[unpack_bits_ref(packed, d, b).long()] * mult[:, None]
+    return hadamard_rotate_ref(y, perms, signs, p, inverse=True)
+
+
 def _fwht(x: torch.Tensor) -> torch.Tensor:
     """Unnormalized Walsh-Hadamard transform of the rows of x (n, p), butterfly order
     h = 1, 2, 4, ...; pairs (j, j + h) within blocks of 2h."""

@@ -95,6 +95,23 @@ void bind_codes(nb::module_& m) {
                      packed.data(), fit ? fit->data() : nullptr, nthreads);
   });
 
+  m.def("turbo_mse_decode", [](CArr<const uint8_t> packed, CArr<const float> mult,
+                               CArr<const int64_t> perms, CArr<const float> signs, int64_t p,
+                               CArr<const float> centroids, int b, CArr<float> out,
+                               int nthreads) {
+    const char* op = "turbo_mse_decode";
+    check_bits(b, 8, op);
+    check_shape(out, {kAny, kAny}, op, "out");
+    const int64_t n = dim(out, 0), d = dim(out, 1);
+    check_shape(packed, {n, packed_row_bytes(d, b)}, op, "packed");
+    check_shape(mult, {n}, op, "mult");
+    const RotationArgs r = rotation_args(perms, signs, p, d, op);
+    check_shape(centroids, {int64_t{1} << b}, op, "centroids");
+    nb::gil_scoped_release rel;
+    turbo_mse_decode(packed.data(), mult.data(), n, d, r, centroids.data(), b, out.data(),
+                     nthreads);
+  });
+
   m.def("block_codes", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> blocked,
                           int nthreads) {
     check_bits(b, 8, "block_codes");

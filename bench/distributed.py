@@ -241,7 +241,7 @@ def write(res: dict, stem: str, argv: list[str]) -> None:
     m = res["machine"]
     lines = [f"# Scale-out on Ray: {res['dataset']} ({res['n']:,} x {res['d']}, "
              f"{res['nq']} queries)", "",
-             f"Command: `python bench/distributed.py {' '.join(argv)}`. Machine: "
+             f"Command: `{' '.join(['python bench/distributed.py', *argv])}`. Machine: "
              f"{m.get('cpu')}, {m['cpus']} CPUs, SIMD path {m.get('tqvec_simd_path')}; Ray "
              f"{res['ray']} local, 2 CPUs. A Ray actor call answered by two actors at once "
              f"(a (1, 784) array there and back) takes {res['round_trip_ms']:.2f} ms here.", "",

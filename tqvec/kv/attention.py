@@ -60,7 +60,7 @@ COMPILED_STEP = True  # one compiled call per decode step where it applies (modu
 _QUERY_ROWS = 1024  # rows of (group x query) scored at once: bounds the score matrix memory
 #: A forward of at least this many query positions attends over the decoded tokens with SDPA
 #: (module docstring; the crossover measured in docs/kv-benchmarks.md); 0 never does.
-DECODED_FROM = 128
+DECODED_FROM = 64
 
 
 def register() -> None:

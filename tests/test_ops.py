@@ -38,7 +38,7 @@ def test_packing_is_lsb_first():
     assert ops.pack_bits(idx, 3, backend="ref").tolist() == [[0b11010001, 0b0]]
 
 
-@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 6, 7, 8])
 @pytest.mark.parametrize("d", AWKWARD_D)
 def test_quantize_pack_matches_reference(backend, b, d, rng):
     n = 67
@@ -47,6 +47,8 @@ def test_quantize_pack_matches_reference(backend, b, d, rng):
     thr = torch.from_numpy(np.sort(rng.standard_normal((1 << b) - 1)).astype(np.float32))
     # Put some values exactly on thresholds (after scaling): ties must go up, like searchsorted.
     y[0, : min(d, len(thr))] = thr[: min(d, len(thr))] / scale[0]
+    # and past every threshold, both ways: the first index and the last
+    y[1, : min(d, 2)] = torch.tensor([float("inf"), -float("inf")])[: min(d, 2)]
     ref = ops.quantize_pack(y, scale, thr, b, backend="ref")
     got = ops.quantize_pack(*on(backend, y, scale, thr), b, backend=backend).cpu()
     if backend != "ref":
@@ -741,6 +743,13 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
         "    wm = torch.from_numpy(rng.standard_normal((d, 43)).astype(np.float32))\n"
         "    out += [ops.row_project(qs, wm).numpy(), ops.row_project(qs[:3], wm[:, :5]).numpy()]\n"
+        "    for bb in (3, 5, 8):  # quantization: compare passes (b <= 4), binary search above\n"
+        "        yy = torch.from_numpy(rng.standard_normal((9, d)).astype(np.float32))\n"
+        "        th = torch.from_numpy(np.sort(rng.standard_normal((1 << bb) - 1)).astype(\n"
+        "            np.float32))\n"
+        "        yy[0, :5] = th[:5]\n"
+        "        yy[1, :3] = torch.tensor([float('inf'), -float('inf'), float('nan')])\n"
+        "        out.append(ops.quantize_pack(yy, torch.ones(9), th, bb).numpy())\n"
         "for b, d, n in [(1, 100, 1000), (2, 96, 777), (3, 1040, 1100), (4, 786, 1100),\n"
         "                (1, 120, 1000), (2, 92, 700), (4, 388, 500)]:\n"
         "    # 13 queries: groups of several queries per pass and a remainder; 786 4-bit\n"

@@ -1,7 +1,9 @@
 // Bit packing and the scalar-quantize-and-pack step of encoding. Layouts: see kernels.h.
 // Quantization must equal torch.searchsorted(thr, y * scale, right=True) bit for bit:
 // the product is one float32 multiply (no FMA: built with -ffp-contract=off), and the index is
-// the number of thresholds <= v, found by a branchless binary search over the K-1 thresholds.
+// the number of thresholds <= v: for b <= 4 by compare-and-add passes over the K-1 thresholds,
+// above by a binary search (gathered thresholds, 8 coordinates per vector, with AVX2).
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -83,6 +85,51 @@ void with_bits(int b, F&& f) {
   }
 }
 
+// #{t : thr[t] <= v} over the 2^B - 1 ascending thresholds by a binary search (NaN: 0).
+template <int B>
+inline int search_one(float v, const float* thr) {
+  int k = 0;
+  for (int step = (1 << B) >> 1; step > 0; step >>= 1) k += (v >= thr[k + step - 1]) ? step : 0;
+  return k;
+}
+
+#ifdef TQVEC_X86
+// search_one for the first d / 8 * 8 values, 8 per vector and 4 vectors side by side: each
+// step's threshold gathered per lane and compared (ordered >=: NaN counts nothing, as the
+// scalar compare). The scalar loop's data-dependent steps mispredict or wait on each load;
+// here the 4 vectors' gathers overlap. Returns the values done.
+template <int B>
+__attribute__((target("avx2"))) int64_t search_avx2(const float* v, int64_t d, const float* thr,
+                                                    uint8_t* idx) {
+  constexpr int U = 4;
+  const int64_t d8 = d / 8 * 8;
+  int64_t j = 0;
+  alignas(32) int32_t k32[8 * U];
+  for (; j < d8; j += 8 * U) {
+    const int u_n = static_cast<int>(std::min<int64_t>(U, (d8 - j) / 8));
+    __m256 x[U];
+    __m256i k[U];
+    for (int u = 0; u < U; ++u) {
+      x[u] = u < u_n ? _mm256_loadu_ps(v + j + 8 * u) : _mm256_setzero_ps();
+      k[u] = _mm256_setzero_si256();
+    }
+    for (int step = (1 << B) >> 1; step > 0; step >>= 1) {
+      const __m256i off = _mm256_set1_epi32(step - 1), inc = _mm256_set1_epi32(step);
+      for (int u = 0; u < U; ++u) {
+        const __m256 t = _mm256_i32gather_ps(thr, _mm256_add_epi32(k[u], off), 4);
+        const __m256i ge = _mm256_castps_si256(_mm256_cmp_ps(x[u], t, _CMP_GE_OQ));
+        k[u] = _mm256_add_epi32(k[u], _mm256_and_si256(ge, inc));
+      }
+    }
+    for (int u = 0; u < u_n; ++u) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(k32 + 8 * u), k[u]);
+      for (int l = 0; l < 8; ++l) idx[j + 8 * u + l] = static_cast<uint8_t>(k32[8 * u + l]);
+    }
+  }
+  return d8;
+}
+#endif
+
 template <int B>
 TQVEC_CLONES_AVX2
 void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, int64_t d,
@@ -100,13 +147,12 @@ void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, i
         for (int64_t j = 0; j < d; ++j) idx_buf[j] += static_cast<uint8_t>(vbuf[j] >= th);
       }
     } else {
-      // Same count by a branchless binary search (b steps instead of 2^b - 1 compares).
-      for (int64_t j = 0; j < d; ++j) {
-        const float v = vbuf[j];
-        int k = 0;
-        for (int step = K >> 1; step > 0; step >>= 1) k += (v >= thr[k + step - 1]) ? step : 0;
-        idx_buf[j] = static_cast<uint8_t>(k);
-      }
+      // Same count by a binary search (b steps instead of 2^b - 1 compares)
+      int64_t j = 0;
+#ifdef TQVEC_X86
+      if (simd_avx2()) j = search_avx2<B>(vbuf, d, thr, idx_buf);
+#endif
+      for (; j < d; ++j) idx_buf[j] = static_cast<uint8_t>(search_one<B>(vbuf[j], thr));
     }
     pack_row_fixed<B>(idx_buf, d, out + i * rb);
   }

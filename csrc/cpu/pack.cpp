@@ -135,6 +135,9 @@ TQVEC_CLONES_AVX2
 void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, int64_t d,
                    const float* thr, float* vbuf, uint8_t* idx_buf, uint8_t* out, int64_t rb) {
   constexpr int K = 1 << B;
+#ifdef TQVEC_X86
+  const bool avx2 = B > 4 && simd_avx2();
+#endif
   for (int64_t i = lo; i < hi; ++i) {
     const float* yi = y + i * d;
     const float s = scale[i];
@@ -150,7 +153,7 @@ void quantize_rows(const float* y, const float* scale, int64_t lo, int64_t hi, i
       // Same count by a binary search (b steps instead of 2^b - 1 compares)
       int64_t j = 0;
 #ifdef TQVEC_X86
-      if (simd_avx2()) j = search_avx2<B>(vbuf, d, thr, idx_buf);
+      if (avx2) j = search_avx2<B>(vbuf, d, thr, idx_buf);
 #endif
       for (; j < d; ++j) idx_buf[j] = static_cast<uint8_t>(search_one<B>(vbuf[j], thr));
     }

@@ -39,7 +39,7 @@ def test_packing_is_lsb_first():
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 4, 5, 6, 7, 8])
-@pytest.mark.parametrize("d", AWKWARD_D)
+@pytest.mark.parametrize("d", AWKWARD_D + [40, 200])  # + the vector path's partial blocks
 def test_quantize_pack_matches_reference(backend, b, d, rng):
     n = 67
     y = torch.from_numpy(rng.standard_normal((n, d)).astype(np.float32))
@@ -743,8 +743,9 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    out += [t.numpy() for t in ops.ivf_probe(qs, cs, (cs * cs).sum(1), True, 3)]\n"
         "    wm = torch.from_numpy(rng.standard_normal((d, 43)).astype(np.float32))\n"
         "    out += [ops.row_project(qs, wm).numpy(), ops.row_project(qs[:3], wm[:, :5]).numpy()]\n"
-        "    for bb in (3, 5, 8):  # quantization: compare passes (b <= 4), binary search above\n"
-        "        yy = torch.from_numpy(rng.standard_normal((9, d)).astype(np.float32))\n"
+        "    for bb, dq in [(3, d), (5, d), (8, d), (8, 40), (6, 200)]:  # quantization: compare\n"
+        "        # passes (b <= 4), binary search above (8 x 4 coordinates a step, and fewer)\n"
+        "        yy = torch.from_numpy(rng.standard_normal((9, dq)).astype(np.float32))\n"
         "        th = torch.from_numpy(np.sort(rng.standard_normal((1 << bb) - 1)).astype(\n"
         "            np.float32))\n"
         "        yy[0, :5] = th[:5]\n"

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # One session on a lent GPU, in one call: the device and software, the CUDA loader's probe, the
-# gpu tests (every kernel against the torch reference), then bench/kv_gpu.py (decode attention
-# and end-to-end decode) and bench/gpu.py (encode and scan). Each stage has its own time limit so
-# that a stage that hangs costs only its own rows. Runs from the source tree (PYTHONPATH; the
+# gpu tests (every kernel against the torch reference, the KV adapter in fp32, bf16 and fp16),
+# then whole decode steps through the KV adapter against DynamicCache in bf16 and fp16
+# (bench/kv_gpu.py --e2e-only) and a profile of one step; the kernel tables (bench/kv_gpu.py
+# without --e2e-only, bench/gpu.py) are not re-run. Each stage has its own time limit so that a
+# stage that hangs costs only its own rows. Runs from the source tree (PYTHONPATH; the
 # CPU extension is not built: the CPU side of the comparisons runs the torch reference).
 #
 #     OUT=/tmp/gpu bash bench/gpu_session.sh      # logs and result files land in $OUT
@@ -16,7 +18,8 @@ stage() {  # stage SECONDS COMMAND...: run with a time limit, say how it ended
     timeout "$limit" "$@"
     echo "=== exit $? after ${SECONDS}s in all"
     cp bench/results/gpu.json bench/results/gpu.md bench/results/gpu_10m.json \
-        bench/results/gpu_10m.md bench/results/kv_gpu.json bench/results/kv_gpu.md "$OUT/" \
+        bench/results/gpu_10m.md bench/results/kv_gpu.json bench/results/kv_gpu.md \
+        bench/results/kv_gpu_e2e.json bench/results/kv_gpu_e2e.md "$OUT/" \
         2>/dev/null
 }
 {
@@ -26,12 +29,11 @@ stage() {  # stage SECONDS COMMAND...: run with a time limit, say how it ended
 torch.version.cuda, torch.cuda.get_device_name(0))"
     stage 30 python3 -c "import time; t = time.time(); from tqvec.ops import cuda; \
 print('unavailable_reason:', cuda.unavailable_reason(), f'({time.time() - t:.1f}s)')"
-    stage 80 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
-    stage 40 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_turbo.py \
+    stage 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
+    stage 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_turbo.py \
         tests/test_polar.py -k cuda
-    stage 90 python3 bench/kv_gpu.py --ctx 4096 16384 131072 1048576
-    stage 30 python3 bench/gpu.py --dims 128 --bits 4 --n 10000000 --out gpu_10m
-    stage 40 python3 bench/kv_gpu.py --e2e-profile --e2e-ctx 4096
-    stage 50 python3 bench/gpu.py --dims 128 1536 --bits 2 4 --n 1000000
+    stage 270 python3 bench/kv_gpu.py --e2e-only --e2e-dtype bfloat16 float16 \
+        --e2e-ctx 4096 32768 --e2e-batch 1 4 --e2e-steps 16 --out kv_gpu_e2e
+    stage 60 python3 bench/kv_gpu.py --e2e-profile --e2e-ctx 4096
 } 2>&1 | tee "$OUT/log.txt"
 ls -l "$OUT"

@@ -20,12 +20,15 @@ effective bandwidth = bytes / time, as a fraction of the measured copy bandwidth
 
 With --e2e it also times whole decode steps through the transformers adapter: a randomly
 initialised Llama (16 layers, width 2,048, head_dim 128, 16 query / 4 KV heads; random weights
-decode as fast as trained ones and need no download) in BF16, prefilled to --e2e-ctx tokens, then
---e2e-steps decode steps alternating between a ``DynamicCache`` and a ``TurboQuantCache``
-(3/3 bits, 32-token exact window, 4 sink tokens), each step timed from a synchronized start to a
-synchronized end.
+decode as fast as trained ones and need no download) in each --e2e-dtype (BF16 by default),
+prefilled to --e2e-ctx tokens, then --e2e-steps decode steps alternating between a
+``DynamicCache`` and a ``TurboQuantCache`` in the README's recommended setting (3/3 bits, a
+32-token window of 8-bit codes, 4 sink tokens), each step timed from a synchronized start to a
+synchronized end; and the GPU memory each cache holds after the prefill (allocated bytes it
+added) beside the bytes of its tensors.
 
-Writes bench/results/kv_gpu.json and kv_gpu.md with the device name.
+Writes bench/results/kv_gpu.json and kv_gpu.md (``--out NAME``: NAME.json / NAME.md) with the
+device name; ``--e2e-only`` skips the kernel rows.
 """
 
 from __future__ import annotations
@@ -128,12 +131,13 @@ def step(batch: int, ctx: int, kb: int, vb: int, d: int, hq: int, hkv: int, repe
             "bits_per_element": 8 * (rbk + rbv + 8) / (2 * d)}
 
 
-E2E_CACHE = dict(key_bits=3, value_bits=3, residual_length=32, sink_length=4)
+E2E_CACHE = dict(key_bits=3, value_bits=3, residual_length=32, sink_length=4, residual_bits=8)
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
-def _e2e_model(tokens: int, batch: int, device: str):
-    """(config, model, ids, sync) of the end-to-end runs: a randomly initialised BF16 Llama and
-    ``tokens`` random ids per batch row."""
+def _e2e_model(tokens: int, batch: int, device: str, dtype: torch.dtype = torch.bfloat16):
+    """(config, model, ids, sync) of the end-to-end runs: a randomly initialised Llama in
+    ``dtype`` and ``tokens`` random ids per batch row."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=8192,
@@ -142,7 +146,7 @@ def _e2e_model(tokens: int, batch: int, device: str):
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
     with torch.device(device):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(cfg).to(dtype).eval()
     ids = torch.randint(0, cfg.vocab_size, (batch, tokens),
                         generator=torch.Generator().manual_seed(1)).to(device)
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -164,13 +168,30 @@ def _e2e_cache(model, cfg, name: str, ids: torch.Tensor, ctx: int):
     return cache, model.config._attn_implementation
 
 
-def e2e(ctx: int, batch: int, steps: int, device: str = "cuda") -> dict:
-    """Decode ms/step of a BF16 model through ``DynamicCache`` and ``TurboQuantCache``."""
-    cfg, model, ids, sync = _e2e_model(ctx + steps, batch, device)
-    caches, impl, last = {}, {}, {}
+def _tensor_bytes(cache) -> int:
+    """Bytes of the tensors a cache holds: ``memory_bytes()`` where it counts them itself, else
+    every layer's keys and values."""
+    if hasattr(cache, "memory_bytes"):
+        return cache.memory_bytes()
+    return sum(t.numel() * t.element_size() for layer in cache.layers if layer.is_initialized
+               for t in (layer.keys, layer.values))
+
+
+def e2e(ctx: int, batch: int, steps: int, device: str = "cuda",
+        dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Decode ms/step of a model in ``dtype`` through ``DynamicCache`` and ``TurboQuantCache``,
+    and the device memory each cache holds."""
+    cfg, model, ids, sync = _e2e_model(ctx + steps, batch, device, dtype)
+    caches, impl, last, held, peak = {}, {}, {}, {}, {}
     with torch.no_grad():
         for name in ("DynamicCache", "TurboQuantCache"):
+            sync()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             caches[name], impl[name] = _e2e_cache(model, cfg, name, ids, ctx)
+            sync()
+            held[name] = torch.cuda.memory_allocated() - base
+            peak[name] = torch.cuda.max_memory_allocated() - base
         times = {name: [] for name in caches}
         names = list(caches)
         for i, t in enumerate(range(ctx, ctx + steps)):
@@ -185,6 +206,13 @@ def e2e(ctx: int, batch: int, steps: int, device: str = "cuda") -> dict:
     med = {name: statistics.median(ts[2:]) for name, ts in times.items()}  # 2 warm-up steps
     ref, got = last["DynamicCache"], last["TurboQuantCache"]
     return {"ctx": ctx, "batch": batch, "steps": steps, "cache": E2E_CACHE,
+            "dtype": str(dtype).removeprefix("torch."),
+            "dynamic_held_MB": held["DynamicCache"] / 1e6,
+            "ours_held_MB": held["TurboQuantCache"] / 1e6,
+            "dynamic_tensor_MB": _tensor_bytes(caches["DynamicCache"]) / 1e6,
+            "ours_tensor_MB": _tensor_bytes(caches["TurboQuantCache"]) / 1e6,
+            "dynamic_prefill_peak_MB": peak["DynamicCache"] / 1e6,
+            "ours_prefill_peak_MB": peak["TurboQuantCache"] / 1e6,
             "dynamic_ms": 1e3 * med["DynamicCache"], "ours_ms": 1e3 * med["TurboQuantCache"],
             "speedup_vs_dynamic": med["DynamicCache"] / med["TurboQuantCache"],
             "tokens_per_s_dynamic": batch / med["DynamicCache"],
@@ -222,10 +250,13 @@ def e2e_profile(ctx: int, batch: int, device: str = "cuda") -> None:
                                max_name_column_width=60), flush=True)
 
 
-def write(res: dict) -> None:
+def write(res: dict, out: str = "kv_gpu") -> None:
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "kv_gpu.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{out}.json"), "w") as f:
         json.dump(res, f, indent=1)
+    if not res["steps"]:
+        _write_md([f"# Decode steps end to end on {res['device']}"], res, out)
+        return
     lines = [f"# Decode attention on {res['device']}", "",
              f"Copy bandwidth {res['copy_GBps']:.0f} GB/s. head_dim 128, 32 query / 8 KV heads. "
              "Ours: the query's rotation, the kernel over the codes, the merge of its partials "
@@ -258,23 +289,40 @@ def write(res: dict) -> None:
             by = r.get("kernel_ms_by_launch", {})
             lines.append(f"| {r['batch']} | {r['ctx']:,} | "
                          + " | ".join(f(by.get(k), ".3f") for k in shapes) + " |")
+    _write_md(lines, res, out)
+
+
+def _write_md(lines: list[str], res: dict, out: str) -> None:
+    """The end-to-end section (if any) after ``lines``, then the file."""
     if res.get("e2e"):
-        cache_args = ", ".join(f"{k}={v}" for k, v in E2E_CACHE.items())
+        cache_args = ", ".join(f"{k}={v}" for k, v in res["e2e"][0]["cache"].items())
         lines += ["", "## End to end through the transformers adapter", "",
-                  "BF16 Llama with random weights (16 layers, width 2,048, head_dim 128, 16 / 4 "
+                  "Llama with random weights (16 layers, width 2,048, head_dim 128, 16 / 4 "
                   f"heads); ours: `TurboQuantCache({cache_args})`. Median ms per decode step, "
-                  "alternating caches. The logits' difference is a sanity check only (random "
-                  "weights say nothing of quality)."
+                  "alternating caches. Held MB: device memory allocated by building and "
+                  "prefilling the cache (its tensors' bytes in brackets); peak: the most "
+                  "allocated above the start during the prefill. The logits' difference is a "
+                  "sanity check only (random weights say nothing of quality)."
                   + (f" Note: {res['e2e_note']}." if res.get("e2e_note") else ""), "",
-                  "| batch | ctx | DynamicCache ms | ours ms | speedup | tokens/s ours | "
-                  "bits/elem | logits rel. diff |", "|---|---|---|---|---|---|---|---|"]
+                  "| dtype | batch | ctx | DynamicCache ms | ours ms | speedup | tokens/s ours | "
+                  "held MB Dynamic | held MB ours | peak MB Dynamic / ours | bits/elem | "
+                  "logits rel. diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+        def mb(r, side):
+            if f"{side}_held_MB" not in r:
+                return "–"
+            return f"{r[f'{side}_held_MB']:,.1f} ({r[f'{side}_tensor_MB']:,.1f})"
         for r in res["e2e"]:
-            lines.append(f"| {r['batch']} | {r['ctx']:,} | {r['dynamic_ms']:.2f} | "
-                         f"{r['ours_ms']:.2f} | {r['speedup_vs_dynamic']:.2f}× | "
-                         f"{r['tokens_per_s_ours']:.0f} | {r['bits_per_element']:.2f} | "
-                         f"{r['last_logits_rel_diff']:.3f} |")
-    lines += ["", "Reproduce: `python bench/kv_gpu.py --e2e`."]
-    with open(os.path.join(RESULTS, "kv_gpu.md"), "w") as f:
+            peak = (f"{r['dynamic_prefill_peak_MB']:,.0f} / {r['ours_prefill_peak_MB']:,.0f}"
+                    if "ours_prefill_peak_MB" in r else "–")
+            lines.append(f"| {r.get('dtype', 'bfloat16')} | {r['batch']} | {r['ctx']:,} | "
+                         f"{r['dynamic_ms']:.2f} | {r['ours_ms']:.2f} | "
+                         f"{r['speedup_vs_dynamic']:.2f}× | {r['tokens_per_s_ours']:.0f} | "
+                         f"{mb(r, 'dynamic')} | {mb(r, 'ours')} | {peak} | "
+                         f"{r['bits_per_element']:.2f} | {r['last_logits_rel_diff']:.3f} |")
+    lines += ["", "Reproduce: `python bench/kv_gpu.py --e2e`"
+              + (f" (this file: `--out {out}`)" if out != "kv_gpu" else "") + "."]
+    with open(os.path.join(RESULTS, f"{out}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
 
@@ -291,6 +339,9 @@ def main() -> None:
     ap.add_argument("--e2e-ctx", type=int, nargs="+", default=[4096, 16384])
     ap.add_argument("--e2e-batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--e2e-steps", type=int, default=24)
+    ap.add_argument("--e2e-dtype", nargs="+", default=["bfloat16"], choices=list(DTYPES))
+    ap.add_argument("--e2e-only", action="store_true", help="skip the kernel rows")
+    ap.add_argument("--out", default="kv_gpu", help="result file name (without extension)")
     ap.add_argument("--e2e-profile", action="store_true",
                     help="only profile one decode step per cache (batch 1, the first --e2e-ctx)")
     a = ap.parse_args()
@@ -307,6 +358,8 @@ def main() -> None:
 
     res = {"device": torch.cuda.get_device_properties(0).name, "machine": machine_info(),
            "copy_GBps": copy_bandwidth(a.repeat), "steps": []}
+    if a.e2e_only:
+        a.e2e, a.batch = True, []
     for batch in a.batch:
         for ctx in a.ctx:
             try:  # report a failing row and go on with the others
@@ -321,21 +374,22 @@ def main() -> None:
             print(json.dumps(r), flush=True)
             res["steps"].append(r)
             torch.cuda.empty_cache()
-            write(res)
+            write(res, a.out)
     if a.e2e:
         res["e2e"] = []
-        for batch in a.e2e_batch:
-            for ctx in a.e2e_ctx:
-                try:
-                    r = e2e(ctx, batch, a.e2e_steps)
-                except Exception:  # report and go on: the kernel rows above stand on their own
-                    traceback.print_exc()
-                    continue
-                print(json.dumps(r), flush=True)
-                res["e2e"].append(r)
-                torch.cuda.empty_cache()
-                write(res)
-    write(res)
+        for dtype in a.e2e_dtype:
+            for batch in a.e2e_batch:
+                for ctx in a.e2e_ctx:
+                    try:
+                        r = e2e(ctx, batch, a.e2e_steps, dtype=DTYPES[dtype])
+                    except Exception:  # report and go on: the other rows stand on their own
+                        traceback.print_exc()
+                        continue
+                    print(json.dumps(r), flush=True)
+                    res["e2e"].append(r)
+                    torch.cuda.empty_cache()
+                    write(res, a.out)
+    write(res, a.out)
 
 
 if __name__ == "__main__":

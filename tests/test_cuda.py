@@ -534,16 +534,19 @@ def test_gpu_decode_attention_matches_reference(bh, g, d, t, kb, vb, rng):
 
 @pytest.mark.gpu
 @pytest.mark.hf
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gpu_kv_adapter_uses_the_kernel(dtype, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual_bits", [None, 8])
+def test_gpu_kv_adapter_uses_the_kernel(dtype, residual_bits, monkeypatch):
     """On a CUDA model the adapter runs the code segment through the CUDA kernel ("auto") and
-    matches the per-segment torch path."""
+    matches the per-segment torch path, with an exact or an 8-bit window (the recommended
+    setting), in each of the dtypes models run in."""
     pytest.importorskip("transformers")
     from tests.test_kv import fused_and_plain, llama
 
     model = llama(head_dim=32).to("cuda", dtype)  # the kernel's shape (d % 32 == 0)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()
-    cfg = dict(key_bits=3, value_bits=3, residual_length=4, sink_length=2)
+    cfg = dict(key_bits=3, value_bits=3, residual_length=4, sink_length=2,
+               residual_bits=residual_bits)
     plain, fused, calls = fused_and_plain(model, ids, cfg, 16, "auto", monkeypatch)
     assert calls
     tol = 2e-3 if dtype == torch.float32 else 5e-2

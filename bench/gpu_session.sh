@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One session on a lent GPU, in one call: the device and software, the CUDA loader's probe, the
 # gpu tests (every kernel against the torch reference, the KV adapter in fp32, bf16 and fp16),
-# then whole decode steps through the KV adapter against DynamicCache in bf16 and fp16
-# (bench/kv_gpu.py --e2e-only) and a profile of one step; the kernel tables (bench/kv_gpu.py
-# without --e2e-only, bench/gpu.py) are not re-run. Each stage has its own time limit so that a
-# stage that hangs costs only its own rows. Runs from the source tree (PYTHONPATH; the
-# CPU extension is not built: the CPU side of the comparisons runs the torch reference).
+# then whole decode steps through the KV adapter against DynamicCache in bf16 and fp16, with
+# and without cuDNN's SDPA (bench/kv_gpu.py --e2e-only), and a profile of one step; the kernel
+# tables (bench/kv_gpu.py without --e2e-only, bench/gpu.py) are not re-run. Each stage has its
+# own time limit so that a stage that hangs costs only its own rows. Runs from the source tree
+# (PYTHONPATH; the CPU extension is not built: the CPU side of the comparisons runs the torch
+# reference).
 #
 #     OUT=/tmp/gpu bash bench/gpu_session.sh      # logs and result files land in $OUT
 set -u
@@ -32,8 +33,9 @@ print('unavailable_reason:', cuda.unavailable_reason(), f'({time.time() - t:.1f}
     stage 120 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda.py
     stage 60 python3 -m pytest -q -p no:cacheprovider tests/test_ops.py tests/test_turbo.py \
         tests/test_polar.py -k cuda
-    stage 270 python3 bench/kv_gpu.py --e2e-only --e2e-dtype bfloat16 float16 \
-        --e2e-ctx 4096 32768 --e2e-batch 1 4 --e2e-steps 16 --out kv_gpu_e2e
+    stage 330 python3 bench/kv_gpu.py --e2e-only --e2e-dtype bfloat16 float16 \
+        --e2e-sdpa cudnn no-cudnn --e2e-ctx 4096 32768 --e2e-batch 1 4 --e2e-steps 16 \
+        --out kv_gpu_e2e
     stage 60 python3 bench/kv_gpu.py --e2e-profile --e2e-ctx 4096
 } 2>&1 | tee "$OUT/log.txt"
 ls -l "$OUT"

@@ -207,6 +207,7 @@ def e2e(ctx: int, batch: int, steps: int, device: str = "cuda",
     ref, got = last["DynamicCache"], last["TurboQuantCache"]
     return {"ctx": ctx, "batch": batch, "steps": steps, "cache": E2E_CACHE,
             "dtype": str(dtype).removeprefix("torch."),
+            "cudnn_sdpa": torch.backends.cuda.cudnn_sdp_enabled(),
             "dynamic_held_MB": held["DynamicCache"] / 1e6,
             "ours_held_MB": held["TurboQuantCache"] / 1e6,
             "dynamic_tensor_MB": _tensor_bytes(caches["DynamicCache"]) / 1e6,
@@ -301,12 +302,16 @@ def _write_md(lines: list[str], res: dict, out: str) -> None:
                   f"heads); ours: `TurboQuantCache({cache_args})`. Median ms per decode step, "
                   "alternating caches. Held MB: device memory allocated by building and "
                   "prefilling the cache (its tensors' bytes in brackets); peak: the most "
-                  "allocated above the start during the prefill. The logits' difference is a "
+                  "allocated above the start during the prefill. SDPA: torch's cuDNN attention "
+                  "on (its default; transformers' DynamicCache then plans anew each step) or "
+                  "off (`--e2e-sdpa no-cudnn`: flash / memory-efficient attention, the faster "
+                  "baseline). The logits' difference is a "
                   "sanity check only (random weights say nothing of quality)."
                   + (f" Note: {res['e2e_note']}." if res.get("e2e_note") else ""), "",
-                  "| dtype | batch | ctx | DynamicCache ms | ours ms | speedup | tokens/s ours | "
-                  "held MB Dynamic | held MB ours | peak MB Dynamic / ours | bits/elem | "
-                  "logits rel. diff |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| dtype | SDPA | batch | ctx | DynamicCache ms | ours ms | speedup | "
+                  "tokens/s ours | held MB Dynamic | held MB ours | peak MB Dynamic / ours | "
+                  "bits/elem | logits rel. diff |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
         def mb(r, side):
             if f"{side}_held_MB" not in r:
@@ -315,13 +320,14 @@ def _write_md(lines: list[str], res: dict, out: str) -> None:
         for r in res["e2e"]:
             peak = (f"{r['dynamic_prefill_peak_MB']:,.0f} / {r['ours_prefill_peak_MB']:,.0f}"
                     if "ours_prefill_peak_MB" in r else "–")
-            lines.append(f"| {r.get('dtype', 'bfloat16')} | {r['batch']} | {r['ctx']:,} | "
+            sdpa = "cuDNN" if r.get("cudnn_sdpa", True) else "no cuDNN"
+            lines.append(f"| {r.get('dtype', 'bfloat16')} | {sdpa} | {r['batch']} | "
+                         f"{r['ctx']:,} | "
                          f"{r['dynamic_ms']:.2f} | {r['ours_ms']:.2f} | "
                          f"{r['speedup_vs_dynamic']:.2f}× | {r['tokens_per_s_ours']:.0f} | "
                          f"{mb(r, 'dynamic')} | {mb(r, 'ours')} | {peak} | "
                          f"{r['bits_per_element']:.2f} | {r['last_logits_rel_diff']:.3f} |")
-    lines += ["", "Reproduce: `python bench/kv_gpu.py --e2e`"
-              + (f" (this file: `--out {out}`)" if out != "kv_gpu" else "") + "."]
+    lines += ["", f"Reproduce: `{res.get('command', 'python bench/kv_gpu.py --e2e')}`."]
     with open(os.path.join(RESULTS, f"{out}.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -341,6 +347,8 @@ def main() -> None:
     ap.add_argument("--e2e-steps", type=int, default=24)
     ap.add_argument("--e2e-dtype", nargs="+", default=["bfloat16"], choices=list(DTYPES))
     ap.add_argument("--e2e-only", action="store_true", help="skip the kernel rows")
+    ap.add_argument("--e2e-sdpa", nargs="+", default=["cudnn"], choices=["cudnn", "no-cudnn"],
+                    help="SDPA with torch's default backends (cuDNN first) and/or without cuDNN")
     ap.add_argument("--out", default="kv_gpu", help="result file name (without extension)")
     ap.add_argument("--e2e-profile", action="store_true",
                     help="only profile one decode step per cache (batch 1, the first --e2e-ctx)")
@@ -357,7 +365,8 @@ def main() -> None:
     from _machine import machine_info
 
     res = {"device": torch.cuda.get_device_properties(0).name, "machine": machine_info(),
-           "copy_GBps": copy_bandwidth(a.repeat), "steps": []}
+           "copy_GBps": copy_bandwidth(a.repeat), "steps": [],
+           "command": " ".join(["python bench/kv_gpu.py"] + sys.argv[1:])}
     if a.e2e_only:
         a.e2e, a.batch = True, []
     for batch in a.batch:
@@ -377,18 +386,19 @@ def main() -> None:
             write(res, a.out)
     if a.e2e:
         res["e2e"] = []
-        for dtype in a.e2e_dtype:
-            for batch in a.e2e_batch:
-                for ctx in a.e2e_ctx:
-                    try:
-                        r = e2e(ctx, batch, a.e2e_steps, dtype=DTYPES[dtype])
-                    except Exception:  # report and go on: the other rows stand on their own
-                        traceback.print_exc()
-                        continue
-                    print(json.dumps(r), flush=True)
-                    res["e2e"].append(r)
-                    torch.cuda.empty_cache()
-                    write(res, a.out)
+        rows = [(sdpa, dtype, batch, ctx) for sdpa in a.e2e_sdpa for dtype in a.e2e_dtype
+                for batch in a.e2e_batch for ctx in a.e2e_ctx]
+        for sdpa, dtype, batch, ctx in rows:
+            torch.backends.cuda.enable_cudnn_sdp(sdpa == "cudnn")
+            try:
+                r = e2e(ctx, batch, a.e2e_steps, dtype=DTYPES[dtype])
+            except Exception:  # report and go on: the other rows stand on their own
+                traceback.print_exc()
+                continue
+            print(json.dumps(r), flush=True)
+            res["e2e"].append(r)
+            torch.cuda.empty_cache()
+            write(res, a.out)
     write(res, a.out)
 
 

@@ -155,8 +155,8 @@ class TurboQuantCache(Cache):
     # -- accounting ----------------------------------------------------------------------------
     def memory_bytes(self) -> int:
         """Bytes held now: codes, norms/scales, positions, full-precision sink/window/pending
-        (the tokens stored; the code buffers' spare capacity, at most a sixteenth of them plus
-        16 slots, is not counted)."""
+        (the tokens stored; the code buffers' spare capacity, at most a sixteenth of them or 64
+        slots, is not counted)."""
         return sum(layer.nbytes() for layer in self.layers)
 
     def represented_elements(self) -> int:

@@ -58,8 +58,10 @@ LAYER_OPTIONS = tuple(f.name for f in fields(KVSettings) if f.name != "seed")
 
 
 def _capacity(tokens: int) -> int:
-    """Token slots to allocate for ``tokens``: a sixteenth more, at least 16 more."""
-    return tokens + max(16, tokens // 16)
+    """Token slots to allocate for ``tokens``: a sixteenth more, at least 64 more (a window
+    move's block fits without another reallocation, which also remakes the compiled step's
+    plan)."""
+    return tokens + max(64, tokens // 16)
 
 
 class _Buffer:
@@ -78,8 +80,8 @@ class _Buffer:
         n = next(iter(f.values())).shape[2]
         # Spare capacity is zero-filled: the fused decode-attention op reads whole buffers
         # (tokens [start, stop) count), so no slot may hold NaN/Inf garbage.
-        # Capacity grows by a sixteenth (amortized O(1) appends, at most ~6 % of the codes
-        # allocated and unused: a quarter left 10-27 % of a long prefill's codes spare).
+        # Capacity grows by a sixteenth (amortized O(1) appends; at most ~6 % of a long
+        # context's codes allocated and unused, where a quarter left 10-27 %).
         if not self.data:
             self.data = {k: v.new_zeros((*v.shape[:2], _capacity(n), *v.shape[3:]))
                          for k, v in f.items()}
@@ -326,6 +328,8 @@ class CompressedLayer(CacheLayerMixin):
         # tokens give the next one work (it runs at every layer's update and attention)
         if not self.is_initialized or not self.unsettled:
             return
+        if self.is_sliding:  # what no later query can see is dropped now, not coded and held
+            self._evict(self.cumulative_length - (self.sliding_window - 1))
         block = 1 if self.wkq is None else self.WINDOW_BLOCK
         # a sliding layer holds at most its window: there the longer 8-bit window of bigger
         # moves would cost a large share of its bytes, so it moves on 16 at a time

@@ -80,8 +80,8 @@ class _Buffer:
         n = next(iter(f.values())).shape[2]
         # Spare capacity is zero-filled: the fused decode-attention op reads whole buffers
         # (tokens [start, stop) count), so no slot may hold NaN/Inf garbage.
-        # Capacity grows by a sixteenth (amortized O(1) appends; at most ~6 % of a long
-        # context's codes allocated and unused, where a quarter left 10-27 %).
+        # Capacity grows by a sixteenth: amortized O(1) appends with at most ~6 % of a long
+        # context's codes allocated and unused.
         if not self.data:
             self.data = {k: v.new_zeros((*v.shape[:2], _capacity(n), *v.shape[3:]))
                          for k, v in f.items()}

@@ -1,4 +1,4 @@
-"""GPU benchmark (issue #4): batch encode and asymmetric search on CUDA, against the roofline,
+"""GPU benchmark: batch encode and asymmetric search on CUDA, against the roofline,
 exact fp16 search and our torch reference path, in one run on one device.
 
     python bench/gpu.py                     # d = 128, 384, 1536; b = 1..4; n = 1M; nq = 1, 32, 1000

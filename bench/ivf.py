@@ -9,7 +9,7 @@ queries in one call, best of three calls, 2 threads), single-query QPS (1 thread
 queries one by one, best of up to three passes). Refinements re-rank k_factor * k candidates
 (exact vectors, or 8-bit codes: TQ8, TQ8g / faiss's SQ8), k_factor 2, 3 or 4 on both sides
 (query-time parameters, as ann-benchmarks sweeps them). The summary gives, per method, the
-fastest setting with recall@10 >= each target (issue #6: QPS >= faiss IVF,PQfs with refinement
+fastest setting with recall@10 >= each target (the target: QPS >= faiss IVF,PQfs with refinement
 at recall >= 0.9) and the ratio to faiss's best at that target. Writes
 bench/results/ivf_<dataset>.{json,md,png}.
 """

@@ -1,4 +1,4 @@
-"""GPU decode-attention benchmark (issue #5): one layer's decode step over compressed keys and
+"""GPU decode-attention benchmark: one layer's decode step over compressed keys and
 values (tq_decode_attention) against SDPA on a BF16 cache, at long context, in one run.
 
     python bench/kv_gpu.py                      # ctx 4k..128k (+1M if it fits), batch 1 and 16
@@ -25,7 +25,8 @@ prefilled to --e2e-ctx tokens, then --e2e-steps decode steps alternating between
 ``DynamicCache`` and a ``TurboQuantCache`` in the README's recommended setting (3/3 bits, a
 32-token window of 8-bit codes, 4 sink tokens), each step timed from a synchronized start to a
 synchronized end; and the GPU memory each cache holds after the prefill (allocated bytes it
-added) beside the bytes of its tensors.
+added) beside the bytes of its tensors. ``--e2e-sdpa cudnn no-cudnn`` times ``DynamicCache``
+with torch's default SDPA backends (cuDNN first) and without cuDNN (flash / memory-efficient).
 
 Writes bench/results/kv_gpu.json and kv_gpu.md (``--out NAME``: NAME.json / NAME.md) with the
 device name; ``--e2e-only`` skips the kernel rows.

@@ -1,7 +1,7 @@
 """CUDA kernels (csrc/cuda): compile checks (nvcc, NVRTC), the kernels' logic on a CPU
 emulation of the CUDA execution model, and, on a GPU, every op and codec against the reference.
 
-* ``nvcc``: every .cu builds for sm_80 and sm_90 with warnings as errors (issue #4).
+* ``nvcc``: every .cu builds for sm_80 and sm_90 with warnings as errors.
 * NVRTC (skips when libnvrtc is absent): every kernel compiles with the exact options the run-time
   loader uses, with no headers, and exports the extern "C" name the loader asks for.
 * emulation (needs g++ with C++20): the real kernel sources, compiled for the CPU against
@@ -427,7 +427,7 @@ def test_kernel_cache_is_per_device(monkeypatch):
 
 @pytest.mark.hf
 def test_kv_adapter_through_the_emulated_kernel(emulated, monkeypatch):
-    """#5's adapter path with the CUDA kernel's own code (CPU emulation): a tiny Llama decoding
+    """The KV adapter's path with the CUDA kernel's own code (CPU emulation): a tiny Llama decoding
     from a compressed cache gives the per-segment path's logits."""
     pytest.importorskip("transformers")
     from tests.test_kv import fused_and_plain, llama

@@ -221,9 +221,7 @@ class CompressedLayer(CacheLayerMixin):
                 "on this cache's keys (the model changed the key states between cache.update and "
                 "attention, or bypassed the attention interface); the cache cannot compute "
                 "attention from its codes for this model")
-        self.flush()
-        if self.is_sliding:
-            self._evict(self.cumulative_length - (self.sliding_window - 1))
+        self.flush()  # on sliding layers this also forgets what the new tokens cannot see
         self.cumulative_length += key_states.shape[2]
         self.keys = torch.cat([self.keys, key_states], dim=2)
         self.values = torch.cat([self.values, value_states], dim=2)

@@ -458,14 +458,14 @@ def new_cache(config, st):
 def run_ppl(args) -> None:
     path = RESULTS / f"{args.out or 'kv_ppl'}.json"
     done = json.loads(path.read_text())["rows"] if path.exists() and args.resume else []
-    have = {(r["model"], r["text"], r["method"]) for r in done}
+    have = {_ppl_key(r) for r in done}
     rows = list(done)
     for model_name in args.models:
-        model, tok = load_model(model_name)
+        model, tok = load_model(model_name, getattr(torch, args.dtype))
         head_dim = model.config.head_dim
         for text in args.texts:
             ids = tokens(tok, text, args.prefill + args.decode)
-            cands = {"dynamic (fp32)": None}
+            cands = {dynamic_name(args.dtype): None}
             for name in args.methods:
                 cands[name] = method(model_name, head_dim, name)
             for hqq in args.hqq:
@@ -473,9 +473,9 @@ def run_ppl(args) -> None:
                     cands[f"QuantizedCache hqq{hqq}" + (f" axis{axis}" if axis else "")] = (
                         "hqq", hqq, axis)
             for name, st in cands.items():
-                if (model_name, text, name) in have:
+                if (model_name, text, name, args.dtype) in have:
                     for r in rows:
-                        if (r["model"], r["text"], r["method"]) == (model_name, text, name) \
+                        if _ppl_key(r) == (model_name, text, name, args.dtype) \
                                 and isinstance(st, dict) and "bits_fp16" not in r \
                                 and "error" not in r:
                             r["bits"], r["bits_fp16"] = replay_bits(model, ids, st)
@@ -484,13 +484,14 @@ def run_ppl(args) -> None:
                 try:
                     cache = new_cache(model.config, st)
                     ppl, dt, bits, bits16 = perplexity(model, ids, args.prefill, cache)
-                    row = {"model": model_name, "text": text, "method": name, "ppl": ppl,
-                           "s_per_token": dt, "bits": bits, "bits_fp16": bits16,
+                    row = {"model": model_name, "text": text, "method": name,
+                           "dtype": args.dtype, "ppl": ppl, "s_per_token": dt, "bits": bits,
+                           "bits_fp16": bits16,
                            "bits_over_last_steps": CYCLE if bits else None,
                            "prefill": args.prefill, "decoded": args.decode}
                 except Exception as e:  # recorded: e.g. QuantizedCache refuses sliding layers
                     row = {"model": model_name, "text": text, "method": name,
-                           "error": f"{type(e).__name__}: {e}"[:300]}
+                           "dtype": args.dtype, "error": f"{type(e).__name__}: {e}"[:300]}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
                 write(args.out or "kv_ppl", {"machine": machine_info(), "rows": rows},
@@ -499,25 +500,41 @@ def run_ppl(args) -> None:
         del model
 
 
+def dynamic_name(dtype: str) -> str:
+    """The uncompressed baseline's method name (the float32 one as the older rows name it)."""
+    return "dynamic (fp32)" if dtype == "float32" else f"dynamic ({dtype})"
+
+
+def _ppl_key(r: dict) -> tuple:
+    return r["model"], r["text"], r["method"], r.get("dtype", "float32")
+
+
 def ppl_md(rows) -> str:
-    base = {(r["model"], r["text"]): r["ppl"] for r in rows if r["method"] == "dynamic (fp32)"}
-    out = ["| model | text | tokens scored | method | bits/element (16-bit window) | "
-           "bits/element (as held, fp32 window) | perplexity | vs fp32 | s/token |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    # each row against DynamicCache on the same model, text and dtype
+    base = {(r["model"], r["text"], r.get("dtype", "float32")): r["ppl"]
+            for r in rows if r["method"].startswith("dynamic") and "ppl" in r}
+    dtypes = {r.get("dtype", "float32") for r in rows}
+    col = "dtype | " if dtypes != {"float32"} else ""
+    out = ["| model | " + col + "text | tokens scored | method | bits/element (16-bit window) | "
+           "bits/element (as held" + (", fp32 window" if not col else "") + ") | perplexity | "
+           + ("vs DynamicCache, same dtype" if col else "vs fp32") + " | s/token |",
+           "|---|---|---|---|---|---|---|---|---|" + ("---|" if col else "")]
     for r in rows:
+        lead = f"| {r['model']} | " + (f"{r.get('dtype', 'float32')} | " if col else "")
         # the positions whose next-token loss is averaged (after the prefill)
         span = (f"{r['prefill']:,}–{r['prefill'] + r['decoded']:,}" if "decoded" in r
                 else "-")
         if "error" in r:
-            out.append(f"| {r['model']} | {r['text']} | {span} | {r['method']} | - | - | "
+            out.append(f"{lead}{r['text']} | {span} | {r['method']} | - | - | "
                        f"refused: {r['error'][:80]} | - | - |")
             continue
-        b = base.get((r["model"], r["text"]))
+        b = base.get((r["model"], r["text"], r.get("dtype", "float32")))
         rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if b else "-"
-        bits = f"{r['bits']:.2f}" if r["bits"] else "32 (fp32)" if "dynamic" in r[
-            "method"] else "-"
+        width = {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}
+        bits = f"{r['bits']:.2f}" if r["bits"] else width[r.get("dtype", "float32")] if (
+            "dynamic" in r["method"]) else "-"
         b16 = f"{r['bits_fp16']:.2f}" if r.get("bits_fp16") else "-"
-        out.append(f"| {r['model']} | {r['text']} | {span} | {r['method']} | {b16} | {bits} | "
+        out.append(f"{lead}{r['text']} | {span} | {r['method']} | {b16} | {bits} | "
                    f"{r['ppl']:.3f} | {rel} | {r['s_per_token'] * 1000:.0f} ms |")
     return "\n".join(out) + "\n"
 
@@ -575,7 +592,7 @@ def run_passkey(args) -> None:
     for model_name in args.models:
         model, tok = load_model(model_name, dtype)
         context = args.context or model.config.max_position_embeddings
-        cands = {"dynamic (fp32)" if dtype == torch.float32 else f"dynamic ({args.dtype})": None}
+        cands = {dynamic_name(args.dtype): None}
         cands.update({m: method(model_name, model.config.head_dim, m)
                       for m in args.methods})
         # every method answers each prompt in turn, and the rows are written after each
@@ -709,13 +726,12 @@ def run_speed(args) -> None:
 
     stem = args.out or "kv_speed"
     command = " ".join(["python bench/kv.py", *sys.argv[1:]])
-    rows, commands = [], [command]
+    rows = []
     path = RESULTS / f"{stem}.json"
     if args.resume and path.exists():  # keep the stored rows this run does not measure again
         stored = json.loads(path.read_text())
         mine = {(m, c, args.dtype, args.batch) for m in args.models for c in args.contexts}
         rows = [r for r in stored["rows"] if _speed_key(r) not in mine]
-        commands = [*stored.get("commands", []), command]
     dtype = getattr(torch, args.dtype)
     for model_name in args.models:
         model, tok = load_model(model_name, dtype)
@@ -780,13 +796,14 @@ def run_speed(args) -> None:
                        "decode_ms_mean": 1000 * sum(ts) / len(ts),
                        "decode_ms_steps": [round(1000 * x, 2) for x in steps[name]],
                        "decode_ms_p90": 1000 * ts[int(0.9 * (len(ts) - 1))],
-                       "threads": torch.get_num_threads()}
+                       "threads": torch.get_num_threads(), "command": command}
                 print(json.dumps(row), flush=True)
                 rows.append(row)
             del caches
             machine = machine_info()
-            write(stem, {"machine": machine, "commands": commands, "rows": rows},
-                  speed_md(rows, commands, machine))
+            rows = sorted(rows, key=_speed_order)
+            write(stem, {"machine": machine, "commands": _row_commands(rows), "rows": rows},
+                  speed_md(rows, machine))
         del model
 
 
@@ -794,21 +811,35 @@ def _speed_key(r: dict) -> tuple:
     return r["model"], r["context"], r.get("dtype", "float32"), r.get("batch", 1)
 
 
-def speed_md(rows, commands: list[str], machine: dict) -> str:
+def _speed_order(r: dict) -> tuple:
+    """Table order: model, dtype, batch, context; the baseline first within a group."""
+    dtypes = ["float32", "bfloat16", "float16"]
+    model, context, dtype, batch = _speed_key(r)
+    return model, dtypes.index(dtype), batch, context, not r["method"].startswith("dynamic")
+
+
+def _row_commands(rows) -> list[str]:
+    """The commands that measured the rows, each once, in the rows' order."""
+    return list(dict.fromkeys(r["command"] for r in rows))
+
+
+def speed_md(rows, machine: dict) -> str:
     from tqvec._machine import cpu_label
 
     base = {_speed_key(r): r for r in rows if r["method"].startswith("dynamic")}
+    commands = _row_commands(rows)
+    steps = sorted({len(r["decode_ms_steps"]) for r in rows})
     head = ("# KV cache: decode speed and memory against DynamicCache\n\n"
-            "Commands (one process each): " + "; ".join(f"`{c}`" for c in commands)
+            "Commands (one process each; the run column numbers them): "
+            + "; ".join(f"[{i}] `{c}`" for i, c in enumerate(commands, 1))
             + f". Machine: {cpu_label(machine)}, SIMD flags {', '.join(machine.get('simd', []))};"
             f" {machine.get('torch_threads')} torch threads. Each (model, dtype, batch, context): "
             "the caches prefilled in one process, then decode steps alternating between them "
-            "(a step decodes one token of every sequence of the batch; mean over the steps - "
-            "a whole number of the cycles in which a compressed cache moves its window's "
-            "tokens on - 64 steps of 64 tokens since 2026-11-28, 32 steps of 16 in the runs "
-            "before (the commands without --steps are the newer) -, so the mean is its "
-            "tokens/s; the median leaves those moves out; the speed ratio is of the means "
-            "where a row has one). Cache MB: the "
+            f"({' or '.join(map(str, steps))} steps; a step decodes one token of every sequence "
+            "of the batch; the mean over a whole number of the cycles in which a compressed "
+            f"cache moves its window's tokens on ({CYCLE} tokens), so the mean is its "
+            "tokens/s; the median leaves those moves out; the speed ratio is of the means). "
+            "Cache MB: the "
             "bytes its tensors hold; KB/token per token of one sequence; RSS growth: the "
             "process's resident set over the cache's prefill, after the prefill's activations "
             "are freed and glibc's free heap is returned (malloc_trim): an upper bound on what "
@@ -818,23 +849,19 @@ def speed_md(rows, commands: list[str], machine: dict) -> str:
             "bytes its tensors hold).\n\n")
     out = ["| model | dtype | batch | context | method | bits/element | cache MB | KB/token | "
            "vs DynamicCache bytes | RSS growth MB | prefill s | decode ms/step (mean) | "
-           "decode ms/step (median) | decode vs DynamicCache |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "decode ms/step (median) | decode vs DynamicCache | run |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         b = base.get(_speed_key(r))
         kb = r["bytes_per_token"] / 1024
         mem = f"{b['bytes_per_token'] / r['bytes_per_token']:.1f}x smaller" if b else "-"
-        key = "decode_ms_mean" if b and "decode_ms_mean" in b and "decode_ms_mean" in r else (
-            "decode_ms_median")
-        speed = f"{b[key] / r[key]:.2f}x speed" if b else "-"
-        mean = f"{r['decode_ms_mean']:.0f}" if "decode_ms_mean" in r else "-"
+        speed = f"{b['decode_ms_mean'] / r['decode_ms_mean']:.2f}x speed" if b else "-"
         bits = f"{r['bits']:.2f}" if r["bits"] else "-"
-        cache_mb = r.get("cache_bytes", r["bytes_per_token"] * r["context"]) / 2**20
-        rss = f"{r['rss_growth_bytes'] / 2**20:.0f}" if "rss_growth_bytes" in r else "-"
-        out.append(f"| {r['model']} | {r.get('dtype', 'float32')} | {r.get('batch', 1)} | "
-                   f"{r['context']} | "
-                   f"{r['method']} | {bits} | {cache_mb:.1f} | {kb:.2f} | {mem} | {rss} | "
-                   f"{r['prefill_s']:.1f} | {mean} | {r['decode_ms_median']:.0f} | {speed} |")
+        out.append(f"| {r['model']} | {r['dtype']} | {r['batch']} | {r['context']} | "
+                   f"{r['method']} | {bits} | {r['cache_bytes'] / 2**20:.1f} | {kb:.2f} | "
+                   f"{mem} | {r['rss_growth_bytes'] / 2**20:.0f} | {r['prefill_s']:.1f} | "
+                   f"{r['decode_ms_mean']:.0f} | {r['decode_ms_median']:.0f} | {speed} | "
+                   f"{commands.index(r['command']) + 1} |")
     return head + "\n".join(out) + "\n"
 
 
@@ -901,6 +928,8 @@ def main(argv=None) -> None:
                    help="bit widths of transformers' QuantizedCache (HQQ backend) baselines")
     p.add_argument("--hqq-axes", nargs="+", type=int, default=[0],
                    help="quantization axes tried for keys and values (0: transformers' default)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the model's and both caches' dtype")
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--decode", type=int, default=2048)
     p.add_argument("--resume", action="store_true")

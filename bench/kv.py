@@ -21,6 +21,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -583,9 +584,25 @@ def answer_chunked(model, ids: torch.Tensor, cache, chunk: int, eos: int,
     return torch.tensor(out)
 
 
+def passkey_found(answer: str, key: int) -> bool:
+    """The answer's first number is the key (not merely contains it: " 187871." misses 87871)."""
+    number = re.search(r"\d+", answer)
+    return number is not None and int(number.group()) == key
+
+
+def rescore(rows: list[dict]) -> list[dict]:
+    """Stored passkey rows re-scored from their answers with ``passkey_found``."""
+    for r in rows:
+        for a in r["answers"]:
+            a["found"] = passkey_found(a["answer"], a["key"])
+        r["found"] = sum(a["found"] for a in r["answers"])
+    return rows
+
+
 def run_passkey(args) -> None:
     path = RESULTS / f"{args.out or 'kv_passkey'}.json"
-    rows = json.loads(path.read_text())["rows"] if args.resume and path.exists() else []
+    rows = (rescore(json.loads(path.read_text())["rows"]) if args.resume and path.exists()
+            else [])
     rng = torch.Generator().manual_seed(1)
     keys = [int(k) for k in torch.randint(10000, 99999, (args.keys,), generator=rng)]
     dtype = getattr(torch, args.dtype)
@@ -632,7 +649,7 @@ def run_passkey(args) -> None:
                                                  do_sample=False, pad_token_id=tok.eos_token_id
                                                  )[0, ids.shape[1]:]
                     text = tok.decode(new, skip_special_tokens=True)
-                    ok = str(key) in text
+                    ok = passkey_found(text, key)
                     row = mine[name]
                     row["found"] += ok
                     row["trials"] += 1
@@ -645,11 +662,12 @@ def run_passkey(args) -> None:
                     print(json.dumps({k: v for k, v in row.items() if k != "answers"}),
                           flush=True)
                 write(args.out or "kv_passkey", {"machine": machine_info(), "rows": rows},
-                      passkey_md(rows, args.depths))
+                      passkey_md(rows))
         del model
 
 
-def passkey_md(rows, depths) -> str:
+def passkey_md(rows) -> str:
+    depths = sorted({a["depth"] for r in rows for a in r["answers"]})
     out = ["| model | context | prefill | method | bits/element | found | " + " | ".join(
         f"depth {d:g}" for d in depths) + " | s/trial |",
         "|---|---|---|---|---|---|" + "---|" * len(depths) + "---|"]
@@ -657,7 +675,7 @@ def passkey_md(rows, depths) -> str:
         per = []
         for d in depths:
             got = [a["found"] for a in r["answers"] if a["depth"] == d]
-            per.append(f"{sum(got)}/{len(got)}")
+            per.append(f"{sum(got)}/{len(got)}" if got else "-")
         dt = r.get("dtype", "float32")
         bits = (f"{r['bits']:.2f}" if r["bits"] else
                 {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}[dt])

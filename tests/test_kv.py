@@ -774,6 +774,20 @@ def test_bad_configurations_are_rejected(bad, match):
         kv.TurboQuantCache(model.config, **bad)
 
 
+@pytest.mark.parametrize("residual_bits, at, what", [(None, 5, "key"), (8, 5, "key"),
+                                                     (8, 90, "key/value")])
+def test_nonfinite_model_states_are_named(residual_bits, at, what):
+    # a model that overflows its dtype hands the cache NaN/Inf states: the error says so, with
+    # the layer, instead of the codec's rows of its flattened input
+    model = llama()
+    cache = kv.TurboQuantCache(model.config, residual_length=20, residual_bits=residual_bits)
+    k, v = torch.randn(1, 2, 100, 16), torch.randn(1, 2, 100, 16)
+    k[0, 1, at, 3] = math.inf  # token 5 is coded at the flush, 90 goes to the 8-bit window
+    cache.update(k, v, 1)
+    with pytest.raises(ValueError, match=rf"layer 1: the model's {what} states hold NaN/Inf"):
+        cache.layers[1].flush()
+
+
 def test_non_config_rejected():
     with pytest.raises(TypeError, match="config"):
         kv.TurboQuantCache({"num_hidden_layers": 2})

@@ -345,7 +345,8 @@ class CompressedLayer(CacheLayerMixin):
                 self.keys, self.values = _window(self.keys, n_sink), _window(self.values, n_sink)
             # what stays in the window is held as 8-bit codes from now on
             n = self.keys.shape[2]
-            f = self.wkq.encode_heads(torch.cat([self.keys, self.values], dim=2).float())
+            f = self._code(self.wkq, torch.cat([self.keys, self.values], dim=2).float(),
+                           "key/value")
             self.wkbuf.append({k: v[:, :, :n] for k, v in f.items()})
             self.wvbuf.append({k: v[:, :, n:] for k, v in f.items()})
             self.keys, self.values = _window(self.keys, 0, 0), _window(self.values, 0, 0)
@@ -407,10 +408,24 @@ class CompressedLayer(CacheLayerMixin):
                 inner, coded = quant.inner, quant.transform(x)
             if isinstance(inner, ChannelSplit) and inner.channels is None:
                 inner.set_channels(coded)
-        kf = self.kq.encode_heads(k.contiguous())
-        vf = self.vq.encode_heads(v.contiguous())
+        kf = self._code(self.kq, k.contiguous(), "key")
+        vf = self._code(self.vq, v.contiguous(), "value")
         self.kbuf.append(kf)
         self.vbuf.append(vf)
+
+    def _code(self, quant, x: torch.Tensor, what: str) -> dict:
+        """``quant.encode_heads(x)``; a NaN/Inf the model put in its key/value states is named
+        as such (the codec's own message speaks of rows of its flattened input)."""
+        try:
+            return quant.encode_heads(x)
+        except ValueError as e:
+            if bool(torch.isfinite(x).all()):
+                raise
+            raise ValueError(
+                f"layer {self.layer_idx}: the model's {what} states hold NaN/Inf ({e}): the "
+                "model overflowed its dtype (some bf16-trained models do in float16; run them "
+                "in bfloat16 or float32). Tokens were being moved into codes: discard this "
+                "cache") from e
 
     def _evict(self, first_visible: int) -> None:
         """Sliding layers: forget tokens before position ``first_visible``."""

@@ -532,13 +532,15 @@ def ppl_md(rows) -> str:
                        f"refused: {r['error'][:80]} | - | - |")
             continue
         b = base.get((r["model"], r["text"], r.get("dtype", "float32")))
-        rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if b else "-"
+        finite = math.isfinite(r["ppl"]) and b is not None and math.isfinite(b)
+        rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if finite else "-"
+        ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "NaN (the model overflowed)"
         width = {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}
         bits = f"{r['bits']:.2f}" if r["bits"] else width[r.get("dtype", "float32")] if (
             "dynamic" in r["method"]) else "-"
         b16 = f"{r['bits_fp16']:.2f}" if r.get("bits_fp16") else "-"
         out.append(f"{lead}{r['text']} | {span} | {r['method']} | {b16} | {bits} | "
-                   f"{r['ppl']:.3f} | {rel} | {r['s_per_token'] * 1000:.0f} ms |")
+                   f"{ppl} | {rel} | {r['s_per_token'] * 1000:.0f} ms |")
     return "\n".join(out) + "\n"
 
 

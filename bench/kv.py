@@ -503,6 +503,10 @@ def run_ppl(args) -> None:
         del model
 
 
+# bits/element of an uncompressed cache, by dtype
+FULL_WIDTH = {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}
+
+
 def dynamic_name(dtype: str) -> str:
     """The uncompressed baseline's method name (the float32 one as the older rows name it)."""
     return "dynamic (fp32)" if dtype == "float32" else f"dynamic ({dtype})"
@@ -535,8 +539,7 @@ def ppl_md(rows) -> str:
         finite = math.isfinite(r["ppl"]) and b is not None and math.isfinite(b)
         rel = f"{100 * (r['ppl'] / b - 1):+.1f} %" if finite else "-"
         ppl = f"{r['ppl']:.3f}" if math.isfinite(r["ppl"]) else "NaN (the model overflowed)"
-        width = {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}
-        bits = f"{r['bits']:.2f}" if r["bits"] else width[r.get("dtype", "float32")] if (
+        bits = f"{r['bits']:.2f}" if r["bits"] else FULL_WIDTH[r.get("dtype", "float32")] if (
             "dynamic" in r["method"]) else "-"
         b16 = f"{r['bits_fp16']:.2f}" if r.get("bits_fp16") else "-"
         out.append(f"{lead}{r['text']} | {span} | {r['method']} | {b16} | {bits} | "
@@ -681,8 +684,7 @@ def passkey_md(rows) -> str:
             got = [a["found"] for a in r["answers"] if a["depth"] == d]
             per.append(f"{sum(got)}/{len(got)}" if got else "-")
         dt = r.get("dtype", "float32")
-        bits = (f"{r['bits']:.2f}" if r["bits"] else
-                {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}[dt])
+        bits = f"{r['bits']:.2f}" if r["bits"] else FULL_WIDTH[dt]
         pre = (f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one forward")
         per_trial = f"{r['seconds'] / r['trials']:.0f}" if r["trials"] else "-"
         out.append(f"| {r['model']} | {r['context']} | {pre} | {r['method']} | {bits} | "

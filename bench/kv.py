@@ -754,6 +754,7 @@ def run_speed(args) -> None:
     path = RESULTS / f"{stem}.json"
     if args.resume and path.exists():  # keep the stored rows this run does not measure again
         stored = json.loads(path.read_text())
+        _same_host(stored["machine"], machine_info(), path)
         mine = {(m, c, args.dtype, args.batch) for m in args.models for c in args.contexts}
         rows = [r for r in stored["rows"] if _speed_key(r) not in mine]
     dtype = getattr(torch, args.dtype)
@@ -829,6 +830,27 @@ def run_speed(args) -> None:
             write(stem, {"machine": machine, "commands": _row_commands(rows), "rows": rows},
                   speed_md(rows, machine))
         del model
+
+
+def _host(m: dict) -> tuple:
+    """What makes two machines' timings comparable: the CPU (family and model), its SIMD
+    flags, the torch threads."""
+    return m.get("cpu"), m.get("cpu_family"), m.get("cpu_model"), tuple(m.get("simd", [])), (
+        m.get("torch_threads"))
+
+
+def _same_host(stored: dict, here: dict, path) -> None:
+    """A speed table holds one machine's rows: its ratios are that host's (the same run's
+    steps, alternating), and a row from another host beside them would read as comparable."""
+    if _host(stored) != _host(here):
+        from tqvec._machine import cpu_label
+
+        raise SystemExit(f"{path} holds rows measured on {cpu_label(stored)} (SIMD "
+                         f"{', '.join(stored.get('simd', []))}; {stored.get('torch_threads')} "
+                         f"threads); this host is {cpu_label(here)} (SIMD "
+                         f"{', '.join(here.get('simd', []))}; {here.get('torch_threads')} "
+                         "threads): --resume would mix the two hosts' timings in one table. "
+                         "Give this host's rows their own table with --out.")
 
 
 def _speed_key(r: dict) -> tuple:

@@ -5,9 +5,10 @@ Both caches are prefilled in one process, then decode steps alternate between th
 each, a multiple of the compressed cache's window cycle, bench/kv.py CYCLE). Timers around the
 functions a step spends its cache work in give their time per step: ``DynamicLayer.update``
 and SDPA for ``DynamicCache``; ``CompressedLayer.update``, the compiled attention
-(``attend``), the window's moves into codes (``flush``) and the whole "tqvec" attention function
-for ours. The timers add a few microseconds per call to both. ``--cprofile`` adds cProfile's
-25 functions with the most own time over 16 more steps of the compressed cache.
+(``attend``) and the compiled call inside it (``attention_step_np``), the window's moves into
+codes (``flush``) and the whole "tqvec" attention function for ours. The timers add a few
+microseconds per call to both. ``--cprofile`` adds cProfile's 25 functions with the most own
+time over 16 more steps of the compressed cache.
 
     python bench/kv_profile.py [smollm2|gemma3] [CONTEXT] [--steps 128] [--dtype float32]
 """
@@ -30,6 +31,7 @@ import kv as bench_kv  # noqa: E402  (bench/kv.py: models and text)
 import tqvec.kv as kv  # noqa: E402
 from tqvec.kv import attention as kv_attention  # noqa: E402
 from tqvec.kv import layer as kv_layer  # noqa: E402
+from tqvec.ops import cpu as ops_cpu  # noqa: E402
 
 SETTINGS = dict(key_bits=3, value_bits=3, residual_bits=8)
 
@@ -72,6 +74,10 @@ def main() -> None:
     kv_layer.CompressedLayer.flush = _timed(spent, "ours: window moves (flush)",
                                             kv_layer.CompressedLayer.flush)
     kv_attention.attend = _timed(spent, "ours: compiled attention (attend)", kv_attention.attend)
+    # the compiled call alone (csrc/cpu/attention.cpp's step, its numpy arguments made): what
+    # attend spends beyond it is Python
+    ops_cpu.attention_step_np = _timed(spent, "ours: compiled attention: the compiled call",
+                                       ops_cpu.attention_step_np)
     AttentionInterface.register("sdpa", _timed(spent, "DynamicCache SDPA",
                                                ALL_ATTENTION_FUNCTIONS["sdpa"]))
     # the cache registers its attention function when built: the timed one, from here on

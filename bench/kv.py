@@ -621,9 +621,12 @@ def run_passkey(args) -> None:
                       for m in args.methods})
         # every method answers each prompt in turn, and the rows are written after each
         # prompt: a run stopped early holds the same trials for every method
+        # a row names its host: the file's "machine" is the last run's, and a table gathers
+        # rows from several (the s/trial column is that host's)
         mine = {name: {"model": model_name, "context": context, "dtype": args.dtype,
                        "method": name, "bits": None, "found": 0, "trials": 0,
-                       "answers": [], "seconds": 0.0, "prefill_chunk": args.prefill_chunk}
+                       "answers": [], "seconds": 0.0, "prefill_chunk": args.prefill_chunk,
+                       "host": host_label()}
                 for name in cands}
         # --resume keeps every other setting's rows and continues this one's: the trials a
         # stopped run made are kept, not rerun
@@ -671,6 +674,13 @@ def run_passkey(args) -> None:
                 write(args.out or "kv_passkey", {"machine": machine_info(), "rows": rows},
                       passkey_md(rows))
         del model
+
+
+def host_label() -> str:
+    """This machine's CPU as the results name it: 'AMD EPYC (family 26, model 2)'."""
+    from tqvec._machine import cpu_label
+
+    return cpu_label(machine_info())
 
 
 def passkey_md(rows) -> str:

@@ -683,12 +683,22 @@ def host_label() -> str:
     return cpu_label(machine_info())
 
 
+def _passkey_order(r: dict) -> tuple:
+    """Table order: a setting's rows together, the uncompressed cache first (sorted stably:
+    methods keep the order they were first run in)."""
+    model, context, dtype, chunk = _passkey_setting(r)
+    return (model, ["float32", "bfloat16", "float16"].index(dtype), context, chunk,
+            not r["method"].startswith("dynamic"))
+
+
 def passkey_md(rows) -> str:
     depths = sorted({a["depth"] for r in rows for a in r["answers"]})
+    # s/trial is the host's: the rows that name theirs show it (older rows did not record it)
+    hosts = any(r.get("host") for r in rows)
     out = ["| model | context | prefill | method | bits/element | found | " + " | ".join(
-        f"depth {d:g}" for d in depths) + " | s/trial |",
-        "|---|---|---|---|---|---|" + "---|" * len(depths) + "---|"]
-    for r in rows:
+        f"depth {d:g}" for d in depths) + " | s/trial |" + (" host |" if hosts else ""),
+        "|---|---|---|---|---|---|" + "---|" * len(depths) + "---|" + ("---|" if hosts else "")]
+    for r in sorted(rows, key=_passkey_order):
         per = []
         for d in depths:
             got = [a["found"] for a in r["answers"] if a["depth"] == d]
@@ -698,7 +708,8 @@ def passkey_md(rows) -> str:
         pre = (f"chunks of {r['prefill_chunk']}" if r.get("prefill_chunk") else "one forward")
         per_trial = f"{r['seconds'] / r['trials']:.0f}" if r["trials"] else "-"
         out.append(f"| {r['model']} | {r['context']} | {pre} | {r['method']} | {bits} | "
-                   f"{r['found']}/{r['trials']} | " + " | ".join(per) + f" | {per_trial} |")
+                   f"{r['found']}/{r['trials']} | " + " | ".join(per) + f" | {per_trial} |"
+                   + (f" {r.get('host') or 'not recorded'} |" if hosts else ""))
     return "\n".join(out) + "\n"
 
 

@@ -150,6 +150,7 @@ def methods(head_dim: int) -> dict[str, dict]:
         "tq-k4v3-w8": dict(key_bits=4, value_bits=3, residual_bits=8),
         "tq-k4v4-w8": dict(key_bits=4, value_bits=4, residual_bits=8),
         "tq-k6v6-w8": dict(key_bits=6, value_bits=6, residual_bits=8),
+        "tq-k6v3-w8": dict(key_bits=6, value_bits=3, residual_bits=8),
         "tq-k3v3-r128w8n8": dict(key_bits=3, value_bits=3, residual_length=128,
                                  residual_bits=8, norm_bits=8),
         "tq-k3v3-r96w8n8": dict(key_bits=3, value_bits=3, residual_length=96,

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _machine import machine_info  # noqa: E402
 
 import tqvec.kv as kv  # noqa: E402
+from tqvec._machine import cpu_label  # noqa: E402
 from tqvec.kv import KVSettings  # noqa: E402
 from tqvec.kv.plan import (  # noqa: E402
     capture_attention_inputs,
@@ -679,8 +680,6 @@ def run_passkey(args) -> None:
 
 def host_label() -> str:
     """This machine's CPU as the results name it: 'AMD EPYC (family 26, model 2)'."""
-    from tqvec._machine import cpu_label
-
     return cpu_label(machine_info())
 
 
@@ -865,8 +864,6 @@ def _same_host(stored: dict, here: dict, path) -> None:
     """A speed table holds one machine's rows: its ratios are that host's (the same run's
     steps, alternating), and a row from another host beside them would read as comparable."""
     if _host(stored) != _host(here):
-        from tqvec._machine import cpu_label
-
         raise SystemExit(f"{path} holds rows measured on {cpu_label(stored)} (SIMD "
                          f"{', '.join(stored.get('simd', []))}; {stored.get('torch_threads')} "
                          f"threads); this host is {cpu_label(here)} (SIMD "
@@ -892,8 +889,6 @@ def _row_commands(rows) -> list[str]:
 
 
 def speed_md(rows, machine: dict) -> str:
-    from tqvec._machine import cpu_label
-
     base = {_speed_key(r): r for r in rows if r["method"].startswith("dynamic")}
     commands = _row_commands(rows)
     steps = sorted({len(r["decode_ms_steps"]) for r in rows})

@@ -507,6 +507,8 @@ def run_ppl(args) -> None:
 
 # bits/element of an uncompressed cache, by dtype
 FULL_WIDTH = {"float32": "32 (fp32)", "bfloat16": "16 (bf16)", "float16": "16 (fp16)"}
+# the model dtypes the benchmarks run (--dtype), in the tables' order
+DTYPES = tuple(FULL_WIDTH)
 
 
 def dynamic_name(dtype: str) -> str:
@@ -687,7 +689,7 @@ def _passkey_order(r: dict) -> tuple:
     """Table order: a setting's rows together, the uncompressed cache first (sorted stably:
     methods keep the order they were first run in)."""
     model, context, dtype, chunk = _passkey_setting(r)
-    return (model, ["float32", "bfloat16", "float16"].index(dtype), context, chunk,
+    return (model, DTYPES.index(dtype), context, chunk,
             not r["method"].startswith("dynamic"))
 
 
@@ -878,9 +880,8 @@ def _speed_key(r: dict) -> tuple:
 
 def _speed_order(r: dict) -> tuple:
     """Table order: model, dtype, batch, context; the baseline first within a group."""
-    dtypes = ["float32", "bfloat16", "float16"]
     model, context, dtype, batch = _speed_key(r)
-    return model, dtypes.index(dtype), batch, context, not r["method"].startswith("dynamic")
+    return model, DTYPES.index(dtype), batch, context, not r["method"].startswith("dynamic")
 
 
 def _row_commands(rows) -> list[str]:
@@ -991,7 +992,7 @@ def main(argv=None) -> None:
                    help="bit widths of transformers' QuantizedCache (HQQ backend) baselines")
     p.add_argument("--hqq-axes", nargs="+", type=int, default=[0],
                    help="quantization axes tried for keys and values (0: transformers' default)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default="float32", choices=DTYPES,
                    help="the model's and both caches' dtype")
     p.add_argument("--prefill", type=int, default=256)
     p.add_argument("--decode", type=int, default=2048)
@@ -1004,7 +1005,7 @@ def main(argv=None) -> None:
     k.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     k.add_argument("--keys", type=int, default=2, help="pass keys tried per depth")
     k.add_argument("--methods", nargs="+", default=["tq-k4v3", "tq-k3v3", "tq-k2v2-r16"])
-    k.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    k.add_argument("--dtype", default="float32", choices=DTYPES)
     k.add_argument("--resume", action="store_true",
                    help="keep the stored rows of other settings and continue this one's, "
                         "skipping the trials they hold")
@@ -1017,7 +1018,7 @@ def main(argv=None) -> None:
     v.add_argument("--steps", type=int, default=64,
                    help="decode steps timed per run (whole CYCLEs of the window moves)")
     v.add_argument("--methods", nargs="+", default=["tq-k3v3-w8"])
-    v.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    v.add_argument("--dtype", default="float32", choices=DTYPES)
     v.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     v.add_argument("--prefill-chunk", type=int, default=0,
                    help="prefill in chunks of this many tokens (0: one forward)")

@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("model", nargs="?", default="smollm2", choices=["smollm2", "gemma3"])
     ap.add_argument("context", nargs="?", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--dtype", default="float32", choices=bench_kv.DTYPES)
     ap.add_argument("--cprofile", action="store_true")
     a = ap.parse_args()
     steps = max(bench_kv.CYCLE, a.steps // bench_kv.CYCLE * bench_kv.CYCLE)

@@ -100,6 +100,66 @@ def test_fingerprint_mismatch_is_refused(saved):
         tqvec.load_codes(path)
 
 
+def _forged_dim(path, kind, dim):
+    """The file with its codec's dim replaced (checksums recomputed): a header no payload backs
+    (a QJL payload's size depends on sketch_dim only)."""
+    meta, arrays, _ = read_container(path, kind)
+    meta["params"]["dim"] = dim
+    meta["params"].pop("jl_version", None)  # version 1: a dim x dim Haar draw for m < dim
+    write_container(path, kind, meta, arrays)
+
+
+def _refuse_draws(monkeypatch):
+    """From now on any draw of a rotation or a JL matrix fails the test."""
+    def refuse(*a, **k):
+        raise AssertionError("a random matrix was drawn")
+    for mod in (tqvec.codecs.qjl, tqvec.codecs.turbo):
+        monkeypatch.setattr(mod, "jl_matrix", refuse)
+    monkeypatch.setattr(tqvec.codecs.turbo, "make_rotation", refuse)
+
+
+@pytest.mark.parametrize("mmap", [False, True])
+def test_forged_header_costs_no_draw_at_load(tmp_path, mmap, monkeypatch):
+    """Refusing a file costs what reading it costs: a 1 KB file claiming dim 1,024 (a 1024 x
+    1024 Haar draw) loads without drawing, and its first use refuses it."""
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    path = tmp_path / "q.tqc"
+    tqvec.save_codes(path, tqvec.QJL(16, 24, seed=4, outliers=[2, 5]).encode(x))
+    _forged_dim(path, "codes", 1024)
+    assert path.stat().st_size < 2048
+    with monkeypatch.context() as m:
+        _refuse_draws(m)
+        codes = tqvec.load_codes(path, mmap=mmap)
+    with pytest.raises(FormatError, match="fingerprint mismatch"):
+        tqvec.codec_from_params(codes.params).decode(codes[:2])
+
+
+def test_forged_index_header_is_refused_at_first_search(tmp_path, monkeypatch):
+    x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
+    index = tqvec.FlatIndex(tqvec.QJL(16, 24, seed=4), "ip")
+    index.add(x)
+    path = tmp_path / "i.tqv"
+    tqvec.write_index(index, path)
+    _forged_dim(path, "index", 1024)
+    with monkeypatch.context() as m:
+        _refuse_draws(m)
+        back = tqvec.read_index(path)
+    with pytest.raises(FormatError, match="fingerprint mismatch"):
+        back.search(np.ones((1, 1024), np.float32), 1)
+
+
+def test_genuine_file_with_costly_draw_checks_at_first_use(tmp_path):
+    """A small file whose codec's draw is large is checked when first used, and then works."""
+    x = np.random.default_rng(0).standard_normal((2, 2048)).astype(np.float32)
+    c = tqvec.QJL(2048, 4096, seed=1, jl="gaussian")
+    path = tmp_path / "g.tqc"
+    tqvec.save_codes(path, c.encode(x))
+    back = tqvec.load_codes(path)
+    assert type(back.source).__name__ == "PendingFingerprints"
+    torch.testing.assert_close(tqvec.QJL(2048, 4096, seed=1, jl="gaussian").decode(back),
+                               c.decode(c.encode(x)))
+
+
 def test_wrong_kind_is_refused(tmp_path):
     write_container(tmp_path / "i.tqc", "index", {}, {"a": np.zeros(3, np.uint8)})
     with pytest.raises(FormatError, match="holds a 'index', expected 'codes'"):

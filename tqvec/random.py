@@ -22,6 +22,8 @@ from . import ops
 __all__ = [
     "ROTATIONS",
     "JL_KINDS",
+    "jl_work",
+    "rotation_work",
     "Rotation",
     "HaarRotation",
     "HadamardRotation",
@@ -123,6 +125,23 @@ def jl_check(m: int, d: int, kind: str = "orthogonal", version: int = JL_VERSION
         qr_work_check(d, cols, draws, f"sketch_dim={m} with dim={d} and jl='orthogonal' is too "
                                       "large: use jl='gaussian' (no orthogonalization) or a "
                                       "smaller sketch_dim")
+
+
+def jl_work(m: int, d: int, kind: str = "orthogonal", version: int = JL_VERSION) -> int:
+    """What drawing ``jl_matrix(m, d, ...)`` costs, in elements drawn plus QR multiply-adds,
+    computed without drawing (a file reader compares it with the file's size)."""
+    if kind == "gaussian":
+        return m * d
+    if m < d and version < 2:
+        return d * d + d ** 3
+    if m < d:
+        return d * m + d * m * m
+    return -(-m // d) * (d * d + d ** 3)
+
+
+def rotation_work(kind: str, d: int, rounds: int = 3) -> int:
+    """What drawing ``make_rotation(kind, d, ...)`` costs, in the units of ``jl_work``."""
+    return d * d + d ** 3 if kind == "haar" else 2 * rounds * d
 
 
 def jl_matrix(m: int, d: int, seed: int, kind: str = "orthogonal", purpose: str = "jl",

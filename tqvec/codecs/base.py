@@ -300,6 +300,12 @@ class Codec:
         """Every materialized random/codebook array that decoding depends on."""
         raise NotImplementedError
 
+    def draw_work(self) -> int:
+        """What materializing the arrays of ``fingerprint_arrays`` costs (elements drawn plus
+        QR multiply-adds, ``tqvec.random.jl_work``), known without drawing: a file reader checks
+        a fingerprint at once only where this is small next to the file."""
+        raise NotImplementedError
+
     # -- shared -----------------------------------------------------------------------------
     def scalar_layout(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """name -> (per-vector shape, dtype) of the scalars stored beside the payload."""

@@ -121,6 +121,9 @@ class MixedTurboQuant(Codec):
     def _scalar_layout(self):
         return {"fit": ((len(self._parts),), torch.float16)}
 
+    def draw_work(self) -> int:
+        return sum(c.draw_work() for _, _, c in self._parts)
+
     def fingerprint_arrays(self):
         return [a for _, _, c in self._parts for a in c.fingerprint_arrays()]
 

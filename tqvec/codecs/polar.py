@@ -22,7 +22,7 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codebooks import Codebook, angle_codebook, polar_expected_mse
-from ..random import ROTATIONS, Rotation, haar_check, make_rotation
+from ..random import ROTATIONS, Rotation, haar_check, make_rotation, rotation_work
 from ._common import DeviceCache
 from .base import Codec, Codes, register, store_norm
 
@@ -102,6 +102,9 @@ class PolarQuant(Codec):
 
     def _scalar_layout(self):
         return {"radii": ((self.n_radii,), _RADIUS_DTYPES[self.radius_dtype])}
+
+    def draw_work(self) -> int:
+        return rotation_work(self.rotation, self.dim, self.rounds)
 
     def fingerprint_arrays(self):
         return ([np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]

@@ -20,7 +20,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_check, jl_matrix
+from ..random import JL_KINDS, JL_VERSION, JL_VERSIONS, jl_check, jl_matrix, jl_work
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, LutTerm, register, store_norm
 
@@ -136,6 +136,13 @@ class QJL(Codec):
 
     def fingerprint_arrays(self):
         return [a.numpy() for a in self._arr.host.values()]
+
+    def draw_work(self) -> int:
+        n_out = len(self.outliers)
+        work = jl_work(self.sketch_dim, self.dim - n_out, self.jl, self.jl_version) + self.dim
+        if n_out:
+            work += jl_work(self.outlier_sketch_dim, n_out, self.jl, self.jl_version)
+        return work
 
     unbiased_ip = True
 

@@ -13,7 +13,7 @@ from ..io import read_container, write_container
 from .base import Codec, Codes, codec_from_params
 
 __all__ = ["save_codes", "load_codes", "codec_from_header", "check_fingerprint",
-           "codes_from_arrays"]
+           "verify_fingerprints", "PendingFingerprints", "codes_from_arrays"]
 
 _KIND = "codes"
 _META = {"params", "fingerprint", "n", "code_size"}
@@ -55,6 +55,50 @@ def check_fingerprint(path: str, codec: Codec, fingerprint: Any, what: str = "co
                           f"{what} params (fingerprint mismatch); decoding would be wrong")
 
 
+#: Draw work (``Codec.draw_work``) a reader spends on checking fingerprints at once, beyond
+#: ``_DRAW_PER_BYTE`` per byte of the file's arrays: ~30 ms and ~32 MiB at most.
+_DRAW_FREE = 1 << 22
+_DRAW_PER_BYTE = 64
+
+
+class PendingFingerprints:
+    """A file's fingerprint checks deferred to the first use of what it holds, where drawing
+    the codec's arrays would cost far more than reading the file (a small file whose header
+    claims a large dimension): ``check()`` draws and compares them once, raising
+    ``FormatError`` on a mismatch, then checks the memory-mapped file it wraps (if any). It
+    stands where a ``MappedFile`` would (``Codes.source``, an index's mapped file)."""
+
+    def __init__(self, path: str, checks: list[tuple[Codec, Any, str]], mapped: Any):
+        self.path = path
+        self._checks = checks
+        self._mapped = mapped
+
+    def check(self) -> None:
+        if self._checks:
+            for codec, fingerprint, what in self._checks:
+                check_fingerprint(self.path, codec, fingerprint, what)
+            self._checks = []
+        if self._mapped is not None:
+            self._mapped.check()
+
+
+def verify_fingerprints(path: str, checks: list[tuple[Codec, Any, str]], file_bytes: int,
+                        mapped: Any) -> Any:
+    """Check each (codec, stored fingerprint, what) now where its draw is cheap next to the
+    file's ``file_bytes``; returns what the loaded object checks at each use instead of
+    ``mapped``: ``mapped`` itself, or a ``PendingFingerprints`` holding the costly checks. So
+    refusing or loading a file costs time and memory bounded by its size plus a constant,
+    whatever its header claims."""
+    budget = _DRAW_FREE + _DRAW_PER_BYTE * file_bytes
+    later = []
+    for codec, fingerprint, what in checks:
+        if codec.draw_work() <= budget:
+            check_fingerprint(path, codec, fingerprint, what)
+        else:
+            later.append((codec, fingerprint, what))
+    return PendingFingerprints(path, later, mapped) if later else mapped
+
+
 def codes_from_arrays(path: str, codec: Codec, arrays: dict[str, Any], prefix: str, n: int,
                       source: Any = None) -> Codes:
     """The ``Codes`` stored under ``prefix`` (``payload``, ``scalar.<name>``), which must be
@@ -64,10 +108,11 @@ def codes_from_arrays(path: str, codec: Codec, arrays: dict[str, Any], prefix: s
         raise FormatError(f"{path!r} has no {prefix}payload array")
     sc = {k[len(prefix) + 7:]: torch.from_numpy(v) for k, v in arrays.items()
           if k.startswith(f"{prefix}scalar.")}
-    try:
-        codes = codec.check_codes(Codes(torch.from_numpy(payload), sc, codec.params, source))
+    try:  # checked without ``source``: a deferred fingerprint check waits for the first use
+        codes = codec.check_codes(Codes(torch.from_numpy(payload), sc, codec.params))
     except (TypeError, ValueError) as e:
         raise FormatError(f"{path!r} does not match its codec: {e}") from e
+    codes = Codes(codes.payload, codes.scalars, codes.params, source)
     if len(codes) != n:
         raise FormatError(f"{path!r} says it holds {n} vectors, its arrays hold {len(codes)}")
     for k, v in codes.scalars.items():
@@ -99,5 +144,8 @@ def load_codes(path: str | os.PathLike, *, mmap: bool = False, verify: bool = Tr
         raise FormatError(f"{p!r} says {meta['code_size']!r:.40} bytes per vector, its codes "
                           f"have {codes.code_size}")
     if n:  # no codes, nothing to decode wrongly: the rotation is drawn only when used
-        check_fingerprint(p, codec, meta["fingerprint"])
+        source = verify_fingerprints(p, [(codec, meta["fingerprint"], "codec")],
+                                     sum(a.nbytes for a in arrays.values()), mapped)
+        if source is not mapped:
+            codes = Codes(codes.payload, codes.scalars, codes.params, source)
     return codes

@@ -34,7 +34,9 @@ from ..random import (
     haar_check,
     jl_check,
     jl_matrix,
+    jl_work,
     make_rotation,
+    rotation_work,
 )
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
 from .base import NORM_DTYPES, Codec, Codes, LutTerm, inverse_norms, register, store_norm
@@ -208,6 +210,12 @@ class TurboQuant(Codec):
     def centroids_on(self, device: torch.device) -> torch.Tensor:
         """The mse stage's float32 centroids on ``device`` (cached per device)."""
         return self._arr.get("centroids", device)
+
+    def draw_work(self) -> int:
+        work = rotation_work(self.rotation, self.dim, self.rounds)
+        if self.variant == "prod":
+            work += jl_work(self.sketch_dim, self.dim, self.jl, self.jl_version)
+        return work
 
     def fingerprint_arrays(self):
         out = [np.frombuffer(self._rot.fingerprint().encode(), np.uint8)]

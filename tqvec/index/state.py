@@ -17,7 +17,7 @@ import torch
 
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
-from ..codecs.storage import check_fingerprint, codec_from_header, codes_from_arrays
+from ..codecs.storage import codec_from_header, codes_from_arrays, verify_fingerprints
 from ..errors import FormatError
 from ..ops import pages
 from .flat import FlatIndex
@@ -209,8 +209,10 @@ def _row_correction(arrays: dict, ntotal: int, name: str) -> torch.Tensor:
 
 
 def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any, ntotal: int,
-          where: str, mapped: Any) -> Rows:
-    """The stored rows, every array checked against the index; derived terms recomputed."""
+          where: str, mapped: Any, source: Any) -> Rows:
+    """The stored rows, every array checked against the index; derived terms recomputed.
+    ``mapped``: the file the arrays are mapped from (None: read into memory); ``source``: what
+    the codes check at each use (``verify_fingerprints``)."""
     rows = Rows()
     ids = arrays["ids"]
     if ids.dtype != np.int64 or ids.shape != (ntotal,):
@@ -222,10 +224,10 @@ def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any,
         ivf = isinstance(index, IVFIndex)
         if ivf and not index.is_trained:
             raise ValueError(f"an untrained IVF index must be empty, got ntotal={ntotal}")
-        codes = codes_from_arrays(where, index.codec, arrays, "codes.", ntotal, mapped)
+        codes = codes_from_arrays(where, index.codec, arrays, "codes.", ntotal, source)
         ref = None
         if isinstance(ref_codec, Codec):
-            ref = codes_from_arrays(where, ref_codec, arrays, "refine.", ntotal, mapped)
+            ref = codes_from_arrays(where, ref_codec, arrays, "refine.", ntotal, source)
         elif ref_codec == "flat":
             ref = _float_rows(arrays, "refine.vectors", (ntotal, index.d))
             if mapped is None:  # read into memory: onto huge pages, as added rows are
@@ -322,12 +324,16 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
         if name not in _NOT_PER_ROW and (a.ndim == 0 or a.shape[0] != ntotal):
             raise FormatError(f"{where!r} says it holds {ntotal} vectors, array {name!r} has "
                               f"shape {a.shape}")
+    source = mapped
     if ntotal:  # the arrays agree with the header: now the rotations may be drawn
-        check_fingerprint(where, codec, meta["fingerprint"])
+        checks = [(codec, meta["fingerprint"], "codec")]
         if isinstance(ref_codec, Codec):
-            check_fingerprint(where, ref_codec, refine["fingerprint"], "refinement codec")
+            checks.append((ref_codec, refine["fingerprint"], "refinement codec"))
+        source = verify_fingerprints(where, checks, sum(a.nbytes for a in arrays.values()),
+                                     mapped)
     try:
-        index.install_rows(_rows(index, meta, arrays, ref_codec, ntotal, where, mapped), mapped)
+        index.install_rows(_rows(index, meta, arrays, ref_codec, ntotal, where, mapped, source),
+                           source)
     except errors as e:
         raise FormatError(f"{where!r} does not match its header: {e}") from e
     if kind == "graph":

@@ -160,34 +160,45 @@ class CodesIndex:
 
     # -- rows ------------------------------------------------------------------------------------
     def reset(self) -> None:
-        """Remove every vector (what was trained stays, as in faiss)."""
+        """Remove every vector (what was trained stays, as in faiss); ``next_id`` starts at 0
+        again. Searches running meanwhile answer from the rows they started with."""
         with self._lock:
             self._rows.reset()
             self._mapped = None
             self._invalidate()
+            self._removed()
 
     def add(self, x: Any) -> None:
         """Add vectors with ids ntotal, ntotal+1, ... (faiss's convention; after custom ids,
         from one past the largest)."""
         t, _ = V.float_matrix(x, "x", self.d)
-        start = self._rows.next_id
-        if start + t.shape[0] - 1 > V.INT64_MAX:
-            raise ValueError(f"add() numbers the rows from next id {start}: {t.shape[0]} more do "
-                             "not fit in int64; use add_with_ids")
-        self._append(t, torch.arange(start, start + t.shape[0], dtype=torch.int64))
+        self._next_ids(t.shape[0])  # refused before the encoding
+        self._append(t, None)
 
     def add_with_ids(self, x: Any, ids: Any) -> None:
         """Add vectors with the given ids (integers in 0..2**63-1; -1 stands for "no result")."""
         t, _ = V.float_matrix(x, "x", self.d)
         self._append(t, torch.from_numpy(V.row_ids(ids, t.shape[0]).copy()))
 
-    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+    def _next_ids(self, n: int) -> torch.Tensor:
+        """The ids ``add`` gives n new rows (call with the lock held to reserve them: two
+        threads adding at once get distinct ids)."""
+        start = self._rows.next_id
+        if start + n - 1 > V.INT64_MAX:
+            raise ValueError(f"add() numbers the rows from next id {start}: {n} more do not fit "
+                             "in int64; use add_with_ids")
+        return torch.arange(start, start + n, dtype=torch.int64)
+
+    def _append(self, t: torch.Tensor, ids: torch.Tensor | None) -> None:
+        """Encode rows t and store them with ``ids`` (None: ``add``'s numbering, taken under
+        the lock together with the append)."""
         if t.shape[0] == 0:
             return
         self._check_ready("add")
         codes, ref, per_row = self._encode(t)
         with self._lock:
-            self._rows.append(codes, ids, ref, per_row)
+            self._rows.append(codes, self._next_ids(t.shape[0]) if ids is None else ids, ref,
+                              per_row)
             self._invalidate()
 
     def remove_ids(self, ids: Any) -> int:
@@ -255,14 +266,13 @@ class CodesIndex:
         ``SearchParameters`` whose ``sel`` is an ``IDSelectorBatch``/``IDSelectorArray``-like
         object with ``is_member``; prefer ``allowed_ids``.
         """
-        k = V.search_k(k, self._rows.n)
         self._check_ready("search")
-        if self._mapped is not None:
-            self._mapped.check()
+        self.check_mapped()
+        snap = self._current()  # a consistent snapshot; searching itself needs no lock
+        k = V.search_k(k, snap.rows.n)
         if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
             sel = params.sel
-            allowed_ids = [int(i) for i in self._rows.ids.tolist() if sel.is_member(int(i))]
-        snap = self._current()  # a consistent snapshot; searching itself needs no lock
+            allowed_ids = [int(i) for i in snap.rows.ids.tolist() if sel.is_member(int(i))]
         mask = None
         if allowed_ids is None:
             out = self._fused_search(x, snap, k)

@@ -240,10 +240,11 @@ class FlatIndex(CodesIndex):
         # cosine: the mean of the unit rows (float32 rows, float64 sum, like the codes' input)
         mean = row_mean(normalized(t.to(torch.float32)) if self.metric_type == METRIC_COSINE
                         else t)
-        self._center = mean.to(device=self.device, dtype=torch.float32).contiguous()
-        self._scan = None  # the one-call search holds the center it subtracts
-        self._snap = None
-        self.is_trained = True
+        with self._lock:
+            self._center = mean.to(device=self.device, dtype=torch.float32).contiguous()
+            self._scan = None  # the one-call search holds the center it subtracts
+            self._snap = None
+            self.is_trained = True
 
     @property
     def center(self) -> np.ndarray | None:
@@ -288,7 +289,7 @@ class FlatIndex(CodesIndex):
         self._scan: FlatScan | None = None
 
     def _removed(self) -> None:
-        self._layout.clear()
+        self._layout = BlockedCodes()
 
     def reconstruct_n(self, i0: int, n: int) -> np.ndarray:
         """Decode the vectors at positions i0 .. i0+n-1 -> (n, d) float32."""
@@ -331,7 +332,7 @@ class FlatIndex(CodesIndex):
             self._rows = rows
             self._mapped = mapped
             self._invalidate()
-            self._layout.clear()
+            self._layout = BlockedCodes()
 
     # -- the scan state -----------------------------------------------------------------------
     def _lut_ok(self) -> bool:
@@ -375,15 +376,17 @@ class FlatIndex(CodesIndex):
                                   rows.term("ipcorr", dev), dev)
         scan = FlatScan(None if held_by_layout else [t.packed for t in terms], mults,
                         [t.centroids.to(torch.float32).contiguous() for t in terms],
-                        [t.bits for t in terms], add)
+                        [t.bits for t in terms], add, self._prefilter)
         if held_by_layout:
-            blocked = self._layout.lay_out("terms", [(t.packed, t.d, t.bits) for t in tail], n,
-                                           start)
+            self._layout = self._layout.lay_out("terms", [(t.packed, t.d, t.bits) for t in tail],
+                                                n, start)
+            blocked = self._layout.blocks
             scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
                                         self.codec.backend)
             rows.release(self._layout)
         elif fast and self._prefilter and not first:
-            signs, term = self._layout.sign_plane(self.codec, rows.codes)
+            self._layout, term = self._layout.sign_plane(self.codec, rows.codes)
+            signs = self._layout.blocks[0]
             # every row's first-pass term (the plane's rows were laid out in appends)
             first_term = LutTerm(None, term.d, 1, term.centroids,
                                  self.codec.sign_scale(rows.scalar_codes()))
@@ -408,8 +411,9 @@ class FlatIndex(CodesIndex):
                                       else mult1[0])
         elif fast:
             start = self._layout.start("terms")
-            blocked = self._layout.lay_out("terms", [(t.packed[start:], t.d, t.bits)
-                                                     for t in terms], n, start)
+            self._layout = self._layout.lay_out("terms", [(t.packed[start:], t.d, t.bits)
+                                                          for t in terms], n, start)
+            blocked = self._layout.blocks
             # a prefilter over several terms: the leading ones first, then every term of
             # the shortlist from the packed codes
             scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
@@ -520,7 +524,7 @@ class FlatIndex(CodesIndex):
                 and snap.scan is not None and snap.scan.fused is not None
                 and self._fast_rows_ok(snap.n, self._candidates(snap.n, k))):
             return None
-        return snap.scan.fused.search(x, k, self._k_factor)
+        return snap.scan.fused.search(x, k, self.k_factor)
 
     def _scan_block(self, q: torch.Tensor, snap: Snapshot, mask: torch.Tensor | None, kk: int,
                     nq_total: int, route: tuple[int, int] | None = None, probes: Any = None
@@ -553,9 +557,9 @@ class FlatIndex(CodesIndex):
         its best ``prefilter * kk`` rows. ``add`` overrides the row offsets. With a refinement,
         which re-ranks them, by the kernel's tables alone."""
         if scan.signs is not None:
-            return scan.signs.search(qts[:1], kk, add, k1=self._prefilter * kk)
+            return scan.signs.search(qts[:1], kk, add, k1=scan.prefilter * kk)
         if scan.scanner.first:  # the leading terms first (first_pass_terms)
-            return scan.scanner.search(qts, kk, add, k1=self._prefilter * kk)
+            return scan.scanner.search(qts, kk, add, k1=scan.prefilter * kk)
         return scan.scanner.search(qts, kk, add, approx=self.refine is not None)
 
     def search_mapped(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:

@@ -219,7 +219,7 @@ class GraphIndex(FlatIndex):
         h.hnsw.efConstruction = self.ef_construction
         return h
 
-    def _append(self, t: torch.Tensor, ids: torch.Tensor) -> None:
+    def _append(self, t: torch.Tensor, ids: torch.Tensor | None) -> None:
         if t.shape[0] == 0:
             return
         self._check_ready("add")
@@ -231,7 +231,8 @@ class GraphIndex(FlatIndex):
                 if self._rows.n:  # the graph laid out (or read from a file): faiss's again
                     self._restore_builder(self._hnsw, self._graph_now())
             self._hnsw.add(x)
-            self._rows.append(codes, ids, ref, per_row)
+            self._rows.append(codes, self._next_ids(t.shape[0]) if ids is None else ids, ref,
+                              per_row)
             self._graph = None
             self._invalidate()
 
@@ -257,12 +258,6 @@ class GraphIndex(FlatIndex):
         if self._rows.n:
             self._hnsw = self._faiss_graph()
             self._hnsw.add(self._stored_vectors(self._rows))
-
-    def reset(self) -> None:
-        with self._lock:
-            self._hnsw = None
-            self._graph = None
-        super().reset()
 
     def _restore_builder(self, h: Any, g: Graph) -> None:
         """faiss's HNSW index h (empty) holding graph g over the stored rows again: their

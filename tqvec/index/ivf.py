@@ -147,8 +147,10 @@ class IVFIndex(CodesIndex):
 
     @nprobe.setter
     def nprobe(self, value: int) -> None:
-        self._nprobe = V.positive_int(value, "nprobe", 1, _MAX_NLIST)
-        self._snap = None  # the snapshot holds nprobe
+        value = V.positive_int(value, "nprobe", 1, _MAX_NLIST)
+        with self._lock:  # not between a snapshot's making and its storing (``_current``)
+            self._nprobe = value
+            self._snap = None  # the snapshot holds nprobe
 
     @property
     def prefilter(self) -> int:

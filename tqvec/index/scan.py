@@ -31,6 +31,7 @@ class FlatScan:
     cents: list[torch.Tensor]
     bits: list[int]
     add: torch.Tensor
+    prefilter: int = 0  # the index's prefilter this state was built for
     scanner: ops.FastScan | None = None
     signs: ops.FastScan | None = None
     fused: FlatSearch | None = field(default=None, repr=False)
@@ -78,45 +79,42 @@ def rows_from_blocked(blocked: torch.Tensor, slots: torch.Tensor, d: int, b: int
 
 
 class BlockedCodes:
-    """The fast-scan layout (``ops.block_codes``) of an index's codes, kept across appends:
-    rows added after the last whole 32-row block are laid out and joined to the blocks before
-    them; ``clear`` drops it (after removals, or to hold one layout at a time). Either the
-    codec's terms or its sign plane (a prefilter's first pass). Laid out terms that tile the
-    payload serve it back (``payload``: the index then holds its codes once, see ``Rows``)."""
+    """The fast-scan layout (``ops.block_codes``) of an index's codes: either the codec's terms
+    or its sign plane (a prefilter's first pass). Never changed once made: an index extends it
+    into a new one (``lay_out``: the rows after the last whole 32-row block laid out and joined
+    to the blocks before them) and replaces its own, so a search snapshot - and rows whose
+    payload it serves (``payload``: the index then holds its codes once, see ``Rows``) - keep
+    the layout they were made with."""
 
-    def __init__(self) -> None:
-        self.clear()
-
-    def clear(self) -> None:
-        self.blocks: list[torch.Tensor] | None = None
-        self.dims: list[tuple[int, int]] = []  # (d, b) of each array
-        self.n = 0
-        self.kind = ""
+    def __init__(self, blocks: list[torch.Tensor] | None = None,
+                 dims: tuple[tuple[int, int], ...] = (), n: int = 0, kind: str = "") -> None:
+        self.blocks = blocks
+        self.dims = dims  # (d, b) of each array
+        self.n = n
+        self.kind = kind
 
     def start(self, kind: str) -> int:
         """The first row a new layout of ``kind`` must lay out again: where the last whole
-        block of the current one ends (0 for another kind or none)."""
+        block of this one ends (0 for another kind or none)."""
         return (self.n // 32) * 32 if self.blocks is not None and self.kind == kind else 0
 
     def lay_out(self, kind: str, parts: list[tuple[torch.Tensor, int, int]], n: int,
-                start: int) -> list[torch.Tensor]:
-        """Extend to n rows: parts = (packed rows [start, n), d, b) per array."""
+                start: int) -> BlockedCodes:
+        """This layout extended to n rows: parts = (packed rows [start, n), d, b) per array."""
         blocks = []
         for i, (packed, d, b) in enumerate(parts):
             new = ops.block_codes(packed, d, b)
             old = self.blocks[i][: start // 32] if start else None
             blocks.append(new if old is None else torch.cat([old, new]))
-        self.blocks, self.n, self.kind = blocks, n, kind
-        self.dims = [(d, b) for _, d, b in parts]
-        return blocks
+        return BlockedCodes(blocks, tuple((d, b) for _, d, b in parts), n, kind)
 
-    def sign_plane(self, codec: Codec, codes: Codes) -> tuple[torch.Tensor, LutTerm]:
-        """The codec's sign plane (``Codec.sign_term``) in the fast-scan layout, and the sign
-        term of the rows laid out last (its d and centroids)."""
+    def sign_plane(self, codec: Codec, codes: Codes) -> tuple[BlockedCodes, LutTerm]:
+        """This layout extended to the codec's sign plane (``Codec.sign_term``) of ``codes``
+        (the fast-scan layout's one array), and the sign term of the rows laid out last (its d
+        and centroids)."""
         start = self.start("signs")
         term = codec.sign_term(codes[start:])
-        blocks = self.lay_out("signs", [(term.packed, term.d, 1)], len(codes), start)
-        return blocks[0], term
+        return self.lay_out("signs", [(term.packed, term.d, 1)], len(codes), start), term
 
     def payload(self, i0: int, i1: int) -> torch.Tensor:
         """Rows [i0, i1) of the laid out terms as row-major payload bytes (the terms' packed

@@ -22,6 +22,33 @@ def test_encode_info_decode(tmp_path, capsys, rng):
     np.testing.assert_array_equal(y, c.decode(c.encode(x), like=x))
 
 
+def test_decode_writes_in_bounded_chunks(tmp_path, capsys, rng, monkeypatch):
+    """A 1-bit sketch decodes to d floats per few bytes: ``tqvec decode`` never holds more
+    than a chunk of the output (the codec is asked for chunk-sized slices only)."""
+    import tqvec.cli as cli
+
+    x = rng.standard_normal((300, 64)).astype(np.float32)
+    c = tqvec.QJL(64, 1, seed=2)
+    tqvec.save_codes(tmp_path / "q.tqc", c.encode(x))
+    monkeypatch.setattr(cli, "DECODE_CHUNK_BYTES", 4 * 64 * 7)  # 7 rows a chunk
+    sizes = []
+    decode = tqvec.QJL.decode
+    monkeypatch.setattr(tqvec.QJL, "decode",
+                        lambda self, codes, **kw: sizes.append(len(codes)) or decode(self, codes,
+                                                                                     **kw))
+    assert main(["decode", str(tmp_path / "q.tqc"), str(tmp_path / "y.npy")]) == 0
+    assert max(sizes) == 7 and sum(sizes) == 300
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npy"), c.decode(c.encode(x), like=x))
+
+
+def test_output_into_a_missing_folder_names_the_path(tmp_path, capsys, rng):
+    np.save(tmp_path / "x.npy", rng.standard_normal((20, 32)).astype(np.float32))
+    out = tmp_path / "nodir" / "x.tqc"
+    assert main(["encode", str(tmp_path / "x.npy"), str(out)]) == 2
+    err = capsys.readouterr().err
+    assert str(out) in err and "does not exist" in err and ".tmp" not in err
+
+
 @pytest.mark.parametrize("codec", ["qjl", "polarquant"])
 def test_encode_other_codecs(tmp_path, codec, rng):
     np.save(tmp_path / "x.npy", rng.standard_normal((20, 32)).astype(np.float32))

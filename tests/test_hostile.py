@@ -26,7 +26,7 @@ import tqvec
 from tqvec import FormatError
 from tqvec import _validate as V
 from tqvec.cli import main
-from tqvec.io import MAGIC, read_container, write_container
+from tqvec.io import MAGIC, read_container, temp_name, write_container
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -457,14 +457,17 @@ def test_mapped_codes_check_their_file_at_each_use(codes_file):
 def test_stale_temporaries_are_removed_by_the_next_write(tmp_path, rng):
     index = tqvec.index_factory(16, "TQ4", "l2")
     index.add(rng.standard_normal((50, 16)).astype(np.float32))
-    old = tmp_path / ".tqvec-killed01.tmp"        # a killed writer's: unlocked, old
-    fresh = tmp_path / ".tqvec-fresh001.tmp"      # just created: maybe a writer starting
-    live = tmp_path / ".tqvec-live0001.tmp"       # old but locked: a live writer's
+    old = tmp_path / temp_name()                  # a killed writer's: unlocked, old
+    fresh = tmp_path / temp_name()                # just created: maybe a writer starting
+    live = tmp_path / temp_name()                 # old but locked: a live writer's
     other = tmp_path / "mine.tmp"                 # not ours
-    for f in (old, fresh, live, other):
+    users = tmp_path / ".tqvec-notes.tmp"         # not a name a writer makes: the user's
+    name = temp_name()
+    forged = tmp_path / (name[:-5] + "01"[name[-5] == "0"] + ".tmp")  # a tag that does not match
+    for f in (old, fresh, live, other, users, forged):
         f.write_bytes(b"x" * 1000)
     hour_ago = time.time() - 3600
-    for f in (old, live, other):
+    for f in (old, live, other, users, forged):
         os.utime(f, (hour_ago, hour_ago))
     holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
         import fcntl, sys, time
@@ -480,7 +483,7 @@ def test_stale_temporaries_are_removed_by_the_next_write(tmp_path, rng):
         holder.kill()
         holder.wait()
     names = {p.name for p in tmp_path.iterdir()}
-    assert names == {"i.tqv", fresh.name, live.name, other.name}
+    assert names == {"i.tqv", fresh.name, live.name, other.name, users.name, forged.name}
 
 
 def test_a_writer_killed_mid_write_leaves_the_old_file_and_a_temporary_the_next_write_removes(
@@ -703,3 +706,41 @@ def test_containers_refuse_what_write_container_never_writes(tmp_path):
         write_container(tmp_path / "n.tqc", "codes", {"x": float("nan")}, {})
     write_container(tmp_path / "e.tqc", "codes", {}, {})
     assert read_container(tmp_path / "e.tqc", "codes").arrays == {}
+
+
+def test_writes_never_change_the_process_umask(tmp_path, rng, monkeypatch):
+    """The temporary gets open()'s mode from the kernel; os.umask (process-wide: another thread
+    creating a file meanwhile would get mode 0666) is never called."""
+    def no_umask(*a):
+        raise AssertionError("os.umask changes the mode of every thread's new files")
+    index = tqvec.index_factory(16, "TQ4", "l2")
+    index.add(rng.standard_normal((50, 16)).astype(np.float32))
+    old = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", no_umask)
+        tqvec.write_index(index, tmp_path / "i.tqv")
+        tqvec.save_codes(tmp_path / "c.tqc", index.codec.encode(np.zeros((2, 16), np.float32)))
+        pytest.importorskip("h5py")
+        from tqvec.datasets import write_hdf5
+        write_hdf5(str(tmp_path / "a.hdf5"), np.ones((20, 4), np.float32),
+                   np.ones((2, 4), np.float32), "euclidean", k=5)
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    for name in ("i.tqv", "c.tqc", "a.hdf5"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o640, name
+
+
+def test_paths_as_bytes_and_missing_folders(tmp_path, rng):
+    index = tqvec.index_factory(16, "TQ4", "l2")
+    index.add(rng.standard_normal((50, 16)).astype(np.float32))
+    target = os.fsencode(tmp_path / "i.tqv")
+    tqvec.write_index(index, target)
+    back = tqvec.read_index(target)
+    assert back.ntotal == 50
+    missing = tmp_path / "nodir" / "i.tqv"
+    with pytest.raises(FileNotFoundError, match="nodir.*does not exist") as e:
+        tqvec.write_index(index, missing)
+    assert str(missing) in str(e.value) and ".tqvec-" not in str(e.value)
+    with pytest.raises(FileNotFoundError, match="nodir"):
+        tqvec.save_codes(missing, index.codec.encode(np.zeros((1, 16), np.float32)))

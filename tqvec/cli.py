@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from typing import IO
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from ._argtypes import bit_list, positive_int
 __all__ = ["main", "build_parser"]
 
 _CHUNK = 65536
+#: ``tqvec decode`` writes its output in chunks of about this many bytes of float32 rows: a
+#: 1-bit sketch decodes to d floats per few bytes, so the output can be ~10^5 x the input.
+DECODE_CHUNK_BYTES = 64 << 20
 _NPY_MAGIC = b"\x93NUMPY"
 
 
@@ -112,9 +116,19 @@ def _decode(a: argparse.Namespace) -> int:
 
     codes = load_codes(a.input, mmap=True)
     _check_output(a)
-    x = codec_from_params(codes.params).decode(codes, like=np.empty(0))
-    atomic_write(a.output, lambda f: np.save(f, x, allow_pickle=False))
-    print(f"{len(codes)} vectors -> {a.output} ({x.dtype}, shape {x.shape})")
+    codec = codec_from_params(codes.params)
+    shape = (len(codes), codec.dim)
+    step = max(1, DECODE_CHUNK_BYTES // (4 * codec.dim))
+
+    def write(f: IO[bytes]) -> None:  # an .npy file, written chunk by chunk
+        np.lib.format.write_array_header_2_0(f, {"descr": np.lib.format.dtype_to_descr(
+            np.dtype(np.float32)), "fortran_order": False, "shape": shape})
+        for s in range(0, shape[0], step):
+            f.write(np.ascontiguousarray(codec.decode(codes[s:s + step], like=np.empty(0)),
+                                         np.float32).tobytes())
+
+    atomic_write(a.output, write)
+    print(f"{len(codes)} vectors -> {a.output} (float32, shape {shape})")
     return 0
 
 

@@ -118,20 +118,17 @@ def ground_truth(train: np.ndarray, test: np.ndarray, k: int, distance: str
 def write_hdf5(path: str, train: np.ndarray, test: np.ndarray, distance: str, k: int = 100
                ) -> None:
     """Write an ann-benchmarks file (with exact ground truth), atomically."""
-    import tempfile
-
     import h5py
+
+    from .io import create_temp
 
     if distance not in ANN_DISTANCES:
         raise ValueError(f"distance must be one of {list(ANN_DISTANCES)}, got {distance!r}")
     nb, dist = ground_truth(train, test, min(k, len(train)), distance)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".hdf5.tmp", dir=folder)
+    fd, tmp = create_temp(folder)  # the mode open() gives; HDF5 locks it while it writes
     os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["distance"] = distance

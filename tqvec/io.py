@@ -41,9 +41,9 @@ import os
 import re
 import stat
 import struct
-import tempfile
 import time
 import weakref
+import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any, NamedTuple
 
@@ -52,7 +52,8 @@ import numpy as np
 from .errors import FormatError
 
 __all__ = ["MAGIC", "FORMAT_VERSION", "Container", "MappedFile", "write_container",
-           "read_container", "atomic_write", "check_writable", "open_regular"]
+           "read_container", "atomic_write", "check_writable", "open_regular", "temp_name",
+           "create_temp"]
 
 MAGIC = b"\x89TQV\r\n\x1a\n"
 FORMAT_VERSION = 1
@@ -63,11 +64,11 @@ _ALIGN = 64
 _DTYPES = {"uint8", "int64", "int32", "float16", "float32", "float64"}
 _MAX_HEADER = 64 << 20
 _MAX_ARRAYS = 4096
-_TEMP_PREFIX, _TEMP_SUFFIX = ".tqvec-", ".tmp"
-_TEMP_NAME = re.compile(r"\.tqvec-[A-Za-z0-9_]+\.tmp")
-#: A temporary file is stale when no writer holds its lock and its last change is older than
-#: the write that finds it by this much (a margin for a writer between creating and locking).
-_STALE_MARGIN_S = 2.0
+_TEMP_NAME = re.compile(r"\.tqvec-(?P<r>[0-9a-f]{16})(?P<tag>[0-9a-f]{8})\.tmp")
+#: A temporary file is stale when its name is one ``temp_name`` made, no writer holds its lock
+#: and its last change is older than the write that finds it by this much (a writer between
+#: creating and locking it, or on a file system whose locks do not reach other hosts).
+_STALE_MARGIN_S = 600.0
 # Python's json accepts these non-JSON literals; a header never holds them.
 _NON_JSON = {"NaN", "Infinity", "-Infinity"}
 
@@ -90,7 +91,7 @@ def _kind_of(mode: int) -> str:
 def check_writable(path: str | os.PathLike, name: str = "path") -> str:
     """``path`` as a str if it names a regular file or nothing yet; a symlink, directory, FIFO
     or device is refused (ValueError): writes replace the name, never write through it."""
-    p = os.fspath(path)
+    p = os.fsdecode(path)  # str, bytes or a path object
     try:
         st = os.lstat(p)
     except FileNotFoundError:
@@ -101,15 +102,48 @@ def check_writable(path: str | os.PathLike, name: str = "path") -> str:
     return p
 
 
+def _tag(r: str) -> str:
+    return f"{zlib.crc32(b'tqvec temporary ' + r.encode()):08x}"
+
+
+def temp_name() -> str:
+    """A new name for ``atomic_write``'s temporary file: ``.tqvec-<16 hex><8 hex tag>.tmp``,
+    the tag a checksum of the random part, so that only files a tqvec writer named are ever
+    taken for its stale temporaries (a user's ``.tqvec-notes.tmp`` is not)."""
+    r = os.urandom(8).hex()
+    return f".tqvec-{r}{_tag(r)}.tmp"
+
+
+def _is_temp_name(name: str) -> bool:
+    m = _TEMP_NAME.fullmatch(name)
+    return m is not None and m["tag"] == _tag(m["r"])
+
+
+def create_temp(folder: str) -> tuple[int, str]:
+    """Create a new temporary file in ``folder`` (fd, path), with the mode a plain ``open``
+    gives (0666 less the umask, which the kernel applies: the process umask is never changed,
+    so no other thread can create a file while it is 0)."""
+    for _ in range(100):
+        tmp = os.path.join(folder, temp_name())
+        try:
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW,
+                         0o666)
+        except FileExistsError:
+            continue
+        return fd, tmp
+    raise FileExistsError(f"could not create a temporary file in {folder!r}")
+
+
 def _remove_stale_temps(folder: str, started: float) -> None:
-    """Delete ``.tqvec-*.tmp`` files in ``folder`` that no live writer holds (their lock is
-    free: the writer died) and that are older than ``started``; never follows links."""
+    """Delete the temporaries of killed tqvec writers in ``folder``: files named by
+    ``temp_name`` that no live writer holds (their lock is free) and that are older than
+    ``started`` by ``_STALE_MARGIN_S``; never follows links."""
     try:
         entries = list(os.scandir(folder))
     except OSError:
         return
     for e in entries:
-        if not _TEMP_NAME.fullmatch(e.name):
+        if not _is_temp_name(e.name):
             continue
         try:
             fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -137,14 +171,13 @@ def atomic_write(path: str | os.PathLike, write: Callable[[IO[bytes]], None]) ->
     temporary on any failure, and stale temporaries of killed writers first."""
     path = check_writable(path)
     folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(2, f"path {path!r} is in a folder that does not exist "
+                                   f"({folder!r}): create it first", path)
     _remove_stale_temps(folder, time.time())
-    fd, tmp = tempfile.mkstemp(prefix=_TEMP_PREFIX, suffix=_TEMP_SUFFIX, dir=folder)
+    fd, tmp = create_temp(folder)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename: a live temporary is not stale
-        # mkstemp creates 0600; give the file the mode a plain open() would (0666 & ~umask).
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)
         with os.fdopen(fd, "wb", closefd=False) as f:
             write(f)
             f.flush()
@@ -240,7 +273,7 @@ def open_regular(path: str | os.PathLike) -> tuple[int, os.stat_result]:
     """Open ``path`` for reading if it is a regular file: (fd, stat). A FIFO or a device is
     refused with ``FormatError`` without blocking; a directory raises ``IsADirectoryError`` and
     a missing file ``FileNotFoundError``, as ``open`` does."""
-    p = os.fspath(path)
+    p = os.fsdecode(path)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
@@ -322,7 +355,7 @@ def read_container(path: str | os.PathLike, kind: str, *, mmap: bool = False,
     tells whether it changed since). verify=True checks every array's sha256 (reads the whole
     file once, mapped or not).
     """
-    p = os.fspath(path)
+    p = os.fsdecode(path)
     fd, st = open_regular(p)
     with os.fdopen(fd, "rb") as f:
         size = st.st_size

@@ -191,6 +191,27 @@ def test_kernel_shape_errors_name_the_parameter_the_expected_and_the_given_shape
     assert searcher.search(q, vals, idx, 1, 1) and (idx >= 0).all()
 
 
+def test_negative_extents_are_refused_not_taken_for_the_wildcard():
+    """A negative size (d = -1) matches no shape: it once passed as check_shape's "any extent"
+    and unpack_bits copied SIZE_MAX bytes (SIGSEGV)."""
+    out = run_isolated("""
+        import numpy as np
+        from tqvec import _C
+        packed = np.zeros((4, 0), np.uint8)
+        for call in (lambda: _C.unpack_bits(packed, -1, 1, np.zeros((4, 0), np.uint8), 1),
+                     lambda: _C.unpack_bits(packed, -9, 4, np.zeros((4, 0), np.uint8), 1),
+                     lambda: _C.centroid_stats(packed, -1, 2, np.zeros(4, np.float32), None,
+                                               None, np.zeros(4, np.float32), None, 1)):
+            try:
+                call()
+            except ValueError as e:
+                print("ValueError", str(e).split(":")[0])
+    """)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["ValueError", "unpack_bits", "ValueError", "unpack_bits",
+                                  "ValueError", "centroid_stats"], out.stdout
+
+
 def test_kernels_refuse_or_clamp_hostile_sizes():
     """The compiled entry points re-check what the Python side lets through: a bad size is a
     ValueError, a candidate count beyond the rows means every row - never undefined

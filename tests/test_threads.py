@@ -114,3 +114,26 @@ def test_a_forked_child_runs_kernels_with_its_own_pool(restore_threads):
     np.testing.assert_array_equal(parent.recv(), expected)
     p.join(30)
     assert p.exitcode == 0
+
+
+def test_an_exception_on_a_pool_worker_reaches_the_caller(tmp_path):
+    """tests/native/pool_errors.cpp: a task that throws on a worker other than the caller's
+    thread raises in the caller (it once ended the process in std::terminate), and the pool
+    keeps working after it."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    src = Path(__file__).resolve().parent / "native" / "pool_errors.cpp"
+    exe = tmp_path / "pool_errors"
+    subprocess.run([cxx, "-std=c++17", "-O1", "-pthread", str(src), "-o", str(exe)],
+                   check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "pool worker: caught worker 2", "pool caller: caught worker 0",
+        "pool again: caught worker 3", "fresh threads: caught worker 1",
+        "no error: no exception"]

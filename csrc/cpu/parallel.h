@@ -11,6 +11,7 @@
 #include <mutex>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include <unistd.h>
@@ -62,7 +63,9 @@ class Workers {
   }
 
   // Runs task(w) for w = 0 .. t-1, w = 0 on the calling thread. false (nothing run) when the
-  // pool is in use: a nested call from a worker, or another thread's concurrent search.
+  // pool is in use: a nested call from a worker, or another thread's concurrent search. An
+  // exception thrown by any worker is rethrown here once all of them are done (the caller's
+  // own first).
   bool run(int64_t t, Task task) {
     std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
     if (!busy.owns_lock() || t > kMaxThreads) return false;
@@ -73,6 +76,7 @@ class Workers {
       threads_.emplace_back([this, w, prev] { loop(w, prev); });
     }
     task_ = task;
+    worker_err_ = nullptr;
     pending_.store(t - 1, std::memory_order_relaxed);
     const uint64_t next = ((prev >> 16) + 1) << 16;
     {
@@ -87,6 +91,10 @@ class Workers {
       err = std::current_exception();  // the workers still use the caller's frame: wait first
     }
     wait_done();
+    if (!err) {
+      std::lock_guard<std::mutex> lk(err_m_);
+      err = std::exchange(worker_err_, nullptr);
+    }
     if (err) std::rethrow_exception(err);
     return true;
   }
@@ -122,7 +130,12 @@ class Workers {
       }
       seen = s;
       if (w >= static_cast<int64_t>(s & 0xffff)) continue;  // not part of this run
-      task_.call(task_.ctx, w);
+      try {  // an exception leaving a thread's function would std::terminate the process
+        task_.call(task_.ctx, w);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(err_m_);
+        if (!worker_err_) worker_err_ = std::current_exception();
+      }
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lk(m_);
         done_.notify_one();
@@ -138,6 +151,8 @@ class Workers {
   std::atomic<uint64_t> state_{0};  // generation << 16 | threads of the run
   std::atomic<int64_t> pending_{0};
   Task task_;
+  std::mutex err_m_;
+  std::exception_ptr worker_err_;  // the first exception a worker threw in this run
 };
 
 }  // namespace pool
@@ -156,9 +171,20 @@ void run_workers(int64_t t, F&& fn) {
   if (pool::Workers::get().run(t, task)) return;
   std::vector<std::thread> extra;
   extra.reserve(static_cast<size_t>(t - 1));
-  for (int64_t w = 1; w < t; ++w) extra.emplace_back([&fn, w] { fn(w); });
-  fn(int64_t{0});
+  std::mutex err_m;
+  std::exception_ptr err;
+  auto guarded = [&](int64_t w) {
+    try {
+      fn(w);
+    } catch (...) {
+      std::lock_guard<std::mutex> lk(err_m);
+      if (!err) err = std::current_exception();
+    }
+  };
+  for (int64_t w = 1; w < t; ++w) extra.emplace_back([&guarded, w] { guarded(w); });
+  guarded(int64_t{0});
   for (auto& th : extra) th.join();
+  if (err) std::rethrow_exception(err);
 }
 
 // Many queries (at least min_per_thread per thread): fn(lo, hi) for contiguous shares of

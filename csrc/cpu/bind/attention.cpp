@@ -148,6 +148,7 @@ void bind_attention(nb::module_& m) {
                           std::vector<AnyArr> norms, std::vector<AnyArr> exact,
                           int exact_dtype) {
         const char* op = "KVStepPlan";
+        require(d >= 1, op, ": d must be >= 1");
         require(heads >= 1 && bh >= 0 && bh % heads == 0, op,
                 ": heads must be positive and divide bh");
         require(sides.size() % 2 == 0 && packed.size() == sides.size() &&

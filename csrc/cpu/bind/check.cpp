@@ -2,11 +2,11 @@
 
 namespace tqvec::bind {
 
-std::string shape_text(std::initializer_list<int64_t> dims) {
+std::string shape_text(std::initializer_list<Extent> dims) {
   std::string s = "(";
   size_t i = 0;
-  for (const int64_t e : dims) {
-    s += (i++ ? ", " : "") + (e == kAny ? std::string("*") : std::to_string(e));
+  for (const Extent& e : dims) {
+    s += (i++ ? ", " : "") + (e.any ? std::string("*") : std::to_string(e.value));
     if (dims.size() == 1) s += ",";
   }
   return s + ")";

@@ -11,6 +11,7 @@
 #include <initializer_list>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "../kernels.h"
 
@@ -21,8 +22,18 @@ namespace nb = nanobind;
 template <class T>
 using CArr = nb::ndarray<T, nb::c_contig, nb::device::cpu>;
 
-// An extent check_shape accepts whatever its value.
-constexpr int64_t kAny = -1;
+// One extent of check_shape: a number, or kAny (any extent). The wildcard is a type of its
+// own, not a value: a caller's negative number (d = -1) matches no array, where a -1 wildcard
+// let unpack_bits(d=-1) pass its checks and copy SIZE_MAX bytes.
+struct Extent {
+  struct AnyTag {};
+  int64_t value = 0;
+  bool any = false;
+  template <class I, std::enable_if_t<std::is_integral_v<I>, int> = 0>
+  constexpr Extent(I v) : value(static_cast<int64_t>(v)) {}  // NOLINT: implicit by design
+  constexpr Extent(AnyTag) : any(true) {}                      // NOLINT
+};
+inline constexpr Extent::AnyTag kAny{};
 
 // Raises std::invalid_argument (ValueError) unless ok. The message is built only on failure: a
 // std::string argument would be constructed, and past 15 characters heap-allocated, on every
@@ -36,7 +47,7 @@ void require(bool ok, const Parts&... parts) {
 }
 
 // "(3, *, 32)" for check_shape's messages.
-std::string shape_text(std::initializer_list<int64_t> dims);
+std::string shape_text(std::initializer_list<Extent> dims);
 template <class A>
 std::string shape_text(const A& a) {
   std::string s = "(";
@@ -47,13 +58,13 @@ std::string shape_text(const A& a) {
 
 // The one shape check: a has exactly dims.size() dimensions, each equal to dims (kAny: any).
 template <class A>
-void check_shape(const A& a, std::initializer_list<int64_t> dims, const char* op,
+void check_shape(const A& a, std::initializer_list<Extent> dims, const char* op,
                  const char* name) {
   bool ok = a.ndim() == dims.size();
   size_t i = 0;
-  for (const int64_t e : dims) {
+  for (const Extent& e : dims) {
     if (!ok) break;
-    ok = e == kAny || (e >= 0 && a.shape(i) == static_cast<size_t>(e));
+    ok = e.any || (e.value >= 0 && a.shape(i) == static_cast<size_t>(e.value));
     ++i;
   }
   require(ok, op, ": ", name, " must have shape ", shape_text(dims), ", got ", shape_text(a));

@@ -21,6 +21,7 @@ void bind_codes(nb::module_& m) {
   m.def("unpack_bits", [](CArr<const uint8_t> packed, int64_t d, int b, CArr<uint8_t> out,
                           int nthreads) {
     check_bits(b, 8, "unpack_bits");
+    require(d >= 1, "unpack_bits: d must be >= 1");
     check_shape(packed, {kAny, packed_row_bytes(d, b)}, "unpack_bits", "packed");
     const int64_t n = dim(packed, 0);
     check_shape(out, {n, d}, "unpack_bits", "out");
@@ -46,6 +47,7 @@ void bind_codes(nb::module_& m) {
                              std::optional<CArr<float>> dot, int nthreads) {
     const char* op = "centroid_stats";
     check_bits(b, 8, op);
+    require(d >= 1, op, ": d must be >= 1");
     check_shape(packed, {kAny, packed_row_bytes(d, b)}, op, "packed");
     const int64_t n = dim(packed, 0);
     check_shape(centroids, {int64_t{1} << b}, op, "centroids");

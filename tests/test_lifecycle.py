@@ -138,3 +138,43 @@ def test_a_snapshot_keeps_its_layout(change):
     if change == "prefilter":
         np.testing.assert_array_equal(got, tqvec.index_factory(32, "TQ2", seed=3).codec.decode(
             index.codec.encode(x[:5]), like=x))
+
+
+@pytest.mark.parametrize("metric", ["l2", "cosine", "ip"])
+@pytest.mark.parametrize("spec", ["TQ4", "TQ2,Refine(Flat)", "IVF8,TQ2", "HNSW8,TQ2", "PCA,TQ3"])
+def test_a_finite_query_whose_norm_overflows_is_refused_as_add_refuses_it(spec, metric):
+    """Values of ~2e19 are finite but their squared norm is not: add refuses such rows, and a
+    search now does too (it returned all -1 silently)."""
+    x = _rows(500)
+    index = _fresh(spec, x, metric)
+    index.add(x)
+    big = np.full((2, 32), 2e19, np.float32)
+    with pytest.raises(ValueError, match="norm fits in float32"):
+        index.add(big)
+    for q in (big, big.astype(np.float64), big[:, ::1].copy(order="F")):
+        with pytest.raises(ValueError, match="norm fits in float32"):
+            index.search(q, 5)
+    ok = np.full((2, 32), 1e17, np.float32)  # large, but within float32
+    assert (index.search(ok, 5)[1] >= 0).all()
+
+
+def test_user_probes_are_checked():
+    """An IVF search given probes (a coordinator's ``probe``) refuses lists out of range,
+    repeated lists, wrong dtypes and shapes (one route skipped list numbers past nlist, the
+    other wrapped -2 to another list)."""
+    x, q = _rows(2000), _rows(3, seed=4)
+    index = _fresh("IVF8,TQ2,Refine(Flat)", x)
+    index.add(x)
+    index.nprobe = 3
+    lists, off = index.probe(q)
+    want = index.search_candidates(q, 5, probes=(lists, off))
+    np.testing.assert_array_equal(want[2], index.search_candidates(q, 5)[2])
+    bad = [((lists + 8, off), "0..7"), ((np.where(lists == lists[0, 0], -2, lists), off), "0..7"),
+           ((lists.astype(np.int32), off), "int64"), ((lists[:2], off[:2]), r"\(3, P\)"),
+           ((lists, off.astype(np.float64)), "float32"),
+           ((np.repeat(lists[:, :1], 3, axis=1), off), "at most once"),
+           ((lists, np.full_like(off, np.nan)), "finite"), (lists, "pair")]
+    for probes, msg in bad:
+        for call in (index.search_candidates, index.scan_candidates):
+            with pytest.raises(ValueError, match=msg):
+                call(q, 5, probes=probes)

@@ -59,16 +59,32 @@ def as_tensor(x: Any, name: str) -> tuple[torch.Tensor, bool]:
 
 
 def query_rows(x: Any, name: str, dim: int, device: torch.device) -> torch.Tensor:
-    """``float_matrix`` for an index's queries, as float32 on ``device``. The common case - a
-    C-contiguous, writable float32 numpy array for a CPU index - is checked in one numpy pass
-    and wrapped without a copy: at one query the general checks cost ~30 us, cache-cold after
-    the previous search's scan, as much as a tenth of the search."""
+    """``float_matrix`` for an index's queries, as float32 on ``device``, each row's norm
+    within float32 (as ``add`` requires: a finite query of norm 1e20 would score NaN against
+    every row). The common case - a C-contiguous, writable float32 numpy array for a CPU index
+    - is checked by one float32 sum of squares and wrapped without a copy (a NaN or Inf
+    anywhere, or a row norm past float32, makes that sum non-finite; the general checks cost
+    ~30 us at one query, cache-cold after the previous search's scan)."""
     if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == dim
             and device.type == "cpu" and x.flags.c_contiguous and x.flags.writeable
-            and np.isfinite(x).all()):
+            and norms_fit(x)):
         return torch.from_numpy(x)
     t, _ = float_matrix(x, name, dim)
-    return t.to(device=device, dtype=torch.float32)
+    t = t.to(dtype=torch.float32)
+    if t.numel():
+        finite_rows(t, torch.linalg.vector_norm(t, dim=1), name, 0)
+    return t.to(device=device)
+
+
+def norms_fit(x: np.ndarray) -> bool:
+    """Whether a float32 numpy matrix is finite with every row's squared norm within float32,
+    by one float32 sum of squares (a NaN or Inf anywhere, or one row past float32, makes it
+    non-finite); rows fine on their own but past float32 together take the row-wise check."""
+    flat = x.reshape(-1)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.dot(flat, flat)):
+            return True
+        return bool(np.isfinite(np.einsum("ij,ij->i", x, x)).all())
 
 
 def float_matrix(x: Any, name: str, dim: int | None = None, allow_empty: bool = True,

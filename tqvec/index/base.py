@@ -287,6 +287,10 @@ class CodesIndex:
         if probes is not None and not hasattr(self, "probe"):
             raise ValueError(f"probes apply to an IVF index, not a {type(self).__name__}")
 
+    def _checked_probes(self, probes: Any, nq: int) -> Any:
+        """User-supplied ``probes`` for nq queries, checked (an IVF index's lists)."""
+        return probes
+
     def _part_search(self, x: Any, k: int, allowed_ids: Any, rows: int | None) -> tuple:
         """What a search over one part of a collection starts from (``search_candidates``,
         ``scan_candidates``): (snapshot, scan route, filter mask, prepared queries, their
@@ -323,6 +327,7 @@ class CodesIndex:
             return s, s, I
         snap, route, mask, q, offsets, kk = self._part_search(x, k, allowed_ids, rows)
         nq, n = q.shape[0], snap.rows.n
+        probes = self._checked_probes(probes, nq)
         scan = np.full((nq, kk), -np.inf, np.float32)
         final = np.full((nq, kk), -np.inf, np.float32)
         I = np.full((nq, kk), -1, np.int64)
@@ -368,6 +373,7 @@ class CodesIndex:
         k, _, rows = V.part_k(k, self._rows.n, rows)
         snap, route, mask, q, offsets, kk = self._part_search(x, k, allowed_ids, rows)
         nq, n = q.shape[0], snap.rows.n
+        probes = self._checked_probes(probes, nq)
         scan = np.full((nq, kk), -np.inf, np.float32)
         pos = np.full((nq, kk), -1, np.int64)
         I = np.full((nq, kk), -1, np.int64)

@@ -396,7 +396,7 @@ class IVFIndex(CodesIndex):
             return None
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:
-            if not np.isfinite(x).all():
+            if not V.norms_fit(x):
                 return None
             q = unit_rows(q)
         return snap.scan.fused.search(q, min(snap.nprobe, self.nlist),
@@ -417,6 +417,34 @@ class IVFIndex(CodesIndex):
         self._check_ready("probe")
         q, _ = self._queries(x)
         return self._probes(q.numpy(), self._current())
+
+    def _checked_probes(self, probes: Any, nq: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """``probes`` as ``probe`` returns them, checked for nq queries: (lists, offsets), both
+        (nq, P) with P >= 1, lists int64 in 0..nlist-1 with no list twice in a row, offsets
+        finite float32 (a list out of range was skipped by one route and wrapped to another
+        list by the other)."""
+        if probes is None:
+            return None
+        if not (isinstance(probes, tuple) and len(probes) == 2):
+            raise ValueError(f"probes must be the (lists, offsets) pair probe(x) returns, got "
+                             f"{type(probes).__name__}")
+        lists, offsets = (np.asarray(p) for p in probes)
+        if lists.dtype != np.int64 or lists.ndim != 2 or lists.shape[0] != nq or (
+                lists.shape[1] == 0):
+            raise ValueError(f"probes[0] (lists) must be int64 of shape ({nq}, P), P >= 1, got "
+                             f"{lists.dtype} of shape {lists.shape}")
+        if offsets.dtype != np.float32 or offsets.shape != lists.shape:
+            raise ValueError(f"probes[1] (offsets) must be float32 of shape {lists.shape}, got "
+                             f"{offsets.dtype} of shape {offsets.shape}")
+        if lists.size and (int(lists.min()) < 0 or int(lists.max()) >= self.nlist):
+            raise ValueError(f"probes[0] must hold list numbers in 0..{self.nlist - 1}, got "
+                             f"{int(lists.min())}..{int(lists.max())}")
+        srt = np.sort(lists, axis=1)
+        if (srt[:, 1:] == srt[:, :-1]).any():
+            raise ValueError("probes[0] must name each list at most once per query")
+        if not np.isfinite(offsets).all():
+            raise ValueError("probes[1] must be finite")
+        return np.ascontiguousarray(lists), np.ascontiguousarray(offsets)
 
     def _probes(self, q: np.ndarray, snap: IVFSnapshot) -> tuple[np.ndarray, np.ndarray]:
         """(probes (nq, P) int64, offsets (nq, P) float32), best first: the nearest lists and the

@@ -303,7 +303,7 @@ class PCAIndex:
             return out
 
         def prepare() -> tuple[list[np.ndarray], torch.Tensor, np.ndarray | None] | None:
-            if not np.isfinite(x).all():
+            if not V.norms_fit(x):
                 return None
             q = torch.from_numpy(unit_rows(x) if self.metric_type == METRIC_COSINE else x)
             W, slices, mu = self._fused_query_map()

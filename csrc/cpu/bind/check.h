@@ -128,9 +128,16 @@ struct Rotation {
 
 // Whether every one of n floats is finite (the one-call searches check their queries here: a
 // numpy isfinite pass cost ~2 us per one-query search, cache-cold after the previous scan).
-inline bool all_finite(const float* x, int64_t n) {
+// Whether every row of x (n, d) is finite and its squared norm fits in float32 (a NaN or an
+// infinity anywhere makes its row's sum of squares non-finite): what an index's add requires of
+// its rows, so that a query of norm 1e20 is reported (the caller's general path), not scored.
+inline bool rows_finite(const float* x, int64_t n, int64_t d) {
   bool ok = true;
-  for (int64_t i = 0; i < n; ++i) ok &= std::isfinite(x[i]);
+  for (int64_t r = 0; r < n; ++r) {
+    float sq = 0.0f;
+    for (int64_t i = 0; i < d; ++i) sq += x[r * d + i] * x[r * d + i];
+    ok &= std::isfinite(sq);
+  }
   return ok;
 }
 

@@ -144,7 +144,7 @@ void bind_graph(nb::module_& m) {
         check_shape(I, {nq, k}, op, "I");
         require(k >= 1 && kk >= 1 && kk <= s.args.n && ef >= kk, op,
                 ": need k >= 1, 1 <= kk <= n and ef >= kk (results past kk are padding)");
-        if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
+        if (!rows_finite(q.data(), nq, s.args.d)) return false;  // the caller reports it
         nb::gil_scoped_release rel;
         graph_index_search(s.full, q.data(), nq, k, kk, ef, D.data(), I.data(), nthreads);
         return true;

@@ -300,7 +300,7 @@ void bind_searchers(nb::module_& m) {
         a.nprobe = nprobe;
         a.kk = std::min(kk, std::max<int64_t>(a.n, 1));  // at most one candidate per row
         nb::gil_scoped_release rel;
-        if (!all_finite(q.data(), nq * a.d)) return false;  // the caller reports it
+        if (!rows_finite(q.data(), nq, a.d)) return false;  // the caller reports it
         if (nq) ivf_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
       }, arg("q"), arg("nprobe"), arg("kk"), arg("D"), arg("I"), arg("nthreads"))
@@ -331,7 +331,7 @@ void bind_searchers(nb::module_& m) {
         const int64_t* p = probes ? probes->data() : nullptr;
         const float* o = offsets ? offsets->data() : nullptr;
         nb::gil_scoped_release rel;
-        if (!all_finite(q.data(), nq * a.d)) return false;  // the caller reports it
+        if (!rows_finite(q.data(), nq, a.d)) return false;  // the caller reports it
         if (nq)
           ivf_candidates(a, q.data(), nq, p, o, scan.data(), final_.data(), I.data(), nthreads);
         return true;
@@ -348,7 +348,7 @@ void bind_searchers(nb::module_& m) {
                         int nthreads) {
         const auto [nq, k] = search_shape(q, D, I, s.args.d, "TermsSearcher.search");
         nb::gil_scoped_release rel;
-        if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
+        if (!rows_finite(q.data(), nq, s.args.d)) return false;  // the caller reports it
         if (nq) terms_search(s.args, q.data(), nq, k, D.data(), I.data(), nthreads);
         return true;
       }, arg("q"), arg("D"), arg("I"), arg("nthreads"));
@@ -364,7 +364,7 @@ void bind_searchers(nb::module_& m) {
         require(k_factor >= 1, "FlatSearcher.search", ": k_factor must be >= 1");
         const auto [nq, k] = search_shape(q, D, I, s.args.d, "FlatSearcher.search");
         nb::gil_scoped_release rel;
-        if (!all_finite(q.data(), nq * s.args.d)) return false;  // the caller reports it
+        if (!rows_finite(q.data(), nq, s.args.d)) return false;  // the caller reports it
         FlatSearchArgs a = s.args;  // the index's k_factor may change between searches
         a.k_factor = k_factor;
         if (nq) flat_search(a, q.data(), nq, k, D.data(), I.data(), nthreads);

@@ -199,6 +199,20 @@ def test_load_refuses_damaged_folders(dist, tmp_path):
         dist.ShardedIndex.load(tmp_path)
 
 
+def test_load_refuses_a_template_from_another_training(dist, tmp_path):
+    """The manifest holds the template's sha256: an IVF template from another k-means (or a
+    crash in save after the template's write) is refused, where it gave 20 of 20 wrong
+    top-10s with no error."""
+    ix = dist.build_sharded_index(X, "IVF16,TQ4", num_shards=2, seed=3)
+    ix.save(tmp_path)
+    other = tqvec.index_factory(X.shape[1], "IVF16,TQ4", seed=7)
+    other.train(X[::-1].copy())
+    tqvec.write_index(other, tmp_path / "template.tqi")
+    with pytest.raises(tqvec.FormatError, match="template .*sha256 differs"):
+        dist.ShardedIndex.load(tmp_path)
+    ix.close()
+
+
 def test_parquet_input_with_list_column(dist, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq

@@ -299,7 +299,7 @@ def test_pca_one_call_search_equals_the_composed_search(metric, prefilter, rng, 
     assert index.index.search_mapped(q, 10) is not None  # the one-call path ran
     from tqvec.index.flat import FlatIndex
 
-    monkeypatch.setattr(FlatIndex, "search_mapped", lambda self, x, k: None)
+    monkeypatch.setattr(FlatIndex, "search_mapped", lambda self, x, k, snap=None: None)
     composed = [index.search(q, 10), index.search(q[:1], 10), index.search(q[3:4], 5)]
     for (D1, I1), (D2, I2) in zip(one, composed, strict=True):
         np.testing.assert_array_equal(I1, I2)

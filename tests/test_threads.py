@@ -4,7 +4,9 @@ caller finds the pool busy and gets threads of its own), nor on a fork() (the ch
 of its own: the parent's threads do not exist there)."""
 
 import multiprocessing as mp
+import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -137,3 +139,49 @@ def test_an_exception_on_a_pool_worker_reaches_the_caller(tmp_path):
         "pool worker: caught worker 2", "pool caller: caught worker 0",
         "pool again: caught worker 3", "fresh threads: caught worker 1",
         "no error: no exception"]
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")
+def test_fork_while_another_thread_holds_an_index_lock():
+    """fork() waits for a change another thread is making under an index's lock (here a first
+    search building its layout), so the child's own first search does not wait forever on a
+    lock whose holder does not exist there."""
+    xb, xq = _data(n=3000)
+    index = _index("TQ4", {}, xb)
+    want = index.search(xq, 10)
+    index.add(xb[:10])  # the next search builds a new snapshot under the lock
+    building, go = threading.Event(), threading.Event()
+    snapshot = type(index)._snapshot
+
+    def slow_snapshot(self):
+        building.set()
+        go.wait(30)
+        return snapshot(self)
+
+    index._snapshot = slow_snapshot.__get__(index)
+    t = threading.Thread(target=index.search, args=(xq, 10))
+    t.start()
+    assert building.wait(30)
+    threading.Timer(0.5, go.set).start()  # fork() waits for this search's lock to be freed
+    pid = os.fork()
+    if pid == 0:  # the child: search once, exit at once (no pytest teardown)
+        code = 1
+        try:
+            del index._snapshot
+            D, I = index.search(xq, 10)  # the fused call: the kernels' pool, no torch region
+            code = 0 if I.shape == want[1].shape and (I >= 0).all() else 1
+        finally:
+            os._exit(code)
+    t.join()
+    del index._snapshot
+    deadline = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child's search never returned (a lock held at the fork)")
+        time.sleep(0.05)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -28,15 +28,16 @@ from ..index.state import index_state
 from ..io import read_container, write_container
 from .encode import as_dataset, batch_vectors
 from .errors import ShardError
-from .host import ShardHost, shard_file
+from .host import ShardHost, file_sha256, shard_file
 
 __all__ = ["ShardedIndex", "build_sharded_index", "MANIFEST", "TEMPLATE", "TWO_ROUNDS_FROM"]
 
 MANIFEST = "manifest.tqm"
 TEMPLATE = "template.tqi"
 _KIND = "sharded-index"
-_FORMAT = 1
-_META = {"format", "d", "metric", "num_shards", "next_id", "shards"}
+#: 2: the manifest holds the template's sha256 (``template``); 1 (read still): it did not
+_FORMAT = 2
+_META = {"format", "d", "metric", "num_shards", "next_id", "shards", "template"}
 _ENTRY = {"shard", "file", "sha256", "ntotal", "bytes"}
 #: Query arrays above this many bytes go to the object store once for all actors.
 _INLINE_BYTES = 64 * 1024
@@ -370,13 +371,18 @@ class ShardedIndex:
         files, memory-mapped, so that a restarted actor recovers everything saved."""
         folder = os.fspath(folder)
         os.makedirs(folder, exist_ok=True)
-        write_index(self._template, os.path.join(folder, TEMPLATE))
+        template = os.path.join(folder, TEMPLATE)
+        write_index(self._template, template)
         outs, _ = self._gather([h.save.remote(self._gens(i), folder)
                                 for i, h in enumerate(self._hosts)])
         entries = {s: e for out in outs for s, e in out.items()}
+        # the template's hash too: its centroids / basis / codec must be the ones the shards
+        # were coded with (a crash after the template's write leaves the old manifest, which
+        # then refuses the new template)
         meta = {"format": _FORMAT, "d": self.d, "metric": metric_name(self.metric_type),
                 "num_shards": self.num_shards, "next_id": self._next_id,
-                "shards": [entries[s] for s in range(self.num_shards)]}
+                "shards": [entries[s] for s in range(self.num_shards)],
+                "template": {"file": TEMPLATE, "sha256": file_sha256(template)}}
         write_container(os.path.join(folder, MANIFEST), _KIND, meta, {})
         self._reopen(folder, [entries[s] for s in range(self.num_shards)], mmap=True)
 
@@ -400,7 +406,13 @@ class ShardedIndex:
         folder = os.fspath(folder)
         meta, _, _ = read_container(os.path.join(folder, MANIFEST), _KIND)
         entries = _check_manifest(folder, meta)
-        template = read_index(os.path.join(folder, TEMPLATE))
+        template_path = os.path.join(folder, TEMPLATE)
+        want = meta.get("template", {}).get("sha256")  # format 1: not recorded
+        if verify and want is not None and file_sha256(template_path) != want:
+            raise FormatError(f"{folder!r}: the template index {TEMPLATE!r} is not the one the "
+                              "shards were saved with (sha256 differs from the manifest's): a "
+                              "save was interrupted, or the file was replaced")
+        template = read_index(template_path)
         if template.d != meta["d"] or metric_name(template.metric_type) != meta["metric"]:
             raise FormatError(f"{folder!r}: the template index is d={template.d}, "
                               f"{metric_name(template.metric_type)}; the manifest says "
@@ -451,9 +463,17 @@ def _check_manifest(folder: str, meta: dict[str, Any]) -> list[dict[str, Any]]:
     """The manifest's shard entries, every value checked (a file name is a plain name of the
     form save writes: nothing outside the folder is read)."""
     bad = FormatError
-    if set(meta) != _META or meta.get("format") != _FORMAT:
+    fmt = meta.get("format")
+    want = _META if fmt == _FORMAT else _META - {"template"}
+    if fmt not in (1, _FORMAT) or set(meta) != want:
         raise bad(f"{folder!r} has a malformed or newer manifest: keys {sorted(meta)}, format "
-                  f"{meta.get('format')!r} (expected {sorted(_META)}, format {_FORMAT})")
+                  f"{fmt!r} (expected {sorted(_META)}, format {_FORMAT})")
+    if fmt == _FORMAT and (not isinstance(meta["template"], dict)
+                           or set(meta["template"]) != {"file", "sha256"}
+                           or meta["template"]["file"] != TEMPLATE
+                           or not isinstance(meta["template"]["sha256"], str)):
+        raise bad(f"{folder!r}: the manifest's template entry is malformed: "
+                  f"{meta['template']!r:.200}")
     try:
         n = V.positive_int(meta["num_shards"], "num_shards", 1, 1 << 20)
         V.positive_int(meta["d"], "d", 1, V.MAX_DIM)

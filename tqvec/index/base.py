@@ -9,7 +9,9 @@ whole composition for float32 numpy queries.
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +40,37 @@ def _positions_in(pos: np.ndarray, sel: np.ndarray, n: int) -> np.ndarray:
     return np.where(sel >= 0, np.take_along_axis(order, col, 1), 0)
 
 
+#: Every live index's lock, for the fork handlers below.
+_LOCKS: weakref.WeakKeyDictionary[CodesIndex, threading.Lock] = weakref.WeakKeyDictionary()
+
+
+def _locks_before_fork() -> list[threading.Lock]:
+    """Take every index's lock before a fork(), so that the child starts from indexes no
+    thread was changing (a lock held by another thread at the fork stays held in the child,
+    where that thread does not exist: its first search would wait forever)."""
+    held = []
+    for lock in list(_LOCKS.values()):
+        lock.acquire()
+        held.append(lock)
+    return held
+
+
+_FORK_HELD: list[threading.Lock] = []
+
+
+def _fork_prepare() -> None:
+    _FORK_HELD[:] = _locks_before_fork()
+
+
+def _fork_release() -> None:
+    while _FORK_HELD:
+        _FORK_HELD.pop().release()
+
+
+os.register_at_fork(before=_fork_prepare, after_in_parent=_fork_release,
+                    after_in_child=_fork_release)
+
+
 class CodesIndex:
     """Base of the indexes that store codes of one codec (not instantiated itself).
 
@@ -63,6 +96,7 @@ class CodesIndex:
         self.refine = check_refine(refine, self.d)
         self.k_factor = k_factor
         self._lock = threading.Lock()
+        _LOCKS[self] = self._lock
         self._rows = Rows()
         self._mapped: Any = None
         self._ref_lut: RefineLut | None = None
@@ -268,7 +302,21 @@ class CodesIndex:
         """
         self._check_ready("search")
         self.check_mapped()
-        snap = self._current()  # a consistent snapshot; searching itself needs no lock
+        return self.search_in(self._current(), x, k, allowed_ids=allowed_ids, params=params)
+
+    def snapshot(self) -> Any:
+        """The state a search reads, taken at once under the lock (its rows, their scan layout
+        and the parameters it was built with); later changes leave it as it is. An index that
+        owns this one (``PCAIndex``) takes one and answers a whole search from it
+        (``search_in``, ``FlatIndex.search_mapped`` / ``search_prepared``)."""
+        self._check_ready("search")
+        self.check_mapped()
+        return self._current()
+
+    def search_in(self, snap: Any, x: Any, k: int, *,
+                  allowed_ids: Sequence[int] | np.ndarray | None = None,
+                  params: Any = None) -> tuple[np.ndarray, np.ndarray]:
+        """``search`` answered from a ``snapshot`` of this index."""
         k = V.search_k(k, snap.rows.n)
         if params is not None and getattr(params, "sel", None) is not None and allowed_ids is None:
             sel = params.sel

@@ -562,13 +562,14 @@ class FlatIndex(CodesIndex):
             return scan.scanner.search(qts, kk, add, k1=scan.prefilter * kk)
         return scan.scanner.search(qts, kk, add, approx=self.refine is not None)
 
-    def search_mapped(self, x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def search_mapped(self, x: np.ndarray, k: int, snap: Snapshot | None = None
+                      ) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` of queries in the owner's space (``query_map``) in one compiled call -
         the same bits as ``search_prepared`` with the owner's preparation -, or None where it
         does not run (no query map, not the CPU fast scan, too few rows per result, a NaN or
         an infinity in x: the caller's general path then reports it). x: (nq, d_owner)
-        C-contiguous float32."""
-        snap = self._current()
+        C-contiguous float32. ``snap``: the ``snapshot`` to answer from (default: a new one)."""
+        snap = self._current() if snap is None else snap
         kk = self._candidates(snap.n, k)
         if snap.scan is None or snap.scan.mapped is None or not self._fast_rows_ok(snap.n, kk):
             return None
@@ -576,15 +577,15 @@ class FlatIndex(CodesIndex):
 
     def search_prepared(self, k: int, prepare: Callable[[], tuple[list[np.ndarray],
                                                                   torch.Tensor,
-                                                                  np.ndarray | None] | None]
-                        ) -> tuple[np.ndarray, np.ndarray] | None:
+                                                                  np.ndarray | None] | None],
+                        snap: Snapshot | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` with the queries prepared by the caller (a ``PCAIndex`` folds its basis
         into the query terms): ``prepare()`` returns (``query_terms`` of the prepared queries as
         float32 numpy arrays, those queries (for ||q||^2 in L2), offsets per query added to the
         scores), or None (bad input: the caller's general path reports it). The fast-scan route
         only: None where it does not run (a refinement, no CPU kernels, too few rows per
-        result), before ``prepare`` is called."""
-        snap = self._current()
+        result), before ``prepare`` is called. ``snap``: as ``search_mapped``."""
+        snap = self._current() if snap is None else snap
         kk = self._candidates(snap.n, k)
         if (self.refine is not None or snap.scan is None or not snap.scan.fast
                 or not self._fast_rows_ok(snap.n, kk)):

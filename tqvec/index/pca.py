@@ -284,7 +284,7 @@ class PCAIndex:
         inner index's ``query_map``, set by ``install``)."""
         return self.index.query_map
 
-    def _search_fused(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray] | None:
+    def _search_fused(self, x: Any, k: int, snap: Any) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` of float32 numpy queries without a filter or refinement on the CPU fast
         scan, with one product per query block, x W, for the basis and every run's rotation
         (they cost ~0.3 ms per query as a basis product and five rotations); None where that
@@ -298,7 +298,7 @@ class PCAIndex:
                 and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
                 and index.refine is None):
             return None
-        out = index.search_mapped(np.ascontiguousarray(x), k)  # all of it in one compiled call
+        out = index.search_mapped(np.ascontiguousarray(x), k, snap)  # one compiled call
         if out is not None:
             return out
 
@@ -316,7 +316,7 @@ class PCAIndex:
             t = ops.row_project(q, W, self.codec.backend).numpy()
             return [t[:, s] for s in slices], q, offsets
 
-        return index.search_prepared(k, prepare)
+        return index.search_prepared(k, prepare, snap)
 
     @property
     def codec(self) -> MixedTurboQuant | None:
@@ -335,7 +335,10 @@ class PCAIndex:
         return self.index
 
     def _to_basis(self, x: Any, name: str) -> np.ndarray:
-        return (V.query_rows(x, name, self.d, torch.device("cpu")) @ self.basis).numpy()
+        # the compiled product sums each entry in one order: a torch GEMM's rounding depends on
+        # how many threads it gets, which varies with other threads' searches
+        return ops.row_project(V.query_rows(x, name, self.d, torch.device("cpu")),
+                               self.basis).numpy()
 
     def _from_basis(self, y: np.ndarray) -> np.ndarray:
         return (torch.from_numpy(y) @ self.basis.T).numpy()
@@ -386,13 +389,14 @@ class PCAIndex:
                params: Any = None) -> tuple[np.ndarray, np.ndarray]:
         """As ``FlatIndex.search`` (distances and inner products of the original space)."""
         index = self._trained("search")
-        k = V.search_k(k, index.ntotal)
-        index.check_mapped()
+        snap = index.snapshot()  # one state answers the whole search, whichever route runs
+        k = V.search_k(k, snap.n)
         if allowed_ids is None and params is None:
-            out = self._search_fused(x, k)
+            out = self._search_fused(x, k, snap)
             if out is not None:
                 return out
-        return index.search(self._to_basis(x, "x"), k, allowed_ids=allowed_ids, params=params)
+        return index.search_in(snap, self._to_basis(x, "x"), k, allowed_ids=allowed_ids,
+                               params=params)
 
     def search_candidates(self, x: Any, k: int, *,
                           allowed_ids: Sequence[int] | np.ndarray | None = None,

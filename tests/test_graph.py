@@ -279,8 +279,11 @@ def test_searcher_checks_its_layers():
     codes = np.zeros((4, 1, 2, 32), np.uint8)
     f = np.zeros((4, 32), np.float32)
     ok = dict(neighbours=[nb], codes=[codes], mult=[f], add=[f], slots=[np.empty(0, np.int32)],
-              n=4, d=16, bits=1, centroids=np.array([-1, 1], np.float32), entry=0)
+              n=4, d=16, bits=1, centroids=np.array([-1, 1], np.float32), entry=0,
+              entry_codes=codes[:1], entry_mult=f[:1], entry_add=f[:1])
     cpu.graph_searcher(**ok)
+    with pytest.raises(ValueError, match="entry_codes must have shape"):
+        cpu.graph_searcher(**dict(ok, entry_codes=codes[:2]))
     bad = nb.copy()
     bad[2, 1] = 4
     with pytest.raises(ValueError, match="neighbours must be -1 or rows"):
@@ -296,6 +299,19 @@ def test_searcher_checks_its_layers():
         cpu.graph_searcher(**dict(ok, neighbours=[nb, up], codes=[codes, codes[:1]],
                                   mult=[f, f[:1]], add=[f, f[:1]],
                                   slots=[np.empty(0, np.int32), slot]))
+
+
+@pytest.mark.parametrize("refine", ["", ",Refine(Flat)"])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_every_row_of_a_tiny_graph_is_found(n, refine):
+    """The search starts from the entry's own estimate: a graph of one row found nothing
+    without a refinement (a node was scored only from its neighbours' lists)."""
+    x = np.random.default_rng(0).standard_normal((n, 16)).astype(np.float32)
+    idx = index_factory(16, "HNSW8,TQ2" + refine)
+    idx.add(x)
+    D, I = idx.search(x, n)
+    assert sorted(I[0].tolist()) == list(range(n))
+    assert (I >= 0).all()
 
 
 def test_memory_counts_the_layout(data):

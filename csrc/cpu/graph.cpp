@@ -184,10 +184,14 @@ void search_one(const GraphArgs& g, const float* qr, const float* q,
   for (int l = 0; l < g.nlayers; ++l)
     s.resize(std::max(s.size(), static_cast<size_t>(g.layers[l].degree)));
   // The upper layers, then the base layer once: greedy moves to the best-scored neighbour
-  // while it improves. Every node is then started from with a real estimate; the entry itself
-  // (never scored) is found again through its neighbours' lists.
+  // while it improves, from the entry's own estimate.
   int32_t cur = static_cast<int32_t>(g.entry);
-  float cur_s = -std::numeric_limits<float>::infinity();
+  float cur_s;
+  {
+    alignas(64) uint32_t tot[kRows];
+    fastscan::block_sums_one(lut, g.entry_codes, rb, tot);
+    cur_s = g.entry_mult[0] * (lut.delta * static_cast<float>(tot[0]) + lut.bias) + g.entry_add[0];
+  }
   for (int l = g.nlayers - 1; l >= 0; --l) {
     const GraphLayer& L = g.layers[l];
     for (;;) {

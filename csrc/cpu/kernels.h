@@ -163,6 +163,12 @@ struct GraphArgs {
   int b;
   const float* centroids;    // (2^b)
   int64_t entry;             // the row the search starts from, in the top layer
+  // the entry's own code as one block (1, fs_row_bytes(d, b), 32) (the entry in slot 0), its
+  // multiplier and offset (32; slots 1.. padding): the search starts from its estimate (a node
+  // is otherwise scored only from its neighbours' lists, where the entry may be in none)
+  const uint8_t* entry_codes;
+  const float* entry_mult;
+  const float* entry_add;
   const uint8_t* allowed;    // (n) 0 / 1: rows a result may be, or nullptr for all
   // (n, d) exact vectors, or nullptr: each expanded node is scored exactly by them
   // (rescore_similarity of exact_metric; its vector is read beside its neighbours' codes)

@@ -202,7 +202,15 @@ void run(int nthreads) {
       const tqvec::GraphLayer layers[2] = {
           {n, R, nb0.data(), c0.data(), m0.data(), a0.data(), nullptr},
           {up, R, nb1.data(), c1.data(), m1.data(), a1.data(), slot.data()}};
-      tqvec::GraphArgs ga{layers, 2, n, d, cs.b, K.c.data(), 0, nullptr, nullptr, 0};
+      // the entry (row 0) as a block of its own: its code in slot 0
+      std::vector<uint8_t> eg(static_cast<size_t>(R * rbp), 0), ec(static_cast<size_t>(R * rbb));
+      std::memcpy(eg.data(), K.packed.data(), rbp);
+      tqvec::block_codes(eg.data(), R, d, cs.b, ec.data(), nthreads);
+      std::vector<float> emul(static_cast<size_t>(R), 0.0f), eadd(static_cast<size_t>(R), -INFINITY);
+      emul[0] = mult[0];
+      eadd[0] = std::isfinite(add[0]) ? add[0] : 0.0f;
+      tqvec::GraphArgs ga{layers, 2, n, d, cs.b, K.c.data(), 0, ec.data(), emul.data(),
+                          eadd.data(), nullptr, nullptr, 0};
       tqvec::graph_search(ga, qr.data(), nullptr, nullptr, nq, 40, out, nthreads);
       emit(tag + "graph.v", vals);
       emit(tag + "graph.i", idx);

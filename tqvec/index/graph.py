@@ -331,6 +331,11 @@ class GraphIndex(FlatIndex):
             arrays["mult"].append(em)
             arrays["add"].append(ea)
             arrays["slots"].append(np.empty(0, np.int32) if slot is None else slot)
+        # the entry's own code, a one-node layer whose one neighbour is the entry
+        one = np.full((1, _ROWS), -1, dtype=np.int32)
+        one[0, 0] = g.entry
+        entry = dict(zip(("entry_codes", "entry_mult", "entry_add"),
+                         _lay_out(one, packed, mult, add, term.d, term.bits), strict=True))
         whole: dict[str, Any] = {}
         rotate = self.codec.query_rotation()
         # the whole search in one call: a Hadamard rotation on the CPU, exact vectors or no
@@ -342,10 +347,11 @@ class GraphIndex(FlatIndex):
                          normalize=self.metric_type == METRIC_COSINE, refine_x=ref_x)
         searcher = ops.compiled_graph_searcher(
             **arrays, n=rows.n, d=term.d, bits=term.bits,
-            centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **whole)
+            centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **entry,
+            **whole)
         self._hnsw = None  # the adjacency is in self._graph; an add restores faiss's index
         return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(),
-                             list(arrays.values()), bool(whole))
+                             [*arrays.values(), list(entry.values())], bool(whole))
 
     def _fused_search(self, x: Any, snap: GraphSnapshot, k: int
                       ) -> tuple[np.ndarray, np.ndarray] | None:

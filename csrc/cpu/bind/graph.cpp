@@ -19,6 +19,8 @@ struct GraphSearcher {
   std::vector<CArr<const uint8_t>> codes;
   std::vector<CArr<const float>> mult, add;
   CArr<const float> centroids;
+  CArr<const uint8_t> entry_codes;
+  CArr<const float> entry_mult, entry_add;
   std::vector<GraphLayer> layers;
   GraphArgs args{};
   // the whole search (search_full), where a rotation and ids were given
@@ -32,7 +34,8 @@ void build_graph(GraphSearcher* self, std::vector<CArr<const int32_t>> nbr,
                  std::vector<CArr<const uint8_t>> codes, std::vector<CArr<const float>> mult,
                  std::vector<CArr<const float>> add, std::vector<CArr<const int32_t>> slot,
                  int64_t n, int64_t d, int b, CArr<const float> centroids, int64_t entry,
-                 const Rotation* rotation, std::optional<CArr<const int64_t>> ids, int metric,
+                 CArr<const uint8_t> entry_codes, CArr<const float> entry_mult,
+                 CArr<const float> entry_add, const Rotation* rotation, std::optional<CArr<const int64_t>> ids, int metric,
                  bool normalize, std::optional<CArr<const float>> refine_x) {
   const char* op = "GraphSearcher";
   const size_t L = nbr.size();
@@ -45,7 +48,11 @@ void build_graph(GraphSearcher* self, std::vector<CArr<const int32_t>> nbr,
   check_shape(centroids, {int64_t{1} << b}, op, "centroids");
   require(entry >= 0 && entry < n, op, ": entry must be a row");
   const int64_t rb = fs_row_bytes(d, b);
-  new (self) GraphSearcher{nbr, slot, codes, mult, add, centroids, {}, {}, {}, ids, refine_x, {}};
+  check_shape(entry_codes, {1, 1, rb, 32}, op, "entry_codes");
+  check_shape(entry_mult, {1, 32}, op, "entry_mult");
+  check_shape(entry_add, {1, 32}, op, "entry_add");
+  new (self) GraphSearcher{nbr, slot, codes, mult, add, centroids, entry_codes, entry_mult,
+                           entry_add, {}, {}, {}, ids, refine_x, {}};
   for (size_t l = 0; l < L; ++l) {
     check_shape(nbr[l], {kAny, kAny}, op, "neighbours");
     const int64_t nodes = dim(nbr[l], 0), R = dim(nbr[l], 1);
@@ -74,6 +81,7 @@ void build_graph(GraphSearcher* self, std::vector<CArr<const int32_t>> nbr,
   require(L == 1 || self->layers[L - 1].slot[entry] >= 0, op,
           ": entry must be a node of the top layer");
   self->args = {self->layers.data(), static_cast<int>(L), n, d, b, centroids.data(), entry,
+                self->entry_codes.data(), self->entry_mult.data(), self->entry_add.data(),
                 nullptr};
   require((rotation == nullptr) == !ids, op, ": the whole search needs a rotation and ids");
   if (rotation != nullptr) {
@@ -96,7 +104,8 @@ void bind_graph(nb::module_& m) {
   nb::class_<GraphSearcher>(m, "GraphSearcher")
       .def("__init__", &build_graph, nb::kw_only(), arg("neighbours"), arg("codes"),
            arg("mult"), arg("add"), arg("slots"), arg("n"), arg("d"), arg("bits"),
-           arg("centroids"), arg("entry"), arg("rotation").none() = nb::none(),
+           arg("centroids"), arg("entry"), arg("entry_codes"), arg("entry_mult"),
+           arg("entry_add"), arg("rotation").none() = nb::none(),
            arg("ids").none() = nb::none(), arg("metric") = 0, arg("normalize") = false,
            arg("refine_x").none() = nb::none())
       .def("search", [](const GraphSearcher& s, CArr<const float> qr, int64_t ef,

@@ -406,14 +406,14 @@ def perplexity(model, ids: torch.Tensor, prefill: int, cache):
     nll, n = 0.0, 0
     bits: list[tuple[float, float]] = []
     with torch.no_grad():
-        out = model(ids[:, :prefill], past_key_values=cache)
+        out = model(ids[:, :prefill], cache=cache)
         logits = out.logits[:, -1]
         t0 = time.perf_counter()
         for t in range(prefill, ids.shape[1]):
             nll -= torch.log_softmax(logits.float(), -1)[0, ids[0, t]].item()
             n += 1
             if t + 1 < ids.shape[1]:
-                logits = model(ids[:, t: t + 1], past_key_values=cache).logits[:, -1]
+                logits = model(ids[:, t: t + 1], cache=cache).logits[:, -1]
                 if hasattr(cache, "bits_per_element") and t + 1 >= ids.shape[1] - CYCLE:
                     bits.append((cache.bits_per_element(), bits_fp16_window(cache)))
         dt = (time.perf_counter() - t0) / max(1, n - 1)
@@ -442,8 +442,8 @@ def replay_bits(model, ids: torch.Tensor, settings: dict) -> tuple[float, float]
     model.config._attn_implementation = "sdpa"
     cache = kv.TurboQuantCache(model.config, **settings)
     with torch.no_grad():
-        model(ids[:, :-1], past_key_values=cache)
-        model(ids[:, -1:], past_key_values=cache)  # a decode step: sliding layers evict
+        model(ids[:, :-1], cache=cache)
+        model(ids[:, -1:], cache=cache)  # a decode step: sliding layers evict
     return cache.bits_per_element(), bits_fp16_window(cache)
 
 
@@ -583,7 +583,7 @@ def answer_chunked(model, ids: torch.Tensor, cache, chunk: int, eos: int,
     them (compressed, for a compressed cache), as a serving engine's chunked prefill does."""
     n = ids.shape[1]
     for a in range(0, n, chunk):
-        logits = model(ids[:, a:min(n, a + chunk)], past_key_values=cache,
+        logits = model(ids[:, a:min(n, a + chunk)], cache=cache,
                        logits_to_keep=1).logits
     out = []
     for _ in range(new_tokens):
@@ -591,7 +591,7 @@ def answer_chunked(model, ids: torch.Tensor, cache, chunk: int, eos: int,
         out.append(t)
         if t == eos:
             break
-        logits = model(torch.tensor([[t]]), past_key_values=cache).logits
+        logits = model(torch.tensor([[t]]), cache=cache).logits
     return torch.tensor(out)
 
 
@@ -659,7 +659,7 @@ def run_passkey(args) -> None:
                                                  tok.eos_token_id)
                         else:
                             new = model.generate(ids, attention_mask=torch.ones_like(ids),
-                                                 past_key_values=cache, max_new_tokens=8,
+                                                 cache=cache, max_new_tokens=8,
                                                  do_sample=False, pad_token_id=tok.eos_token_id
                                                  )[0, ids.shape[1]:]
                     text = tok.decode(new, skip_special_tokens=True)
@@ -808,7 +808,7 @@ def run_speed(args) -> None:
                         # alone need ~34 GB
                         step = args.prefill_chunk or context
                         for a in range(0, context, step):
-                            model(ids[:, a:min(context, a + step)], past_key_values=cache)
+                            model(ids[:, a:min(context, a + step)], cache=cache)
                     except Exception as e:  # e.g. QuantizedCache refuses sliding layers
                         print(f"{model_name} {name}: {type(e).__name__}: {e}"[:300], flush=True)
                         continue
@@ -825,7 +825,7 @@ def run_speed(args) -> None:
                     for name in names[i % len(names):] + names[:i % len(names)]:
                         model.config._attn_implementation = impl[name]
                         t0 = time.perf_counter()
-                        model(ids[:, t:t + 1], past_key_values=caches[name])
+                        model(ids[:, t:t + 1], cache=caches[name])
                         steps[name].append(time.perf_counter() - t0)
             n = context + args.steps
             for name, st in cands.items():

@@ -166,7 +166,7 @@ def _e2e_cache(model, cfg, name: str, ids: torch.Tensor, ctx: int):
     cache = (DynamicCache(config=cfg) if name == "DynamicCache"
              else kv.TurboQuantCache(cfg, **E2E_CACHE))
     for a in range(0, ctx, 4096):
-        model(ids[:, a:min(ctx, a + 4096)], past_key_values=cache, logits_to_keep=1)
+        model(ids[:, a:min(ctx, a + 4096)], cache=cache, logits_to_keep=1)
     return cache, model.config._attn_implementation
 
 
@@ -202,7 +202,7 @@ def e2e(ctx: int, batch: int, steps: int, device: str = "cuda",
                 model.config._attn_implementation = impl[name]
                 sync()
                 t0 = time.perf_counter()
-                out = model(ids[:, t:t + 1], past_key_values=caches[name], logits_to_keep=1)
+                out = model(ids[:, t:t + 1], cache=caches[name], logits_to_keep=1)
                 sync()
                 times[name].append(time.perf_counter() - t0)
                 last[name] = out.logits.float()
@@ -237,12 +237,12 @@ def e2e_profile(ctx: int, batch: int, device: str = "cuda") -> None:
             cache, model.config._attn_implementation = _e2e_cache(model, cfg, name, ids, ctx)
             walls = []
             for t in range(ctx, ctx + 2):
-                model(ids[:, t:t + 1], past_key_values=cache, logits_to_keep=1)
+                model(ids[:, t:t + 1], cache=cache, logits_to_keep=1)
             sync()
             with profile(activities=acts) as prof:
                 for t in range(ctx + 2, ctx + 5):
                     t0 = time.perf_counter()
-                    model(ids[:, t:t + 1], past_key_values=cache, logits_to_keep=1)
+                    model(ids[:, t:t + 1], cache=cache, logits_to_keep=1)
                     sync()
                     walls.append(1e3 * (time.perf_counter() - t0))
             print(f"== {name}: batch {batch}, ctx {ctx}: step wall ms {walls}", flush=True)

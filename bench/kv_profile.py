@@ -90,9 +90,9 @@ def main() -> None:
             model.config._attn_implementation = "sdpa"
             cache = (DynamicCache(config=model.config) if label == "DynamicCache"
                      else kv.TurboQuantCache(model.config, **SETTINGS))
-            model(ids[:, :a.context], past_key_values=cache)
+            model(ids[:, :a.context], cache=cache)
             for t in range(a.context, a.context + bench_kv.CYCLE):  # one window cycle
-                model(ids[:, t:t + 1], past_key_values=cache)
+                model(ids[:, t:t + 1], cache=cache)
             caches[label] = (cache, model.config._attn_implementation)
         spent.clear()
         times: dict[str, list[float]] = {label: [] for label in caches}
@@ -101,7 +101,7 @@ def main() -> None:
             for label, (cache, impl) in caches.items():
                 model.config._attn_implementation = impl
                 t0 = time.perf_counter()
-                model(ids[:, t:t + 1], past_key_values=cache)
+                model(ids[:, t:t + 1], cache=cache)
                 times[label].append(time.perf_counter() - t0)
 
     machine = machine_info()
@@ -124,7 +124,7 @@ def main() -> None:
         with torch.no_grad():
             prof.enable()
             for t in range(start + steps, start + steps + 16):
-                model(ids[:, t:t + 1], past_key_values=cache)
+                model(ids[:, t:t + 1], cache=cache)
             prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 

@@ -41,13 +41,13 @@ def crossover(name: str, context: int) -> list[dict]:
     out, pos = [], context
     with torch.no_grad():
         for a in range(0, context, 2048):
-            model(ids[:, a:min(context, a + 2048)], past_key_values=cache, logits_to_keep=1)
+            model(ids[:, a:min(context, a + 2048)], cache=cache, logits_to_keep=1)
         for q in ROWS:
             ms: dict[str, list[float]] = {}
             for route, threshold in ROUTES * 3:
                 attention.DECODED_FROM = threshold
                 t = time.perf_counter()
-                model(ids[:, pos:pos + q], past_key_values=cache, logits_to_keep=1)
+                model(ids[:, pos:pos + q], cache=cache, logits_to_keep=1)
                 ms.setdefault(route, []).append(1e3 * (time.perf_counter() - t))
                 pos += q
             row = {"model": name, "context": context, "rows": q,
@@ -73,7 +73,7 @@ def chunks(name: str = "gemma3", n: int = 8192, chunk: int = 4096) -> list[dict]
             s = []
             for a in range(0, n, chunk):
                 t = time.perf_counter()
-                model(ids[:, a:a + chunk], past_key_values=cache, logits_to_keep=1)
+                model(ids[:, a:a + chunk], cache=cache, logits_to_keep=1)
                 s.append(time.perf_counter() - t)
             row = {"model": name, "tokens": n, "chunk": chunk, "cache": label, "chunk_s": s}
             print(json.dumps(row), flush=True)

@@ -38,9 +38,9 @@ def gemma3(seed=0):
 def run(model, ids, cache, prefill):
     """Prefill, then one token at a time; returns the logits of every step (B, T-prefill+1, V)."""
     with torch.no_grad():
-        out = [model(ids[:, :prefill], past_key_values=cache).logits[:, -1:]]
+        out = [model(ids[:, :prefill], cache=cache).logits[:, -1:]]
         for t in range(prefill, ids.shape[1]):
-            out.append(model(ids[:, t:t + 1], past_key_values=cache).logits)
+            out.append(model(ids[:, t:t + 1], cache=cache).logits)
     return torch.cat(out, dim=1)
 
 
@@ -227,7 +227,7 @@ def test_generate_and_sequence_bookkeeping():
     model = llama()
     ids = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(4))
     cache = kv.TurboQuantCache(model.config, residual_length=4)
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                          max_new_tokens=7, do_sample=False, pad_token_id=0)
     assert out.shape == (2, 16)
     assert cache.get_seq_length() == 15  # the last generated token is never fed back
@@ -371,9 +371,9 @@ def test_8bit_window_moves_tokens_in_blocks():
     block = kv.layer.CompressedLayer.WINDOW_BLOCK
     move = kv.layer.CompressedLayer.MOVE_BLOCK
     with torch.no_grad():
-        model(ids[:, :20], past_key_values=cache)
+        model(ids[:, :20], cache=cache)
         full = DynamicCache(config=model.config)
-        model(ids[:, :20], past_key_values=full)
+        model(ids[:, :20], cache=full)
         for layer, ref in zip(cache.layers, full.layers, strict=True):
             # the prompt (20 < residual_length + a block) went to the window whole; its sink
             # tokens went to the sink as they were, not through the 8-bit codes
@@ -381,7 +381,7 @@ def test_8bit_window_moves_tokens_in_blocks():
             assert torch.equal(layer.sink_v, ref.values[:, :, :2])
         codes = set()
         for t in range(20, 160):
-            model(ids[:, t: t + 1], past_key_values=cache)
+            model(ids[:, t: t + 1], cache=cache)
             for layer in cache.layers:
                 w = layer.window_length()
                 assert 8 <= w < 8 + move and layer.keys.shape[2] < block
@@ -474,7 +474,7 @@ def test_8bit_window_codes_attention_matches_decode_then_sdpa(make, monkeypatch)
 def chunked(model, ids, cache, chunk):
     """Logits of every position, the sequence fed in forwards of ``chunk`` tokens."""
     with torch.no_grad():
-        return torch.cat([model(ids[:, a:a + chunk], past_key_values=cache).logits
+        return torch.cat([model(ids[:, a:a + chunk], cache=cache).logits
                           for a in range(0, ids.shape[1], chunk)], dim=1)
 
 
@@ -529,7 +529,7 @@ def test_8bit_window_crop_and_reorder():
         k2, v2 = layer.decoded()
         assert torch.equal(k2, k[:, :, :19].flip(0)) and torch.equal(v2, v[:, :, :19].flip(0))
     with torch.no_grad():
-        logits = model(ids[:, 19:21], past_key_values=cache).logits
+        logits = model(ids[:, 19:21], cache=cache).logits
     assert torch.isfinite(logits).all() and cache.get_seq_length() == 21
 
 
@@ -545,7 +545,7 @@ def test_crop_drops_exactly_the_last_tokens():
         k2, v2 = layer.decoded()
         assert torch.equal(k2, k[:, :, :19]) and torch.equal(v2, v[:, :, :19])
     with torch.no_grad():
-        logits = model(ids[:, 19:21], past_key_values=cache).logits
+        logits = model(ids[:, 19:21], cache=cache).logits
     assert torch.isfinite(logits).all() and cache.get_seq_length() == 21
 
 
@@ -557,11 +557,11 @@ def test_reorder_cache_swaps_batch_rows():
     with torch.no_grad():
         nxt = torch.tensor([[5], [11]])
         cache.reorder_cache(torch.tensor([1, 0]))
-        swapped = model(nxt.flip(0), past_key_values=cache).logits
+        swapped = model(nxt.flip(0), cache=cache).logits
     cache2 = kv.TurboQuantCache(model.config, residual_length=3)
     run(model, ids, cache2, 10)
     with torch.no_grad():
-        plain = model(nxt, past_key_values=cache2).logits
+        plain = model(nxt, cache=cache2).logits
     torch.testing.assert_close(swapped, plain.flip(0), atol=1e-5, rtol=1e-5)
 
 
@@ -578,8 +578,8 @@ def test_left_padded_batch_matches_unpadded_rows():
     with torch.no_grad():
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         lb = model(batch, attention_mask=mask, position_ids=pos,
-                   past_key_values=cache).logits[1, -1]
-        single = model(b, past_key_values=kv.TurboQuantCache(model.config, **kw)).logits[0, -1]
+                   cache=cache).logits[1, -1]
+        single = model(b, cache=kv.TurboQuantCache(model.config, **kw)).logits[0, -1]
     torch.testing.assert_close(lb, single, atol=1e-4, rtol=1e-4)
 
 
@@ -1147,12 +1147,12 @@ def test_attention_switched_away_warns_once_and_still_answers():
     ids = torch.randint(0, 97, (1, 40))
     cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=8)
     with torch.no_grad():
-        want = model(ids, past_key_values=cache).logits
+        want = model(ids, cache=cache).logits
         model.config._attn_implementation = "sdpa"
         with pytest.warns(UserWarning, match="decodes its codes at every step"):
-            step = model(ids[:, -1:], past_key_values=cache).logits
+            step = model(ids[:, -1:], cache=cache).logits
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            model(ids[:, -1:], past_key_values=cache)  # once only
+            model(ids[:, -1:], cache=cache)  # once only
         assert not [w for w in caught if "decodes its codes" in str(w.message)]
     assert torch.isfinite(step).all() and want.shape[1] == 40

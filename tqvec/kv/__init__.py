@@ -3,7 +3,7 @@ attention computed from the codes, optional BalanceKV token selection.
 
     import tqvec.kv
     cache = tqvec.kv.TurboQuantCache(model.config, key_bits=3, value_bits=3)
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=256)
+    out = model.generate(ids, cache=cache, max_new_tokens=256)
     cache.memory_bytes(), cache.bits_per_element()
 
 Needs ``transformers >= 5`` (``pip install "tqvec[hf]"``).

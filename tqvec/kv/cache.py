@@ -34,7 +34,7 @@ def _layer_kwargs(layer_types: list[str], kwargs: list[dict] | dict
 
 
 class TurboQuantCache(Cache):
-    """Compressed KV cache: pass it as ``past_key_values`` to ``generate`` or ``forward``.
+    """Compressed KV cache: pass it as ``cache`` to ``generate`` or ``forward``.
 
     Parameters
     ----------

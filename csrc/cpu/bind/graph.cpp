@@ -82,7 +82,7 @@ void build_graph(GraphSearcher* self, std::vector<CArr<const int32_t>> nbr,
           ": entry must be a node of the top layer");
   self->args = {self->layers.data(), static_cast<int>(L), n, d, b, centroids.data(), entry,
                 self->entry_codes.data(), self->entry_mult.data(), self->entry_add.data(),
-                nullptr};
+                nullptr, nullptr, 0};
   require((rotation == nullptr) == !ids, op, ": the whole search needs a rotation and ids");
   if (rotation != nullptr) {
     require(dim(rotation->perms, 1) == d, op, ": the rotation must be of the d coordinates");

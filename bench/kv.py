@@ -717,27 +717,7 @@ def passkey_md(rows) -> str:
 
 # -- memory and decode time --------------------------------------------------------------------
 def cache_bytes(cache) -> int:
-    if hasattr(cache, "memory_bytes"):
-        return cache.memory_bytes()
-    seen, total = set(), 0
-
-    def walk(x):  # every tensor a layer holds: its window and, quantized, codes and scales
-        nonlocal total
-        if isinstance(x, torch.Tensor):
-            if x.numel() and x.data_ptr() not in seen:
-                seen.add(x.data_ptr())
-                total += x.numel() * x.element_size()
-        elif isinstance(x, (tuple, list)):
-            for y in x:
-                walk(y)
-        elif isinstance(x, dict):
-            for y in x.values():
-                walk(y)
-    for layer in cache.layers:
-        if layer.is_initialized:
-            walk([layer.keys, layer.values, getattr(layer, "_quantized_keys", None),
-                  getattr(layer, "_quantized_values", None)])
-    return total
+    return kv.cache_memory_bytes(cache)
 
 
 def kv_width(model) -> int:

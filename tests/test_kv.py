@@ -1156,3 +1156,31 @@ def test_attention_switched_away_warns_once_and_still_answers():
             model(ids[:, -1:], cache=cache)  # once only
         assert not [w for w in caught if "decodes its codes" in str(w.message)]
     assert torch.isfinite(step).all() and want.shape[1] == 40
+
+
+def test_cache_memory_bytes_measures_any_cache_the_same_way():
+    """tqvec.kv.cache_memory_bytes: a TurboQuantCache's memory_bytes, and for transformers'
+    own caches every tensor their layers hold (a DynamicCache: its keys and values)."""
+    import torch
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    import tqvec.kv
+
+    cfg = LlamaConfig(vocab_size=50, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 50, (2, 40))
+    dynamic = DynamicCache(config=cfg)
+    ours = tqvec.kv.TurboQuantCache(cfg, key_bits=3, value_bits=3, residual_length=8)
+    with torch.no_grad():
+        model(ids, cache=dynamic)
+        model(ids, cache=ours)
+    want = sum(t.numel() * t.element_size() for layer in dynamic.layers
+               for t in (layer.keys, layer.values))
+    assert tqvec.kv.cache_memory_bytes(dynamic) == want == 2 * 2 * 2 * 16 * 40 * 2 * 4
+    assert tqvec.kv.cache_bits_per_element(dynamic, cfg, 40, batch=2) == 32.0
+    assert tqvec.kv.cache_memory_bytes(ours) == ours.memory_bytes()
+    assert tqvec.kv.cache_bits_per_element(ours, cfg, 40, batch=2) == pytest.approx(
+        ours.bits_per_element())
+    with pytest.raises(TypeError, match="transformers Cache"):
+        tqvec.kv.cache_memory_bytes(object())

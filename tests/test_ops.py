@@ -252,6 +252,26 @@ def test_block_codes_matches_reference(backend, b, d, n, rng):
         ops.block_codes(packed[:, 1:], d, b)
 
 
+@pytest.mark.parametrize("b", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("d,n", [(7, 1), (64, 33), (100, 200), (768, 70)])
+def test_block_code_rows_is_block_codes_of_the_gathered_rows(backend, b, d, n, rng):
+    """The layout of packed[rows] (-1: a zero row) without the gathered copy: equal to
+    block_codes of the gathered rows (the reference's meaning), rows repeated and in any
+    order."""
+    idx = torch.from_numpy(rng.integers(0, 1 << b, (40, d)).astype(np.uint8))
+    packed = ops.pack_bits(idx, b, backend="ref")
+    rows = torch.from_numpy(rng.integers(-1, 40, n).astype(np.int32))
+    gathered = packed[rows.long().clamp_min(0)].clone()
+    gathered[rows < 0] = 0
+    want = ops.block_codes(gathered, d, b, backend="ref")
+    assert torch.equal(ops.block_code_rows(packed, rows, d, b, backend="ref"), want)
+    if backend != "ref":
+        got = ops.block_code_rows(on(backend, packed), on(backend, rows), d, b, backend=backend)
+        assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="rows must be -1 or rows"):
+        ops.block_code_rows(packed, torch.tensor([40], dtype=torch.int32), d, b)
+
+
 def test_block_codes_pair_layout_of_three_bits():
     """b = 3, one group of 8 indices: hi nibbles of pairs in bytes 0-1, lo bits in byte 2."""
     idx = torch.tensor([[5, 2, 7, 0, 1, 6, 3, 4]], dtype=torch.uint8)

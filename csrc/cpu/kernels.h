@@ -100,6 +100,10 @@ inline int64_t fs_row_bytes(int64_t d, int b) {
 // is transposed as is, except b = 3, which is re-laid out in pairs.
 void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
                  int nthreads);
+// block_codes of the gathered rows packed[rows[i]], i < n (rows[i] = -1: a zero row), without
+// the gathered copy: a graph's neighbour lists laid out from the rows' codes.
+void block_code_rows(const uint8_t* packed, const int32_t* rows, int64_t n, int64_t d, int b,
+                     uint8_t* blocked, int nthreads);
 // lut_scan's meaning over blocked codes t, b in {1, 2, 3, 4}; approx: the top k by the 8-bit
 // table scores and those scores, no exact re-score (a first stage before a refinement).
 void fast_scan(const float* qr, int64_t nq, const CodeTable& t, bool approx, const TopKOut& out,

@@ -127,19 +127,19 @@ def _lay_out(nb: np.ndarray, packed: np.ndarray, mult: np.ndarray, add: np.ndarr
     """One layer's search records for neighbour lists nb (nodes, R): each node's neighbours'
     codes in fast-scan blocks (nodes, R / 32, row bytes, 32) uint8, their multipliers and
     offsets (nodes, R) float32 (0 and -inf for padding). On huge pages (``ops.pages``: the
-    search reads them at random), laid out a chunk of nodes at a time so that the packed
-    neighbour rows are never all copied at once."""
+    search reads them at random); the codes straight from the rows' (``ops.block_code_rows``:
+    no gathered copy of the neighbour rows), the scalars a chunk of nodes at a time."""
     nodes, R = nb.shape
-    codes = pages.empty((nodes, R // _ROWS, ops.fast_scan_row_bytes(d, b), _ROWS), np.uint8)
+    codes = ops.block_code_rows(torch.from_numpy(packed), torch.from_numpy(nb.reshape(-1)), d,
+                                b).numpy().reshape(nodes, R // _ROWS,
+                                                   ops.fast_scan_row_bytes(d, b), _ROWS)
     em = pages.empty((nodes, R), np.float32)
     ea = pages.empty((nodes, R), np.float32)
-    step = max(1, _LAYOUT_CHUNK_BYTES // max(1, R * packed.shape[1]))
+    step = max(1, _LAYOUT_CHUNK_BYTES // max(1, R * 8))
     for i in range(0, nodes, step):
         part = nb[i:i + step]
         live = part >= 0
         r = np.where(live, part, 0)
-        codes[i:i + step] = ops.block_codes(torch.from_numpy(packed[r.reshape(-1)]), d,
-                                            b).numpy().reshape(codes[i:i + step].shape)
         em[i:i + step] = np.where(live, mult[r], 0.0)
         ea[i:i + step] = np.where(live, add[r], -np.inf)
     return codes, em, ea

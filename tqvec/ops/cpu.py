@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from . import pages
 from .ref import fast_scan_row_bytes, row_bytes
 
 try:  # the compiled module is optional: tqvec.ops falls back to the reference without it
@@ -20,7 +21,7 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "RESCORE_METRIC_CODES", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "centroid_stats_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
-           "block_codes_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
+           "block_codes_cpu", "block_code_rows_cpu", "fast_scan_cpu", "fast_scan_terms_cpu", "fast_scan_np",
            "fast_scan_terms_two_stage_cpu",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
@@ -157,6 +158,15 @@ def block_codes_cpu(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     if n:
         _C.block_codes(packed.numpy(), d, b, out.numpy(), threads())
     return out
+
+
+def block_code_rows_cpu(packed: torch.Tensor, rows: torch.Tensor, d: int, b: int
+                        ) -> torch.Tensor:
+    n = rows.shape[0]
+    out = pages.empty((-(-n // 32), fast_scan_row_bytes(d, b), 32), np.uint8)  # read at random
+    if n:
+        _C.block_code_rows(packed.numpy(), rows.numpy(), d, b, out, threads())
+    return torch.from_numpy(out)
 
 
 def _topk_out(nq: int, k: int, written: bool = False) -> tuple[np.ndarray, np.ndarray]:

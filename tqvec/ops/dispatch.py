@@ -50,6 +50,7 @@ OPS: dict[str, Op] = {
     "lut_scan": Op(_ref.lut_scan_ref, _cpu.lut_scan_cpu, _cuda.lut_scan_cuda),
     "lut_rescore": Op(_ref.lut_rescore_ref, _cpu.lut_rescore_cpu),
     "block_codes": Op(_ref.block_codes_ref, _cpu.block_codes_cpu),
+    "block_code_rows": Op(_ref.block_code_rows_ref, _cpu.block_code_rows_cpu),
     "fast_scan": Op(_ref.fast_scan_ref, _cpu.fast_scan_cpu),
     "fast_scan_terms": Op(_ref.fast_scan_terms_ref, _cpu.fast_scan_terms_cpu),
     "fast_scan_terms_two_stage": Op(_ref.fast_scan_terms_two_stage_ref,

@@ -11,6 +11,7 @@ import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
            "lut_scan_ref", "lut_rescore_ref", "fast_scan_two_stage_ref", "block_codes_ref",
+           "block_code_rows_ref",
            "fast_scan_ref", "fast_scan_terms_ref", "fast_scan_terms_two_stage_ref",
            "decode_attention_ref", "row_bytes"]
 
@@ -262,6 +263,16 @@ def block_codes_ref(packed: torch.Tensor, d: int, b: int) -> torch.Tensor:
     out = torch.zeros((nb * BLOCK_ROWS, rb), dtype=torch.uint8, device=packed.device)
     out[:n] = rows
     return out.reshape(nb, BLOCK_ROWS, rb).transpose(1, 2).contiguous()
+
+
+def block_code_rows_ref(packed: torch.Tensor, rows: torch.Tensor, d: int, b: int
+                        ) -> torch.Tensor:
+    """``block_codes_ref`` of the gathered rows ``packed[rows]`` (rows (n,) int32; -1: a zero
+    row)."""
+    r = rows.to(torch.int64)
+    gathered = packed[r.clamp_min(0)]
+    gathered[r < 0] = 0
+    return block_codes_ref(gathered, d, b)
 
 
 def unblock_codes(blocked: torch.Tensor, n: int, d: int, b: int) -> torch.Tensor:

@@ -125,6 +125,22 @@ void bind_codes(nb::module_& m) {
     block_codes(packed.data(), n, d, b, blocked.data(), nthreads);
   });
 
+  m.def("block_code_rows", [](CArr<const uint8_t> packed, CArr<const int32_t> rows, int64_t d,
+                              int b, CArr<uint8_t> blocked, int nthreads) {
+    const char* op = "block_code_rows";
+    check_bits(b, 8, op);
+    require(d >= 1, op, ": d must be >= 1");
+    check_shape(packed, {kAny, packed_row_bytes(d, b)}, op, "packed");
+    check_shape(rows, {kAny}, op, "rows");
+    const int64_t n = dim(rows, 0), have = dim(packed, 0);
+    const int32_t* r = rows.data();
+    for (int64_t i = 0; i < n; ++i)
+      require(r[i] >= -1 && r[i] < have, op, ": rows must be -1 or rows of packed");
+    check_shape(blocked, {(n + 31) / 32, fs_row_bytes(d, b), 32}, op, "blocked");
+    nb::gil_scoped_release rel;
+    block_code_rows(packed.data(), r, n, d, b, blocked.data(), nthreads);
+  });
+
   m.def("row_sqnorms", [](CArr<const float> x, CArr<float> out) {
     check_shape(x, {kAny, kAny}, "row_sqnorms", "x");
     check_shape(out, {dim(x, 0)}, "row_sqnorms", "out");

@@ -76,15 +76,34 @@ using namespace fastscan;  // NOLINT: the kernel's own internals
 
 void block_codes(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* blocked,
                  int nthreads) {
+  block_code_rows(packed, nullptr, n, d, b, blocked, nthreads);
+}
+
+void block_code_rows(const uint8_t* packed, const int32_t* rows_of, int64_t n, int64_t d, int b,
+                     uint8_t* blocked, int nthreads) {
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t rb = (d * b + 7) / 8, fb = fs_row_bytes(d, b);
   auto work = [&](int64_t j0, int64_t j1) {
+    const std::vector<uint8_t> zero(static_cast<size_t>(b != 3 ? rb : 0), 0);  // a padding row
     for (int64_t j = j0; j < j1; ++j) {
       uint8_t* out = blocked + j * fb * kRows;
       const int64_t rows = std::min(kRows, n - j * kRows);
-      if (rows < kRows) std::memset(out, 0, static_cast<size_t>(fb * kRows));
+      if (b != 3) {  // a transpose of 32 rows: written in order, read from L1
+        const uint8_t* src[kRows];
+        for (int64_t t = 0; t < kRows; ++t) {
+          const int64_t r = t >= rows ? -1 : rows_of == nullptr ? j * kRows + t
+                                                                : rows_of[j * kRows + t];
+          src[t] = r < 0 ? zero.data() : packed + r * rb;
+        }
+        for (int64_t p = 0; p < rb; ++p)
+          for (int64_t t = 0; t < kRows; ++t) out[p * kRows + t] = src[t][p];
+        continue;
+      }
+      if (rows < kRows || rows_of != nullptr) std::memset(out, 0, static_cast<size_t>(fb * kRows));
       for (int64_t t = 0; t < rows; ++t) {
-        const uint8_t* row = packed + (j * kRows + t) * rb;
+        const int64_t src = rows_of == nullptr ? j * kRows + t : rows_of[j * kRows + t];
+        if (src < 0) continue;  // a zero row
+        const uint8_t* row = packed + src * rb;
         if (b != 3) {
           for (int64_t p = 0; p < rb; ++p) out[p * kRows + t] = row[p];
           continue;

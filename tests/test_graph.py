@@ -349,9 +349,10 @@ def test_layout_in_chunks_is_the_same(monkeypatch):
     assert np.isneginf(ea[~live]).all()
     np.testing.assert_array_equal(em[live], mult[nb[live]])
     np.testing.assert_array_equal(ea[live], add[nb[live]])
-    # node 3's second block holds its neighbours 32..63 in the fast-scan layout
+    # node 3's second block holds its neighbours 32..63 in the fast-scan layout (padding: zeros)
     rows = np.where(live[3, 32:], nb[3, 32:], 0)
-    expect = ops.block_codes(torch.from_numpy(packed[rows]), d, b).numpy()[0]
+    gathered = np.where(live[3, 32:, None], packed[rows], 0).astype(np.uint8)
+    expect = ops.block_codes(torch.from_numpy(gathered), d, b).numpy()[0]
     np.testing.assert_array_equal(codes[3, 1], expect)
 
 

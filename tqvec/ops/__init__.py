@@ -21,7 +21,8 @@ from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
            "quantize_pack", "centroid_stats", "turbo_mse_encode", "turbo_mse_decode",
            "hadamard_rotate", "HadamardRotate", "lut_scan",
-           "lut_rescore", "block_codes", "block_code_rows", "unblock_codes", "fast_scan", "fast_scan_terms",
+           "lut_rescore", "block_codes", "block_code_rows",
+           "unblock_codes", "fast_scan", "fast_scan_terms",
            "fast_scan_terms_two_stage", "fast_scan_two_stage", "FastScan", "ivf_fast_scan",
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
            "row_sqnorms", "row_dots", "row_project", "decode_attention", "row_bytes",
@@ -156,7 +157,8 @@ def block_code_rows(packed: torch.Tensor, rows: torch.Tensor, d: int, b: int,
         raise ValueError(f"packed must be (n, {row_bytes(d, b)}) for d={d}, b={b}, "
                          f"got {tuple(packed.shape)}")
     if rows.dim() != 1 or rows.dtype != torch.int32:
-        raise ValueError(f"rows must be a 1-D int32 tensor, got {V.describe(rows)}")
+        raise ValueError(f"rows must be a 1-D int32 tensor, got {rows.dtype} of shape "
+                         f"{tuple(rows.shape)}")
     if rows.numel() and (int(rows.min()) < -1 or int(rows.max()) >= packed.shape[0]):
         raise ValueError(f"rows must be -1 or rows of packed (0..{packed.shape[0] - 1})")
     return pick("block_code_rows", packed.device, backend)(packed.contiguous(),

@@ -583,6 +583,38 @@ def test_left_padded_batch_matches_unpadded_rows():
     torch.testing.assert_close(lb, single, atol=1e-4, rtol=1e-4)
 
 
+def test_left_pads_are_neither_sinks_nor_calibration():
+    """A left-padded row's pad tokens (masked in attention) change nothing: the results are
+    the same whatever the pad tokens are (they entered the channel calibration, and took the
+    sink slots, before), and the padded row's sink holds its own first tokens."""
+    model = llama(3)
+    g = torch.Generator().manual_seed(4)
+    a = torch.randint(1, 97, (1, 60), generator=g)
+    b = torch.randint(1, 97, (1, 40), generator=g)
+    P = 20
+    mask = torch.ones(2, 60, dtype=torch.long)
+    mask[1, :P] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    kw = dict(key_bits=2, value_bits=2, residual_length=8)
+    outs, caches = [], []
+    for pad_token in (0, 13):
+        batch = torch.cat([a, torch.cat([torch.full((1, P), pad_token), b], 1)])
+        cache = kv.TurboQuantCache(model.config, **kw)
+        with torch.no_grad():
+            model(batch, attention_mask=mask, position_ids=pos, cache=cache)
+            m2 = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+            outs.append(model(torch.tensor([[5], [7]]), attention_mask=m2,
+                              position_ids=pos[:, -1:] + 1, cache=cache).logits)
+        caches.append(cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    alone = kv.TurboQuantCache(model.config, **kw)
+    with torch.no_grad():
+        model(b, cache=alone)
+    sink = caches[0].layers[0].sink_k
+    assert sink.shape[2] == P + 4
+    torch.testing.assert_close(sink[1, :, P:], alone.layers[0].sink_k[0], atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("kind,bits", [("turbo-prod", 3), ("qjl", 2)])
 def test_key_scores_are_unbiased(kind, bits):
     """Mean over 300 seeds of the estimated <q, k> equals the true value within 4 s.e."""

@@ -80,6 +80,7 @@ def tqvec_attention(module, query, key, value, attention_mask, dropout: float = 
     if kwargs.get("s_aux") is not None:
         raise ValueError("attention sinks (s_aux) are not supported by the compressed cache")
     layer.awaiting_attention = False
+    layer.observe_padding(attention_mask, query.shape[2])
     layer.observe_queries(query)
     try:
         if layer.only_window() and softcap is None:

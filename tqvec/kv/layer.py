@@ -169,6 +169,8 @@ class CompressedLayer(CacheLayerMixin):
         self.awaiting_attention = False
         self.unsettled = False  # tokens appended since the last flush (else flush is a no-op)
         self.q_energy = None  # (H, d) query mean squares seen at the first attention
+        # (B,) leading pad tokens of each row of a left-padded batch (None: not seen yet)
+        self.pads: torch.Tensor | None = None
 
     # -- setup -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -393,10 +395,12 @@ class CompressedLayer(CacheLayerMixin):
             self.code_pos.append({"pos": pos[..., None].to(torch.int32)})
         elif not len(self.kbuf):
             self.code_start = first
-        self._encode(k_old, v_old)
+        self._encode(k_old, v_old, first)
 
-    def _encode(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    def _encode(self, k: torch.Tensor, v: torch.Tensor, first: int) -> None:
+        """Code tokens at positions first .. of k, v (with balance: their selection)."""
         k, v = k.float(), v.float()
+        w = self.token_weights(first, k.shape[2]) if self.mr is None else None
         # Data-dependent setup at the first codes: the channel scale, then the outlier channels
         # of what the split actually codes ((x - mu) / s under a scale - the default with
         # outlier_channels: the channels whose error weighs most in the scores).
@@ -404,10 +408,10 @@ class CompressedLayer(CacheLayerMixin):
             inner, coded = quant, x
             if isinstance(quant, ChannelScale):
                 if quant.scale is None:
-                    quant.calibrate(x, q_energy)
+                    quant.calibrate(x, q_energy, w)
                 inner, coded = quant.inner, quant.transform(x)
             if isinstance(inner, ChannelSplit) and inner.channels is None:
-                inner.set_channels(coded)
+                inner.set_channels(coded, w)
         kf = self._code(self.kq, k.contiguous(), "key")
         vf = self._code(self.vq, v.contiguous(), "value")
         self.kbuf.append(kf)
@@ -448,12 +452,46 @@ class CompressedLayer(CacheLayerMixin):
             cut = min(first_visible - wstart, w)
             self.keys, self.values = _window(self.keys, cut), _window(self.values, cut)
 
+    def observe_padding(self, mask: torch.Tensor | None, query_length: int) -> None:
+        """At the layer's first forward (positions from 0), the leading pad tokens of each row
+        of a left-padded batch, from the attention mask (B, 1, Q, K): the key columns its last
+        query row may not see before the first one it may. The sink then reaches past every
+        row's pads, and calibration counts no pad token (a pad's key is no key of the text)."""
+        if self.pads is not None or self.cumulative_length != query_length:
+            return
+        pads = torch.zeros(self.batch, dtype=torch.int64, device=self.device)
+        if mask is not None and mask.dim() == 4:
+            last = mask[:, 0, -1, :]
+            seen = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+            seen = seen.expand(self.batch, -1)
+            pads = torch.where(seen.any(-1), seen.to(torch.int8).argmax(-1),
+                               torch.zeros_like(pads)).to(torch.int64)
+        self.pads = pads
+        if self.sink_length:
+            self.sink_length = self.settings.sink_length + int(pads.max())
+
+    def token_weights(self, first: int, n: int) -> torch.Tensor | None:
+        """(B, 1, n, 1) float32 weights of the tokens at positions first .. first+n-1 in the
+        per-head statistics of calibration: 0 for a row's pad tokens, 1 for the rest; None
+        without pads."""
+        if self.pads is None or not bool((self.pads > 0).any()):
+            return None
+        pos = torch.arange(first, first + n, device=self.pads.device)
+        return (pos[None, :] >= self.pads[:, None]).to(torch.float32)[:, None, :, None]
+
     def observe_queries(self, query: torch.Tensor) -> None:
-        """Record per-KV-head query channel energy (once, at prefill) for key calibration."""
+        """Record per-KV-head query channel energy (once, at prefill) for key calibration
+        (a left-padded row's pad queries left out)."""
         if self.q_energy is None:
             B, Hq, Q, D = query.shape
             g = query.float().reshape(B, self.num_heads, Hq // self.num_heads, Q, D)
-            self.q_energy = (g ** 2).mean(dim=(0, 2, 3))
+            w = self.token_weights(self.cumulative_length - Q, Q)
+            if w is None:
+                self.q_energy = (g ** 2).mean(dim=(0, 2, 3))
+            else:
+                w = w[:, :, None]  # (B, 1, 1, Q, 1)
+                self.q_energy = ((g ** 2) * w).sum(dim=(0, 2, 3)) / (
+                    w.sum() * (Hq // self.num_heads)).clamp_min(1.0)
 
     # -- views for attention -----------------------------------------------------------------
     def segments(self):

@@ -61,6 +61,17 @@ class KVQuantizer:
         return 0
 
 
+def _mean_bt(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """(H, d) mean of x (B, H, T, d) over batch and tokens, each token weighted by weights
+    (B, 1, T, 1) (None: the plain mean)."""
+    if weights is None:
+        return x.mean(dim=(0, 2))
+    total = weights.sum() * 1.0
+    if not float(total):
+        return x.mean(dim=(0, 2))
+    return (x * weights).sum(dim=(0, 2)) / total
+
+
 def _flat(f: Fields) -> tuple[tuple[int, ...], Fields]:
     """(B, H, T, *) fields -> leading shape and (B*H*T, *) contiguous fields."""
     lead = tuple(f["payload"].shape[:-1])
@@ -288,9 +299,10 @@ class ChannelSplit(KVQuantizer):
         self.channels: torch.Tensor | None = None  # (H, count) outlier channel ids, sorted
         self._order: torch.Tensor | None = None    # (H, d): outliers first, then the rest
 
-    def set_channels(self, x: torch.Tensor) -> None:
-        """Pick per head the ``count`` channels of largest mean square. x: (B, H, T, d)."""
-        energy = (x.float() ** 2).mean(dim=(0, 2))  # (H, d)
+    def set_channels(self, x: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Pick per head the ``count`` channels of largest mean square. x: (B, H, T, d);
+        weights: (B, 1, T, 1) per-token weights of the mean (None: all 1)."""
+        energy = _mean_bt(x.float() ** 2, weights)  # (H, d)
         top = torch.topk(energy, self.count, dim=-1).indices.sort(-1).values
         rest = torch.ones_like(energy, dtype=torch.bool).scatter_(-1, top, False)
         others = torch.arange(self.dim, device=x.device).expand_as(energy)[rest]
@@ -380,21 +392,26 @@ class ChannelScale(KVQuantizer):
         p = v[..., :h] + v[..., h:]
         return torch.cat([p, p], dim=-1)
 
-    def calibrate(self, k: torch.Tensor, q_energy: torch.Tensor | None) -> None:
-        """k: (B, H, T, d) keys; q_energy: (H, d) mean squared query per channel, or None."""
+    def calibrate(self, k: torch.Tensor, q_energy: torch.Tensor | None,
+                  weights: torch.Tensor | None = None) -> None:
+        """k: (B, H, T, d) keys; q_energy: (H, d) mean squared query per channel, or None;
+        weights: (B, 1, T, 1) per-token weights of the statistics (a left-padded batch's pad
+        tokens 0; None: all 1)."""
         x = k.float()
-        mean = x.mean(dim=(0, 2))  # (H, d)
+        w = weights
+        mean = _mean_bt(x, w)  # (H, d)
         if self.rope_pairs:
             T = x.shape[2]
             if T >= 4:
-                first, second = x[:, :, : T // 2].mean(dim=(0, 2)), x[:, :, T // 2:].mean(
-                    dim=(0, 2))
+                h = T // 2
+                first = _mean_bt(x[:, :, :h], None if w is None else w[:, :, :h])
+                second = _mean_bt(x[:, :, h:], None if w is None else w[:, :, h:])
                 keep = self._tie((first - second) ** 2) < self.stable * self._tie(mean ** 2)
                 mean = mean * keep
             else:  # too few tokens to tell a still pair from a turning one
                 mean = torch.zeros_like(mean)
         self.mean = mean
-        kk = self._tie(((x - mean[None, :, None, :]) ** 2).mean(dim=(0, 2))).clamp_min(1e-12)
+        kk = self._tie(_mean_bt((x - mean[None, :, None, :]) ** 2, w)).clamp_min(1e-12)
         qq = (self._tie(q_energy.float()).clamp_min(1e-12) if q_energy is not None
               else torch.ones_like(kk))
         s = (kk / qq) ** 0.25

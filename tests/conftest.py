@@ -15,6 +15,22 @@ settings.register_profile("dev", max_examples=40, deadline=None)
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE",
                                                                            "ci"))
 
+@pytest.fixture(scope="module")
+def one_thread_each():
+    """One faiss (OpenMP) and one torch thread: faiss's HNSW adds in parallel threads insert in
+    a varying order, its k-means too, and a torch GEMM (the decoded-block route of small
+    indexes) rounds by how many threads it gets, which varies with other threads' searches.
+    Tests that compare an index with a replay of it need the same bits (the compiled kernels'
+    results do not depend on threads: tests/test_threads.py)."""
+    import faiss
+    before = faiss.omp_get_max_threads(), torch.get_num_threads()
+    faiss.omp_set_num_threads(1)
+    torch.set_num_threads(1)
+    yield
+    faiss.omp_set_num_threads(before[0])
+    torch.set_num_threads(before[1])
+
+
 _NEEDS = {
     "gpu": (lambda: torch.cuda.is_available(), "no CUDA device"),
     "nvcc": (lambda: shutil.which("nvcc") is not None, "nvcc not found"),

@@ -10,10 +10,8 @@ searches, never a different check."""
 
 import threading
 
-import faiss
 import numpy as np
 import pytest
-import torch
 
 import tqvec
 
@@ -90,20 +88,6 @@ def _apply(index, step, path=None):
 def _key(out):
     D_, I_ = out
     return I_.tobytes() + D_.tobytes()
-
-
-@pytest.fixture
-def one_thread_each():
-    """faiss's HNSW adds in parallel threads insert in a varying order, and a torch GEMM (the
-    decoded-block route of small indexes) rounds by how many threads it gets, which varies
-    with the other threads' searches: one thread each makes the replay's answers the same
-    bits (the compiled kernels' results do not depend on threads: tests/test_threads.py)."""
-    before = faiss.omp_get_max_threads(), torch.get_num_threads()
-    faiss.omp_set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before[0])
-    torch.set_num_threads(before[1])
 
 
 @pytest.mark.parametrize("spec,params", CASES, ids=[c[0] for c in CASES])

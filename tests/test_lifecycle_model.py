@@ -6,10 +6,8 @@ in one ``add_with_ids``, and read back from its file as itself. (The codes are d
 a row's code does not depend on the other rows, so the fresh index is the brute-force answer.)
 A graph is built in the order rows came, so for it the answers are checked for their ids."""
 
-import faiss
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -38,15 +36,7 @@ _STEP = st.one_of(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_each():
-    """Deterministic k-means and graph builds, one GEMM rounding (see test_concurrency.py)."""
-    before = faiss.omp_get_max_threads(), torch.get_num_threads()
-    faiss.omp_set_num_threads(1)
-    torch.set_num_threads(1)
-    yield
-    faiss.omp_set_num_threads(before[0])
-    torch.set_num_threads(before[1])
+pytestmark = pytest.mark.usefixtures("one_thread_each")
 
 
 def _index(spec, train_seed):

@@ -31,6 +31,26 @@ def one_thread_each():
     torch.set_num_threads(before[1])
 
 
+@pytest.fixture
+def refuse_draws(monkeypatch):
+    """``refuse_draws(mp=monkeypatch)``: from then on any draw of a random matrix (a JL sketch,
+    a Haar or Hadamard rotation) fails the test - what "refused before anything is drawn"
+    means, checked without a clock."""
+    import tqvec.random as R
+
+    def refuse(*a, **k):
+        raise AssertionError("a random matrix was drawn")
+
+    def arm(mp=monkeypatch):
+        for name in ("haar_frame", "haar_matrix", "jl_matrix", "make_rotation"):
+            mp.setattr(R, name, refuse)
+        for mod in (tqvec.codecs.qjl, tqvec.codecs.turbo, tqvec.codecs.polar):
+            for name in ("jl_matrix", "make_rotation"):
+                if hasattr(mod, name):
+                    mp.setattr(mod, name, refuse)
+    return arm
+
+
 _NEEDS = {
     "gpu": (lambda: torch.cuda.is_available(), "no CUDA device"),
     "nvcc": (lambda: shutil.which("nvcc") is not None, "nvcc not found"),

@@ -287,14 +287,14 @@ def codes_file(tmp_path, rng):
     ({"rounds": 3, "bits": True}, "bits must be an int"),
     ({"extra": 1}, "unexpected keyword"),
 ])
-def test_header_params_that_would_allocate_or_misbehave(codes_file, params, match):
+def test_header_params_that_would_allocate_or_misbehave(codes_file, params, match,
+                                                        refuse_draws):
     """Checksum-valid headers whose params ask for terabytes, hours, a CUDA device or a
-    non-canonical form: a FormatError before anything is allocated, in well under a second."""
+    non-canonical form: a FormatError before anything is drawn (any draw fails the test)."""
     craft_meta(codes_file, "codes", lambda meta: meta["params"].update(params))
-    t = time.perf_counter()
+    refuse_draws()
     with pytest.raises(FormatError, match=match):
         tqvec.load_codes(codes_file)
-    assert time.perf_counter() - t < 1.0
 
 
 def test_a_crafted_haar_header_fails_fast_under_a_memory_limit(codes_file):
@@ -580,8 +580,8 @@ def test_a_short_sketch_needs_no_square_matrix():
     assert out.returncode == 0 and out.stdout.split() == ["ok", "2"], out.stderr[-2000:]
 
 
-def test_dense_matrices_beyond_the_limit_are_refused_before_drawing():
-    t = time.perf_counter()
+def test_dense_matrices_beyond_the_limit_are_refused_before_drawing(monkeypatch, refuse_draws):
+    refuse_draws()
     with pytest.raises(ValueError, match="at most 67108864 elements"):
         tqvec.TurboQuant(65536, 3, "prod")  # sketch_dim = d: a 65,536^2 JL matrix
     with pytest.raises(ValueError, match="dim must be at most 4096 for rotation='haar'"):
@@ -590,7 +590,7 @@ def test_dense_matrices_beyond_the_limit_are_refused_before_drawing():
         tqvec.QJL(4096, 4 * 4096)
     with pytest.raises(ValueError, match="use jl='gaussian'"):  # version 1: a 8,191^2 Haar draw
         tqvec.QJL(8193, 24, outliers=[2, 5], jl_version=1)
-    assert time.perf_counter() - t < 1.0
+    monkeypatch.undo()
     tqvec.QJL(4096, 4 * 4096, jl="gaussian")  # no orthogonalization: only the memory bound
 
 

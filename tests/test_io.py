@@ -109,17 +109,8 @@ def _forged_dim(path, kind, dim):
     write_container(path, kind, meta, arrays)
 
 
-def _refuse_draws(monkeypatch):
-    """From now on any draw of a rotation or a JL matrix fails the test."""
-    def refuse(*a, **k):
-        raise AssertionError("a random matrix was drawn")
-    for mod in (tqvec.codecs.qjl, tqvec.codecs.turbo):
-        monkeypatch.setattr(mod, "jl_matrix", refuse)
-    monkeypatch.setattr(tqvec.codecs.turbo, "make_rotation", refuse)
-
-
 @pytest.mark.parametrize("mmap", [False, True])
-def test_forged_header_costs_no_draw_at_load(tmp_path, mmap, monkeypatch):
+def test_forged_header_costs_no_draw_at_load(tmp_path, mmap, monkeypatch, refuse_draws):
     """Refusing a file costs what reading it costs: a 1 KB file claiming dim 1,024 (a 1024 x
     1024 Haar draw) loads without drawing, and its first use refuses it."""
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
@@ -128,13 +119,14 @@ def test_forged_header_costs_no_draw_at_load(tmp_path, mmap, monkeypatch):
     _forged_dim(path, "codes", 1024)
     assert path.stat().st_size < 2048
     with monkeypatch.context() as m:
-        _refuse_draws(m)
+        refuse_draws(m)
         codes = tqvec.load_codes(path, mmap=mmap)
     with pytest.raises(FormatError, match="fingerprint mismatch"):
         tqvec.codec_from_params(codes.params).decode(codes[:2])
 
 
-def test_forged_index_header_is_refused_at_first_search(tmp_path, monkeypatch):
+def test_forged_index_header_is_refused_at_first_search(tmp_path, monkeypatch,
+                                                        refuse_draws):
     x = np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32)
     index = tqvec.FlatIndex(tqvec.QJL(16, 24, seed=4), "ip")
     index.add(x)
@@ -142,7 +134,7 @@ def test_forged_index_header_is_refused_at_first_search(tmp_path, monkeypatch):
     tqvec.write_index(index, path)
     _forged_dim(path, "index", 1024)
     with monkeypatch.context() as m:
-        _refuse_draws(m)
+        refuse_draws(m)
         back = tqvec.read_index(path)
     with pytest.raises(FormatError, match="fingerprint mismatch"):
         back.search(np.ones((1, 1024), np.float32), 1)

@@ -158,8 +158,8 @@ class GraphIndex(FlatIndex):
         ``hnsw.efSearch``; at least the candidates the re-rank takes are kept).
     ef_construction: faiss's ``efConstruction`` of the build (default 200, hnswlib's: faiss's
         own 40 built a graph that needed 1.5x the efSearch for recall 0.99 on Fashion-MNIST).
-        The build is faiss's HNSW insertion, the cost of this index: ~3 ms per row at d = 768
-        on 2 cores (200,000 rows: ~11 min). ``verbose`` shows its progress.
+        The build is faiss's HNSW insertion, most of this index's cost (docs/search.md gives
+        it); ``verbose`` shows its progress.
     verbose: print the build's progress (faiss's own, per level) and the search layout's
         making (the first search after adds or a read) to stdout, as faiss's ``verbose``.
     """

@@ -22,10 +22,14 @@ Q = RNG.standard_normal((25, D_)).astype(np.float32)
 @pytest.fixture(scope="module")
 def ray():
     ray = pytest.importorskip("ray")
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             configure_logging=False)
-    yield ray
-    ray.shutdown()
+    with pytest.MonkeyPatch.context() as m:
+        # Ray starts its workers at nice 15: on a busy machine they then wait behind every
+        # other process, and an actor restart of a second unloaded took minutes
+        m.setenv("RAY_worker_niceness", "0")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+                 configure_logging=False)
+        yield ray
+        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def dist(ray):
     return dist
 
 
-def _restarted(ray, actor, timeout=60.0):
+def _restarted(ray, actor, timeout=600.0):
     """Kill an actor and wait until Ray has restarted it (a kill is asynchronous: a call
     made right after may still reach the old process)."""
     old = ray.get(actor.pid.remote())
@@ -50,7 +54,7 @@ def _restarted(ray, actor, timeout=60.0):
     raise AssertionError("the actor was not restarted")
 
 
-def _dead(ray, actor, timeout=60.0):
+def _dead(ray, actor, timeout=600.0):
     """Kill an actor for good and wait until calls to it fail."""
     ray.kill(actor, no_restart=True)
     end = time.time() + timeout

@@ -10,9 +10,10 @@ import tqvec
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
-def test_shards_spread_over_nodes_and_merge_exactly(tmp_path):
+def test_shards_spread_over_nodes_and_merge_exactly(tmp_path, monkeypatch):
     ray = pytest.importorskip("ray")
     from ray.cluster_utils import Cluster
+    monkeypatch.setenv("RAY_worker_niceness", "0")  # as tests/test_distributed.py says
     if ray.is_initialized():
         ray.shutdown()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})

@@ -30,6 +30,8 @@ def test_docs_examples_run(page, tmp_path, monkeypatch):
         pytest.importorskip("transformers")
     if "import ray" in (ROOT / page).read_text():
         pytest.importorskip("ray")
+        # workers at nice 0, not Ray's 15 (tests/test_distributed.py says why)
+        monkeypatch.setenv("RAY_worker_niceness", "0")
     monkeypatch.chdir(tmp_path)
     for code in _blocks(page):
         exec(compile(code, page, "exec"), {})

@@ -20,8 +20,9 @@ never read (a FIFO would block forever).
 Files are written to a temporary file in the same folder (``.tqvec-*.tmp``, locked while it is
 written), fsynced and renamed over the target, so a crash never leaves a half-written file
 under the real name; temporaries left by killed writers (names ``temp_name`` made, unlocked,
-10 minutes old) are removed by a later write to that folder. A target that exists but is no regular file (a symlink, a FIFO, a device) is refused,
-never written through. Nothing is pickled.
+10 minutes old) are removed by a later write to that folder. A target that exists but is no
+regular file (a symlink, a FIFO, a device) is refused, never written through. Nothing is
+pickled.
 
 Memory-mapped reads (``mmap=True``) map the file copy-on-write; as with numpy's memmap and
 faiss's mmap IO, the file must not be modified while mapped (truncating it makes reads fault).

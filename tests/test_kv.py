@@ -615,6 +615,29 @@ def test_left_pads_are_neither_sinks_nor_calibration():
     torch.testing.assert_close(sink[1, :, P:], alone.layers[0].sink_k[0], atol=1e-5, rtol=1e-5)
 
 
+def test_left_padded_beam_search_keeps_each_rows_pads():
+    """Beam search repeats and reorders the batch: each row's pads follow it (the codes made
+    after the reorder weight the right tokens), and generation runs to the end."""
+    model = llama(3)
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 97, (2, 30), generator=g)
+    ids[1, :10] = 0
+    mask = torch.ones_like(ids)
+    mask[1, :10] = 0
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=40)
+    out = model.generate(ids, attention_mask=mask, cache=cache, num_beams=2, max_new_tokens=24,
+                         do_sample=False)
+    assert out.shape == (2, 54)
+    assert cache.layers[0].pads.tolist() == [0, 0, 10, 10]  # two beams per prompt
+    cache = kv.TurboQuantCache(model.config, key_bits=3, value_bits=3, residual_length=40)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, cache=cache)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert [layer.pads.tolist() for layer in cache.layers] == [[10, 0]] * 2
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].pads.tolist() == [10, 10, 0, 0]
+
+
 @pytest.mark.parametrize("kind,bits", [("turbo-prod", 3), ("qjl", 2)])
 def test_key_scores_are_unbiased(kind, bits):
     """Mean over 300 seeds of the estimated <q, k> equals the true value within 4 s.e."""

@@ -305,6 +305,8 @@ class CompressedLayer(CacheLayerMixin):
                 buf.map_(fn)
         if self.mr is not None:
             self.mr.map_(fn)
+        if self.pads is not None:
+            self.pads = fn(self.pads)
         self.batch = self.keys.shape[0]
 
     def offload(self):

@@ -150,9 +150,8 @@ def test_searches_during_changes_answer_from_a_state_the_index_passed_through(
     for qi, q in enumerate(queries):
         assert _key(index.search(q, K)) == states[-1][qi]
     if index.ntotal:
-        ids = index.state()[1]["ids"] if hasattr(index, "state") else None
-        if ids is not None:
-            assert len(np.unique(ids)) == len(ids)
+        ids = index.state()[1]["ids"]
+        assert len(np.unique(ids)) == len(ids)
 
 
 def test_the_writer_steps_cover_every_kind():

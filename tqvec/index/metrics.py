@@ -50,11 +50,11 @@ def unit_rows(q: np.ndarray) -> np.ndarray:
     return q / np.maximum(nrm, np.float32(1e-30))
 
 
-def normalized(x: torch.Tensor, name: str = "x") -> torch.Tensor:
+def normalized(x: torch.Tensor) -> torch.Tensor:
     """Rows scaled to unit norm (torch, any device; zero rows stay zero). A row whose norm
     overflows float32 is refused (ValueError) as the codecs refuse it, not scaled to zero."""
     norms = torch.linalg.vector_norm(x, dim=1, keepdim=True)
-    V.finite_rows(x, norms[:, 0], name, 0)
+    V.finite_rows(x, norms[:, 0], "x", 0)
     return x / norms.clamp_min(1e-30)
 
 

@@ -107,7 +107,7 @@ class TurboQuantCache(Cache):
         self.attention = V.choice(attention, "attention", ("codes", "decode"))
         text = config.get_text_config(decoder=True)
         self.config = config
-        head_dim = _head_dim(config)
+        head_dim = config_head_dim(config)
         base = dict(key_codec=key_codec, key_bits=key_bits, value_codec=value_codec,
                     value_bits=value_bits, residual_length=residual_length,
                     sink_length=sink_length, outlier_channels=outlier_channels,
@@ -179,7 +179,8 @@ class TurboQuantCache(Cache):
                 + ")")
 
 
-def _head_dim(config: Any) -> int:
+def config_head_dim(config: Any) -> int:
+    """The attention head size of a transformers config (its text part for multimodal ones)."""
     text = config.get_text_config(decoder=True)
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 

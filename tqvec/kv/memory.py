@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from .cache import config_head_dim
+
 __all__ = ["cache_memory_bytes", "cache_bits_per_element"]
 
 
@@ -54,7 +56,7 @@ def cache_bits_per_element(cache: Any, config: Any, tokens: int, batch: int = 1)
     ``DynamicCache``, 32 for float32; what ``TurboQuantCache.bits_per_element`` reports for
     it. The window and sink tokens count, so the figure falls with the context length."""
     text = config.get_text_config(decoder=True)
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    head_dim = config_head_dim(config)
     kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
     elements = 2 * text.num_hidden_layers * kv_heads * head_dim * tokens * batch
     if elements <= 0:

@@ -36,7 +36,7 @@ import torch
 
 from .. import _validate as V
 from .attention import attend
-from .cache import _head_dim, _settings
+from .cache import _settings, config_head_dim
 from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
 
 __all__ = ["LayerSample", "capture_attention_inputs", "layer_error", "layer_sensitivity",
@@ -359,7 +359,7 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
     base = dict(base or {})
     seed = V.seed(seed)
     V.choice(objective, "objective", ("loss", "error"))
-    head_dim = _head_dim(model.config)
+    head_dim = config_head_dim(model.config)
     defaults = {f.name: f.default for f in fields(KVSettings) if f.name != "seed"}
     settings = {}
     for name, opts in [("base", {}), *candidates.items()]:

@@ -18,8 +18,8 @@ import torch
 
 from .. import _validate as V
 
-__all__ = ["Codes", "Codec", "LutTerm", "codec_from_params", "register", "concat_codes",
-           "BLOCK_ROWS", "score_from_terms"]
+__all__ = ["Codes", "Codec", "KernelForm", "LutTerm", "codec_from_params", "register",
+           "concat_codes", "BLOCK_ROWS", "score_from_terms"]
 
 BLOCK_ROWS = 8192
 #: On a GPU a block holds up to this many elements (256 MB of float32 per intermediate): each
@@ -74,6 +74,29 @@ class LutTerm(NamedTuple):
     bits: int
     centroids: torch.Tensor  # (2^bits,) float32
     scale: torch.Tensor  # (n,) float32
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """What a codec declares when its estimator is one scalar-code term in a rotated domain:
+
+        x_hat = Pi^T (m * c[idx]),    <q, x_hat> = m * <Pi q, c[idx]>
+
+    with ``idx`` the ``bits``-bit indices packed as the whole payload (``ops.pack_bits``), ``c``
+    the codec's centroids (``centroids_on``, a ``codebook`` with its thresholds), ``Pi`` its
+    rotation (``rotate`` / ``unrotate``; ``query_rotation`` the prepared CPU op of a Hadamard
+    rotation, None for a dense one) and ``m`` each row's multiplier (``multiplier``). The
+    search and KV layers build their fast paths from these parts - the fast-scan, fused and
+    graph searches, rotated-domain re-scoring, the decode-attention kernels - so a codec of
+    this form gets all of them by returning one from ``kernel_form``. Reading it draws nothing.
+    """
+
+    bits: int  # width of each index, 1..8
+    #: the stored scalar that *is* m (the kernels read it as stored); None where m is
+    #: computed from several scalars (e.g. the norm over a correction)
+    multiplier_field: str | None
+    #: m is the stored true norm ||x|| (exporters to formats that store a norm need this)
+    multiplier_is_norm: bool
 
 
 @dataclass(frozen=True, eq=False)
@@ -230,6 +253,13 @@ class Codec:
 
     def _score_block(self, state: Any, codes: Codes) -> torch.Tensor:
         return score_from_terms(state, self.code_terms(codes))
+
+    def kernel_form(self) -> KernelForm | None:
+        """The codec's estimator as one rotated-domain scalar term (``KernelForm``), or None:
+        the index and KV layers then use the term form below or decoded blocks. A codec that
+        returns a form implements ``rotate``, ``unrotate``, ``query_rotation``,
+        ``centroids_on``, ``codebook`` and ``multiplier`` as the form describes them."""
+        return None
 
     # The asymmetric estimator as a sum of scaled dot products:
     #   score(q, x) = sum_i scale_i(x) * <query_terms(q)[i], code_terms(x)[i][0]>.

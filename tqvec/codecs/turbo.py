@@ -39,7 +39,16 @@ from ..random import (
     rotation_work,
 )
 from ._common import DeviceCache, qjl_scale, sign_pack, signs_pm1
-from .base import NORM_DTYPES, Codec, Codes, LutTerm, inverse_norms, register, store_norm
+from .base import (
+    NORM_DTYPES,
+    Codec,
+    Codes,
+    KernelForm,
+    LutTerm,
+    inverse_norms,
+    register,
+    store_norm,
+)
 
 __all__ = ["TurboQuant"]
 
@@ -340,6 +349,13 @@ class TurboQuant(Codec):
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         """Pi^T y for (n, d) float32 rows (back from the rotated domain)."""
         return self._rot.inverse(y.contiguous())
+
+    def kernel_form(self) -> KernelForm | None:
+        """mse codes: one term, Pi^T (m c[idx]) (``KernelForm``); prod has a second (QJL)."""
+        if self.variant != "mse":
+            return None
+        return KernelForm(self.bits, None if self.scale == "unbiased" else
+                          ("fit" if self.scale == "fit" else "norm"), self.scale == "norm")
 
     def query_rotation(self) -> ops.HadamardRotate | None:
         """The prepared CPU op that ``query_terms`` rotates queries with (a Hadamard rotation;

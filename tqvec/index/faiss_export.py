@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..codecs.turbo import TurboQuant
+from ..codecs.base import Codec, KernelForm
 from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name
 
 if TYPE_CHECKING:
@@ -54,11 +54,19 @@ FAISS_TQMSE_BITS = (1, 2, 3, 4, 8)
 _UNIT_TOL = 1e-3
 
 
+def _exportable_form(codec: Codec) -> KernelForm | None:
+    """The codec's form where faiss's SQtqmse can hold its codes: one rotated-domain term at
+    an SQtqmse width whose multiplier is the stored norm."""
+    form = codec.kernel_form()
+    if form is None or not form.multiplier_is_norm or form.bits not in FAISS_TQMSE_BITS:
+        return None
+    return form
+
+
 def _check_exportable(index: FlatIndex, faiss_estimator: bool,
-                      norms: np.ndarray | None) -> TurboQuant:
+                      norms: np.ndarray | None) -> None:
     codec = index.codec
-    if not (isinstance(codec, TurboQuant) and codec.variant == "mse" and codec.scale == "norm"
-            and codec.bits in FAISS_TQMSE_BITS):
+    if not _exportable_form(codec):
         raise ValueError(f"to_faiss() needs TurboQuant-mse codes with bits in "
                          f"{FAISS_TQMSE_BITS} (faiss's SQtqmse types, factory 'TQ{{b}}'), got "
                          f"{codec!r}")
@@ -94,10 +102,11 @@ def to_faiss(index: FlatIndex, *, faiss_estimator: bool = False) -> Any:
 
     _, arrays = index.state()
     n = len(arrays["ids"])
-    norm = arrays.get("codes.scalar.norm")
-    codec = _check_exportable(index, bool(faiss_estimator),
-                              norm.astype(np.float32) if n and norm is not None else None)
-    d, b = index.d, codec.bits
+    codec, form = index.codec, _exportable_form(index.codec)
+    norm = arrays.get(f"codes.scalar.{form.multiplier_field}") if form else None
+    _check_exportable(index, bool(faiss_estimator),
+                      norm.astype(np.float32) if n and norm is not None else None)
+    d, b = index.d, form.bits
     cosine = index.metric_type == METRIC_COSINE
     fmetric = faiss.METRIC_L2 if index.metric_type == METRIC_L2 else faiss.METRIC_INNER_PRODUCT
 

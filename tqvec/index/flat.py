@@ -57,7 +57,6 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec, Codes, LutTerm
-from ..codecs.turbo import TurboQuant
 from ..ops import pages
 from .base import CodesIndex
 from .fused import FlatSearch, TermsSearch
@@ -336,8 +335,9 @@ class FlatIndex(CodesIndex):
 
     # -- the scan state -----------------------------------------------------------------------
     def _lut_ok(self) -> bool:
-        """TurboQuant-mse codes: scanned with per-query tables on any device (``ops.lut_scan``)."""
-        return isinstance(self.codec, TurboQuant) and self.codec.variant == "mse"
+        """Codes of one rotated-domain term (``Codec.kernel_form``: TurboQuant-mse): scanned
+        with per-query tables on any device (``ops.lut_scan``)."""
+        return self.codec.kernel_form() is not None
 
     def _fast_scan_ok(self) -> bool:
         """Codes whose estimator is a sum of 1-4-bit scalar-code terms (TurboQuant mse and prod,
@@ -437,8 +437,7 @@ class FlatIndex(CodesIndex):
         composition: TurboQuant-mse codes under a Hadamard rotation, no refinement or exact
         vectors or TurboQuant-mse codes (not with a prefilter). The call prepares the query
         itself: unit rows (cosine), q - mu (L2), <q, mu> (a centred inner product)."""
-        rotate = (self.codec.query_rotation() if isinstance(self.codec, TurboQuant)
-                  and self.codec.variant == "mse" else None)
+        rotate = self.codec.query_rotation() if self.codec.kernel_form() else None
         if rotate is None or self.device.type != "cpu":
             return None
         mu = self._center.numpy() if self.centered and self._center is not None else None

@@ -38,7 +38,6 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec
-from ..codecs.turbo import TurboQuant
 from ..ops import pages
 from .flat import FlatIndex
 from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name, normalized
@@ -167,11 +166,11 @@ class GraphIndex(FlatIndex):
     def __init__(self, codec: Codec, M: int = 32, metric: Any = "l2", *,
                  refine: Codec | str | None = None, k_factor: int = 4, efSearch: int = 64,
                  ef_construction: int = 200, verbose: bool = False):
-        if not (isinstance(codec, TurboQuant) and codec.variant == "mse"
-                and codec.bits in ops.FAST_SCAN_BITS):
-            raise ValueError(f"codec must be TurboQuant-mse at {list(ops.FAST_SCAN_BITS)} bits "
-                             f"for a graph index (its neighbours' codes are fast-scanned), got "
-                             f"{codec!r}")
+        form = codec.kernel_form() if isinstance(codec, Codec) else None
+        if form is None or form.bits not in ops.FAST_SCAN_BITS:
+            raise ValueError(f"codec must be one rotated-domain term (Codec.kernel_form: "
+                             f"TurboQuant-mse) at {list(ops.FAST_SCAN_BITS)} bits for a graph "
+                             f"index (its neighbours' codes are fast-scanned), got {codec!r}")
         if not ops.has_cpu_kernels():
             raise ValueError("a graph index needs the compiled CPU kernels (tqvec._C), which "
                              "this install lacks")

@@ -41,7 +41,6 @@ import torch
 from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec, Codes
-from ..codecs.turbo import TurboQuant
 from .base import CodesIndex
 from .flat import range_results
 from .fused import IVFSearch
@@ -312,11 +311,11 @@ class IVFIndex(CodesIndex):
         self._scan: IVFScan | None = None
 
     def _fast_ok(self) -> bool:
-        """Residual TurboQuant-mse codes at 1-4 bits on the CPU kernels (ops.IVFFastScan)."""
-        return (isinstance(self.codec, TurboQuant) and self.codec.variant == "mse"
-                and self.codec.bits in ops.FAST_SCAN_BITS and self.codec.backend in ("auto",
-                                                                                    "cpu")
-                and ops.has_cpu_kernels())
+        """Residual codes of one rotated-domain term (``Codec.kernel_form``: TurboQuant-mse)
+        at 1-4 bits on the CPU kernels (ops.IVFFastScan)."""
+        form = self.codec.kernel_form()
+        return (form is not None and form.bits in ops.FAST_SCAN_BITS
+                and self.codec.backend in ("auto", "cpu") and ops.has_cpu_kernels())
 
     def _scan_state(self) -> IVFScan:
         """List-major layout of the rows (call with the lock held), built once per change."""

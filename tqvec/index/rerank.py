@@ -11,7 +11,6 @@ import torch
 
 from .. import ops
 from ..codecs.base import Codec, Codes
-from ..codecs.turbo import TurboQuant
 from .metrics import METRIC_COSINE, METRIC_L2, metric_name
 
 __all__ = ["check_refine", "RefineLut", "refine_lut", "rerank"]
@@ -44,7 +43,7 @@ def refine_lut(refine: Any, ref: Codes | None, scoring: int, device: torch.devic
     """The refinement's tables, for TurboQuant-mse refinement codes on the CPU: re-scoring
     them in the rotated domain skips an inverse rotation per candidate (decoding them was 2/3
     of a TQ1,Refine(TQ8) search). None where it does not apply."""
-    if not (isinstance(refine, TurboQuant) and refine.variant == "mse"
+    if not (isinstance(refine, Codec) and refine.kernel_form() is not None
             and device.type == "cpu" and ref is not None):
         return None
     t = refine.lut_terms(ref)[0]

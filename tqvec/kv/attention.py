@@ -48,7 +48,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .. import ops
-from ..codecs.turbo import TurboQuant
 from .quant import ChannelScale, CodecQuantizer
 
 __all__ = ["ATTENTION_NAME", "CODES_KERNEL", "DECODED_FROM", "register", "tqvec_attention",
@@ -184,11 +183,13 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
 
 
 def _mse_parts(quantizer):
-    """(CodecQuantizer over TurboQuant-mse, its ChannelScale or None), or None."""
+    """(CodecQuantizer over a codec of one rotated-domain term whose multiplier is stored -
+    ``Codec.kernel_form``: TurboQuant-mse with the norm's or the fitted scale -, its
+    ChannelScale or None), or None."""
     scale = quantizer if isinstance(quantizer, ChannelScale) else None
     inner = quantizer.inner if scale is not None else quantizer
-    if not (isinstance(inner, CodecQuantizer) and isinstance(inner.codec, TurboQuant)
-            and inner.codec.variant == "mse" and inner.codec.scale in ("norm", "fit")):
+    form = inner.codec.kernel_form() if isinstance(inner, CodecQuantizer) else None
+    if form is None or form.multiplier_field is None:
         return None
     if scale is not None and scale.scale is None:
         return None
@@ -224,9 +225,9 @@ def _kernel_plan(layer, segs, q, mask, kv_offset, softcap):
 
 
 def _multiplier_field(quantizer) -> str:
-    """The field holding a TurboQuant-mse quantizer's per-token multiplier: the norm, or the
-    fitted scale of ``scale='fit'``."""
-    return "fit" if quantizer.codec.scale == "fit" else "norm"
+    """The stored field that is a kernel-form quantizer's per-token multiplier (the norm, or
+    TurboQuant's fitted scale of ``scale='fit'``)."""
+    return quantizer.codec.kernel_form().multiplier_field
 
 
 def _field_norms(quantizer, data: dict) -> torch.Tensor:
@@ -256,9 +257,9 @@ def _codes_state(kp, vp, kbuf, vbuf, q, scaling):
     m, l, acc = ops.decode_attention(
         qr.contiguous(), qbias.reshape(B * H, R).contiguous(),
         kd["payload"].reshape(B * H, cap, -1), _field_norms(kq, kd).reshape(B * H, cap),
-        kq.codec.centroids_on(q.device), kq.codec.bits,
+        kq.codec.centroids_on(q.device), kq.codec.kernel_form().bits,
         vd["payload"].reshape(B * H, cap, -1), _field_norms(vq, vd).reshape(B * H, cap),
-        vq.codec.centroids_on(q.device), vq.codec.bits, lo, hi, scaling)
+        vq.codec.centroids_on(q.device), vq.codec.kernel_form().bits, lo, hi, scaling)
     m, l = m.reshape(B, H, R), l.reshape(B, H, R)
     acc = vq.codec.unrotate(acc.reshape(-1, D)).reshape(B, H, R, D)
     if vs is not None:  # sum_t p_t (s y_t + mu) = s sum_t p_t y_t + mu sum_t p_t
@@ -323,7 +324,7 @@ def _step_side(quantizer):
             if stored == torch.uint8:
                 table = inner.unlog8(torch.arange(256, dtype=torch.uint8)).float()
             side = ops.compiled_kv_side(
-                rotation=(*rot.host, rot.p), bits=inner.codec.bits,
+                rotation=(*rot.host, rot.p), bits=inner.codec.kernel_form().bits,
                 centroids=inner.codec.centroids_on(torch.device("cpu")),
                 mu=None if scale is None else scale.mean,
                 sc=None if scale is None else scale.scale, norm_table=table)

@@ -123,7 +123,7 @@ class CodecQuantizer(_LogNorms, KVQuantizer):
                            if shape == () and dt == torch.float16] if norm_bits == 8 else []
         self.bytes_per_token = codec.code_size - len(self.log_fields)  # 2 bytes -> 1 each
         # Values can be summed in the rotated domain only for a single rotated-domain term.
-        self.rotated_values = isinstance(codec, TurboQuant) and codec.variant == "mse"
+        self.rotated_values = codec.kernel_form() is not None
 
     def encode(self, x: torch.Tensor) -> Fields:
         c = self.codec.encode(x)

@@ -1,10 +1,10 @@
 """A scalar codec that is not TurboQuant, for the tests of ``Codec.kernel_form``.
 
 ``UniformScalar``: the rows' seeded Hadamard rotation, then each coordinate of the unit vector
-quantized on a clipped uniform grid of 2^b cells over +-``clip`` / sqrt(d) (no codebook fitted to
-the coordinates' law), the norm stored as float32 or float16. Its estimator is one rotated-domain term,
-x_hat = ||x|| Pi^T c[idx], so it declares a ``KernelForm`` - and only through that one method do
-the indexes and the KV cache learn that their kernels apply to it.
+quantized on a clipped uniform grid of 2^b cells over +-``clip`` / sqrt(d) (no codebook fitted
+to the coordinates' law), the norm stored as float32 or float16. Its estimator is one
+rotated-domain term, x_hat = ||x|| Pi^T c[idx], so it declares a ``KernelForm`` - and only
+through that one method do the indexes and the KV cache learn that their kernels apply to it.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ from .metrics import (
     metric_code,
     metric_name,
     normalized,
+    range_results,
     results,
     row_mean,
     unit_rows,
@@ -77,6 +78,7 @@ from .rerank import RefineLut
 from .rows import Rows
 from .rowterms import ROW_BLOCK, ip_row_correction, sqnorms_of
 from .scan import BlockedCodes, FlatScan, metric_terms
+from .state import StoredKind, float_rows, register_kind, row_correction, rows_state
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code",
            "metric_name"]
@@ -321,9 +323,25 @@ class FlatIndex(CodesIndex):
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(meta, arrays): everything the index holds, as ``tqvec.index.io`` writes it
         (``tqvec.index.state.index_from_state`` reads it back)."""
-        from .state import flat_state
         with self._lock:
-            return flat_state(self, self._rows.snapshot(), self._center)
+            rows, center = self._rows.snapshot(), self._center
+        meta, arrays = rows_state(self, rows, "flat", **self._state_meta())
+        if self.centered:
+            if center is None:
+                raise ValueError("index must be trained before it is written (center='fit' has "
+                                 "no center yet)")
+            arrays["center"] = center.cpu().numpy()
+            corr = rows.term("ipcorr")
+            if corr.numel():
+                arrays["ipcorr"] = corr.cpu().numpy()
+        return meta, arrays
+
+    def _state_meta(self) -> dict[str, Any]:
+        """The header values of the flat index's own (a graph index writes them too)."""
+        meta = {"prefilter": self.prefilter, "centered": bool(self.centered)}
+        if self.centered and not self.center_term:
+            meta["center_term"] = False
+        return meta
 
     def install_rows(self, rows: Rows, mapped: Any = None) -> None:
         """Take over stored rows (``index_from_state``; ``mapped``: the file they read)."""
@@ -675,15 +693,40 @@ class FlatIndex(CodesIndex):
                 f"{dev}, ntotal={self._rows.n})")
 
 
-def range_results(per_query: list[list[tuple[np.ndarray, np.ndarray]]]
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """faiss's (lims, D, I) from each query's list of (distances, ids) parts; lims uint64 as
-    faiss returns it."""
-    counts = [sum(len(dd) for dd, _ in parts) for parts in per_query]
-    lims = np.zeros(len(per_query) + 1, dtype=np.uint64)
-    lims[1:] = np.cumsum(counts, dtype=np.uint64)
-    flat = [part for parts in per_query for part in parts]
-    D = np.concatenate([dd for dd, _ in flat]).astype(np.float32) if flat else np.zeros(
-        0, np.float32)
-    I = np.concatenate([ii for _, ii in flat]) if flat else np.zeros(0, np.int64)
-    return lims, D, I
+# -- files: the flat index's part of tqvec.index.state ------------------------------------------
+
+def _empty_from_state(meta: dict, codec: Codec, refine: Any, arrays: dict) -> FlatIndex:
+    centered = meta.get("centered", False)
+    if not isinstance(centered, bool):
+        raise TypeError(f"centered must be a bool, got {centered!r:.40}")
+    center_term = meta.get("center_term", True)
+    if not isinstance(center_term, bool) or not (center_term or centered):
+        raise ValueError(f"center_term must be a bool, False only for a centred index, got "
+                         f"{center_term!r:.40}")
+    center = None
+    if centered:
+        if "center" not in arrays:
+            raise ValueError("arrays must hold 'center' for a centred index")
+        center = float_rows(arrays, "center", (codec.dim,)).numpy().copy()
+    return FlatIndex(codec, meta["metric"], refine=refine, k_factor=meta["k_factor"],
+                     prefilter=meta.get("prefilter", 0), center=center,
+                     center_term=center_term)
+
+
+def _arrays_in_state(meta: dict, ntotal: int) -> tuple[set[str], set[str]]:
+    if not meta.get("centered"):
+        return set(), set()
+    return {"center"}, {"ipcorr"} if meta.get("center_term", True) else set()
+
+
+def _per_row_from_state(index: FlatIndex, arrays: dict, codes: Codes, ntotal: int
+                        ) -> dict[str, torch.Tensor]:
+    per_row = {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
+    if index.centered and index.scoring == METRIC_INNER_PRODUCT and index.center_term:
+        per_row["ipcorr"] = row_correction(arrays, ntotal, "ipcorr")
+    return per_row
+
+
+register_kind("flat", StoredKind(FlatIndex, not_per_row=frozenset({"center"}),
+                                 empty=_empty_from_state, arrays=_arrays_in_state,
+                                 per_row=_per_row_from_state))

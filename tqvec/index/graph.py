@@ -43,7 +43,9 @@ from .flat import FlatIndex
 from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name, normalized
 from .rerank import RefineLut
 from .rows import Rows
+from .rowterms import sqnorms_of
 from .scan import metric_terms
+from .state import StoredKind, no_center_or_prefilter, register_kind, rows_state
 
 __all__ = ["GraphIndex"]
 
@@ -168,9 +170,10 @@ class GraphIndex(FlatIndex):
                  ef_construction: int = 200, verbose: bool = False):
         form = codec.kernel_form() if isinstance(codec, Codec) else None
         if form is None or form.bits not in ops.FAST_SCAN_BITS:
-            raise ValueError(f"codec must be one rotated-domain term (Codec.kernel_form: "
-                             f"TurboQuant-mse) at {list(ops.FAST_SCAN_BITS)} bits for a graph "
-                             f"index (its neighbours' codes are fast-scanned), got {codec!r}")
+            raise ValueError(f"codec must be TurboQuant-mse at {list(ops.FAST_SCAN_BITS)} bits "
+                             f"(or another codec whose kernel_form() is one rotated-domain "
+                             f"term of those widths) for a graph index (its neighbours' codes "
+                             f"are fast-scanned), got {codec!r}")
         if not ops.has_cpu_kernels():
             raise ValueError("a graph index needs the compiled CPU kernels (tqvec._C), which "
                              "this install lacks")
@@ -424,11 +427,20 @@ class GraphIndex(FlatIndex):
         """(meta, arrays) as ``tqvec.index.io`` writes them: the flat index's, and the graph's
         adjacency (``graph.levels``, ``graph.base``, ``graph.upper``; the laid-out codes are
         derived again when the file is read, and an add after reading extends the graph)."""
-        from .state import graph_state
         with self._lock:
             rows = self._rows.snapshot()
             graph = self._graph_now() if rows.n else None
-            return graph_state(self, rows, graph)
+        meta, arrays = rows_state(self, rows, "graph", **self._state_meta(), M=self.M,
+                                  efSearch=self.efSearch, ef_construction=self.ef_construction,
+                                  entry=-1 if graph is None else graph.entry)
+        if graph is not None:
+            arrays["graph.levels"] = graph.levels
+            arrays["graph.base"] = graph.base
+            # the upper layers' rows one after another (layer 1's, then 2's ...): their sizes
+            # follow from the levels
+            arrays["graph.upper"] = (np.concatenate(graph.upper) if graph.upper
+                                     else np.zeros((0, self.M), np.int32))
+        return meta, arrays
 
     def install_graph(self, graph: Graph | None) -> None:
         """Take over a graph read from a file (``index_from_state``), checked against the rows
@@ -450,3 +462,42 @@ class GraphIndex(FlatIndex):
                 f"{metric_name(self.metric_type)!r}{ref}, efSearch={self._ef}, "
                 f"ntotal={self._rows.n})")
 
+
+# -- files: the graph index's part of tqvec.index.state -----------------------------------------
+
+def _empty_from_state(meta: dict, codec: Codec, refine: Any, arrays: dict) -> GraphIndex:
+    no_center_or_prefilter(meta, "a graph index")
+    return GraphIndex(codec, meta["M"], meta["metric"], refine=refine, k_factor=meta["k_factor"],
+                      efSearch=meta["efSearch"], ef_construction=meta["ef_construction"])
+
+
+def _arrays_in_state(meta: dict, ntotal: int) -> tuple[set[str], set[str]]:
+    return ({"graph.levels", "graph.base", "graph.upper"} if ntotal else set()), set()
+
+
+def _per_row_from_state(index: GraphIndex, arrays: dict, codes: Any, ntotal: int
+                        ) -> dict[str, torch.Tensor]:
+    return {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
+
+
+def _graph_from_state(index: GraphIndex, meta: dict, arrays: dict, ntotal: int) -> None:
+    """Install the stored graph (checked by ``GraphIndex.install_graph``; none for no rows)."""
+    if not ntotal:
+        index.install_graph(None)
+        return
+    levels, base, upper = arrays["graph.levels"], arrays["graph.base"], arrays["graph.upper"]
+    if levels.dtype != np.int32 or levels.shape != (ntotal,) or int(levels.min()) < 1 or \
+            int(levels.max()) > 64:
+        raise ValueError(f"graph.levels must be ({ntotal},) int32 in 1..64")
+    sizes = [int((levels > lv).sum()) for lv in range(1, int(levels.max()))]
+    if upper.ndim != 2 or upper.shape[0] != sum(sizes):
+        raise ValueError(f"graph.upper must have {sum(sizes)} rows, got shape {upper.shape}")
+    parts = np.split(np.asarray(upper), np.cumsum(sizes)[:-1]) if sizes else []
+    entry = V.positive_int(meta["entry"], "entry", 0, ntotal - 1)
+    index.install_graph(Graph(np.asarray(levels), np.asarray(base), list(parts), entry))
+
+
+register_kind("graph", StoredKind(
+    GraphIndex, meta=frozenset({"M", "efSearch", "ef_construction", "entry"}),
+    not_per_row=frozenset({"graph.upper"}), empty=_empty_from_state, arrays=_arrays_in_state,
+    per_row=_per_row_from_state, finish=_graph_from_state, what="graph"))

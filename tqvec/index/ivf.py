@@ -42,7 +42,6 @@ from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec, Codes
 from .base import CodesIndex
-from .flat import range_results
 from .fused import IVFSearch
 from .metrics import (
     METRIC_COSINE,
@@ -52,12 +51,21 @@ from .metrics import (
     device_of,
     metric_name,
     normalized,
+    range_results,
     unit_rows,
 )
 from .rerank import RefineLut
 from .rows import Rows
 from .rowterms import ip_row_correction, sqnorms_of
 from .scan import rows_from_blocked
+from .state import (
+    StoredKind,
+    float_rows,
+    no_center_or_prefilter,
+    register_kind,
+    row_correction,
+    rows_state,
+)
 
 __all__ = ["IVFIndex"]
 
@@ -161,9 +169,6 @@ class IVFIndex(CodesIndex):
         if V.positive_int(value, "prefilter", 0, V.MAX_CANDIDATE_FACTOR):
             raise ValueError(f"prefilter must be 0 for an IVF index (its probed lists are "
                              f"scanned in full), got {value!r}")
-
-    centered = False
-    center = None
 
     @property
     def code_size(self) -> int:
@@ -294,9 +299,18 @@ class IVFIndex(CodesIndex):
 
     def state(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """(meta, arrays): everything the index holds, as ``tqvec.index.io`` writes it."""
-        from .state import ivf_state
         with self._lock:
-            return ivf_state(self, self._rows.snapshot())
+            rows = self._rows.snapshot()
+        # an IVF index has no first pass or centre: its files say so as flat ones do
+        meta, arrays = rows_state(self, rows, "ivf", prefilter=0, centered=False,
+                                  nlist=self.nlist, nprobe=self.nprobe, seed=self.seed,
+                                  niter=self.niter, trained=self.is_trained)
+        if self.is_trained:
+            arrays["ivf.centroids"] = self.centroids.numpy()
+            arrays["ivf.lists"] = rows.term("lists").numpy().astype(np.int64)
+            if self.metric_type == METRIC_INNER_PRODUCT:  # a <c, r> - est<c, r>: from x
+                arrays["ivf.rowterm"] = rows.term("rowterm").numpy()
+        return meta, arrays
 
     def install_rows(self, rows: Rows, mapped: Any = None) -> None:
         """Take over stored rows (``index_from_state``; ``mapped``: the file they read)."""
@@ -543,3 +557,45 @@ class IVFIndex(CodesIndex):
         return (f"IVFIndex({self.codec!r}, nlist={self.nlist}, "
                 f"metric={metric_name(self.metric_type)!r}{ref}, nprobe={self._nprobe}, "
                 f"ntotal={self._rows.n})")
+
+
+# -- files: the IVF index's part of tqvec.index.state -------------------------------------------
+
+def _empty_from_state(meta: dict, codec: Codec, refine: Any, arrays: dict) -> IVFIndex:
+    no_center_or_prefilter(meta, "an IVF index")
+    if not isinstance(meta["trained"], bool):
+        raise TypeError(f"trained must be a bool, got {meta['trained']!r:.40}")
+    index = IVFIndex(codec, meta["nlist"], meta["metric"], refine=refine,
+                     k_factor=meta["k_factor"], nprobe=meta["nprobe"], seed=meta["seed"],
+                     niter=meta["niter"])
+    if meta["trained"]:
+        index.centroids = float_rows(arrays, "ivf.centroids", (index.nlist, codec.dim)).clone()
+        index.is_trained = True
+    return index
+
+
+def _arrays_in_state(meta: dict, ntotal: int) -> tuple[set[str], set[str]]:
+    if not meta["trained"]:
+        return set(), set()
+    return {"ivf.centroids", *(("ivf.lists",) if ntotal else ())}, {
+        "ivf.rowterm", *(() if ntotal else ("ivf.lists",))}
+
+
+def _per_row_from_state(index: IVFIndex, arrays: dict, codes: Codes, ntotal: int
+                        ) -> dict[str, torch.Tensor]:
+    if not index.is_trained:
+        raise ValueError(f"an untrained IVF index must be empty, got ntotal={ntotal}")
+    lists = arrays["ivf.lists"]
+    if lists.dtype != np.int64 or lists.shape != (ntotal,) or (
+            int(lists.min()) < 0 or int(lists.max()) >= index.nlist):
+        raise ValueError(f"ivf.lists must be {ntotal} int64 list numbers < {index.nlist}")
+    lists = torch.from_numpy(lists)
+    rowterm = (row_correction(arrays, ntotal, "ivf.rowterm")
+               if index.metric_type == METRIC_INNER_PRODUCT else index.row_terms(lists, codes))
+    return {"lists": lists, "rowterm": rowterm}
+
+
+register_kind("ivf", StoredKind(
+    IVFIndex, meta=frozenset({"nlist", "nprobe", "seed", "niter", "trained"}),
+    not_per_row=frozenset({"ivf.centroids"}), empty=_empty_from_state, arrays=_arrays_in_state,
+    per_row=_per_row_from_state))

@@ -14,8 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .flat import range_results
-from .metrics import METRIC_L2, padded
+from .metrics import METRIC_L2, padded, range_results
 
 __all__ = ["merge_candidates", "merge_ranges", "merge_refined", "merge_scans"]
 

@@ -13,7 +13,7 @@ from .. import ops
 
 __all__ = ["METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code", "metric_name",
            "FLT_MAX", "QUERY_BLOCK", "unit_rows", "normalized", "row_mean", "padded",
-           "put_results", "results", "device_of", "similarities"]
+           "put_results", "results", "device_of", "similarities", "range_results"]
 
 # faiss's integer codes for its metrics (faiss.METRIC_INNER_PRODUCT = 0, faiss.METRIC_L2 = 1);
 # cosine has no faiss code: it is faiss's inner product on normalized vectors.
@@ -117,3 +117,17 @@ def similarities(metric_type: int, D: np.ndarray, I: np.ndarray) -> np.ndarray:
     """faiss's D as larger-is-better float32 similarities (l2: -D), -inf where I is -1."""
     s = -D if metric_type == METRIC_L2 else D
     return np.where(I >= 0, s, np.float32(-np.inf)).astype(np.float32)
+
+
+def range_results(per_query: list[list[tuple[np.ndarray, np.ndarray]]]
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """faiss's (lims, D, I) from each query's list of (distances, ids) parts; lims uint64 as
+    faiss returns it."""
+    counts = [sum(len(dd) for dd, _ in parts) for parts in per_query]
+    lims = np.zeros(len(per_query) + 1, dtype=np.uint64)
+    lims[1:] = np.cumsum(counts, dtype=np.uint64)
+    flat = [part for parts in per_query for part in parts]
+    D = np.concatenate([dd for dd, _ in flat]).astype(np.float32) if flat else np.zeros(
+        0, np.float32)
+    I = np.concatenate([ii for _, ii in flat]) if flat else np.zeros(0, np.int64)
+    return lims, D, I

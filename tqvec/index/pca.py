@@ -50,6 +50,7 @@ from .metrics import (
     unit_rows,
 )
 from .rerank import check_refine
+from .state import StoredWrapper, float_rows, register_wrapper
 
 __all__ = ["PCAIndex", "allocate_widths", "first_pass_runs", "FIRST_PASS_VARIANCE"]
 
@@ -456,3 +457,30 @@ class PCAIndex:
         runs = "" if self.index is None else f", groups={self.groups}"
         return (f"PCAIndex(d={self.d}, bits={self.bits}, ntotal={self.ntotal}, "
                 f"code_size={self.code_size}{runs})")
+
+
+# -- files: the PCA index's part of tqvec.index.state -------------------------------------------
+
+def _wrap_from_state(meta: dict, arrays: dict, index: FlatIndex) -> PCAIndex:
+    """Wrap the inner index of a ``PCAIndex`` state again, checking its fit."""
+    if not index.centered:
+        raise ValueError("a PCA index must hold a centred flat index")
+    fit = meta["pca"]
+    if not isinstance(fit, dict) or set(fit) != {"bits", "seed"}:
+        raise ValueError(f"pca must be an object with bits and seed, got {fit!r:.80}")
+    d = index.d
+    basis = float_rows(arrays, "pca.basis", (d, d)).clone()
+    var = float_rows(arrays, "pca.variances", (d,)).numpy().copy()
+    # orthonormal columns, or distances in the basis are not the original ones
+    err = float((basis.T.double() @ basis.double() - torch.eye(d, dtype=torch.float64)).abs().max())
+    if err > 1e-3:
+        raise ValueError(f"basis must be orthogonal, got max |V^T V - I| = {err:.3g}")
+    pca = PCAIndex(d, fit["bits"], index.metric_type, refine=index.refine,
+                   k_factor=index.k_factor, prefilter=index.prefilter, seed=fit["seed"])
+    pca.install(basis, var, index)
+    return pca
+
+
+register_wrapper(StoredWrapper(PCAIndex, FlatIndex, "pca",
+                               frozenset({"pca.basis", "pca.variances"}), _wrap_from_state,
+                               "PCA basis"))

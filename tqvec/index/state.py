@@ -6,10 +6,18 @@ own constructor checks (whose limits bound what it can make tqvec allocate), the
 exactly those the meta implies, each with one row per stored vector, and the codecs' rotations
 are drawn (to check their fingerprints) only once the arrays agree. Errors are ValueError or
 TypeError, or ``FormatError`` for a fingerprint that does not match.
+
+This module owns what every index file shares (the rows: ids, codes, a refinement) and the
+order of the checks; each index type says what is its own in a ``StoredKind`` it registers
+(``register_kind``) from its own module, and an index that wraps another (``PCAIndex``) in a
+``StoredWrapper``. Nothing here imports an index class, so a new index type edits no line of
+this file.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -20,23 +28,68 @@ from ..codecs.base import Codec, Codes
 from ..codecs.storage import codec_from_header, codes_from_arrays, verify_fingerprints
 from ..errors import FormatError
 from ..ops import pages
-from .flat import FlatIndex
-from .graph import Graph, GraphIndex
-from .ivf import IVFIndex
-from .metrics import METRIC_INNER_PRODUCT, metric_name
-from .pca import PCAIndex
+from .metrics import metric_name
 from .rows import Rows
-from .rowterms import sqnorms_of
 
-__all__ = ["index_state", "index_from_state"]
+__all__ = ["index_state", "index_from_state", "StoredKind", "StoredWrapper", "register_kind",
+           "register_wrapper", "rows_state", "float_rows", "row_correction",
+           "no_center_or_prefilter"]
 
-_FLAT_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "refine",
+_ROWS_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "refine",
               "k_factor"}
 # absent in files written before them
-_OPTIONAL_META = {"prefilter", "centered", "center_term", "pca"}
-_IVF_META = {"nlist", "nprobe", "seed", "niter", "trained"}
-_GRAPH_META = {"M", "efSearch", "ef_construction", "entry"}
-_NOT_PER_ROW = {"center", "ivf.centroids", "pca.basis", "pca.variances", "graph.upper"}
+_OPTIONAL_META = {"prefilter", "centered", "center_term"}
+# the errors a malformed value raises in the constructors and checks
+_ERRORS = (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError)
+
+
+@dataclass(frozen=True)
+class StoredKind:
+    """What one index type's files hold beyond the rows, and how it is made from them.
+
+    ``empty(meta, codec, refine, arrays)``: the empty index a header describes (its values
+    checked by the constructor; ``refine`` a codec, ``"flat"`` or None). ``arrays(meta,
+    ntotal)``: the (required, optional) array names of its own. ``per_row(index, arrays,
+    codes, ntotal)``: the rows' derived terms (read and checked, or recomputed from the codes).
+    ``finish(index, meta, arrays, ntotal)``: the rest, once the rows are in (a graph).
+    """
+
+    cls: type
+    meta: frozenset[str] = frozenset()
+    optional_meta: frozenset[str] = frozenset()
+    not_per_row: frozenset[str] = frozenset()
+    empty: Callable[..., Any] = None  # type: ignore[assignment]
+    arrays: Callable[[dict, int], tuple[set[str], set[str]]] = lambda meta, n: (set(), set())
+    per_row: Callable[..., dict[str, torch.Tensor]] = None  # type: ignore[assignment]
+    finish: Callable[..., None] | None = None
+    what: str = "index"  # how errors name the finishing step's data
+
+
+@dataclass(frozen=True)
+class StoredWrapper:
+    """An index that holds another of type ``inner`` (its ``meta_key`` in the inner index's
+    header): ``wrap(meta, arrays, inner)`` checks its arrays (``arrays``; none per row) and
+    returns it."""
+
+    cls: type
+    inner: type
+    meta_key: str
+    arrays: frozenset[str]
+    wrap: Callable[..., Any]
+    what: str
+
+
+KINDS: dict[str, StoredKind] = {}
+WRAPPERS: dict[str, StoredWrapper] = {}
+
+
+def register_kind(name: str, kind: StoredKind) -> None:
+    """Make files of ``meta["type"] == name`` readable (called by the index's module)."""
+    KINDS[name] = kind
+
+
+def register_wrapper(wrapper: StoredWrapper) -> None:
+    WRAPPERS[wrapper.meta_key] = wrapper
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -49,8 +102,10 @@ def _codes_arrays(prefix: str, codes: Codes | None, out: dict) -> None:
         out[f"{prefix}.scalar.{k}"] = v.cpu().numpy()
 
 
-def _rows_state(index: FlatIndex | IVFIndex, rows: Rows, kind: str
-                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def rows_state(index: Any, rows: Rows, kind: str, **meta: Any
+               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """The (meta, arrays) every index file shares - the codec, the metric, the ids, the codes
+    and the refinement - with the kind's own ``meta`` after them (the order files hold)."""
     arrays: dict[str, np.ndarray] = {"ids": rows.ids.numpy()}
     _codes_arrays("codes", rows.codes, arrays)
     refine: Any = None
@@ -61,68 +116,26 @@ def _rows_state(index: FlatIndex | IVFIndex, rows: Rows, kind: str
         refine = "flat"
         if rows.ref is not None:
             arrays["refine.vectors"] = rows.ref.numpy()
-    meta = {"type": kind, "params": index.codec.params,
-            "fingerprint": index.codec.fingerprint(), "metric": metric_name(index.metric_type),
-            "ntotal": rows.n, "next_id": rows.next_id, "refine": refine,
-            "k_factor": index.k_factor, "prefilter": index.prefilter,
-            "centered": bool(index.centered)}
-    if index.centered and not index.center_term:
-        meta["center_term"] = False
-    return meta, arrays
-
-
-def flat_state(index: FlatIndex, rows: Rows, center: torch.Tensor | None
-               ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    meta, arrays = _rows_state(index, rows, "flat")
-    if index.centered:
-        if center is None:
-            raise ValueError("index must be trained before it is written (center='fit' has no "
-                             "center yet)")
-        arrays["center"] = center.cpu().numpy()
-        corr = rows.term("ipcorr")
-        if corr.numel():
-            arrays["ipcorr"] = corr.cpu().numpy()
-    return meta, arrays
-
-
-def ivf_state(index: IVFIndex, rows: Rows) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    meta, arrays = _rows_state(index, rows, "ivf")
-    meta.update(nlist=index.nlist, nprobe=index.nprobe, seed=index.seed, niter=index.niter,
-                trained=index.is_trained)
-    if index.is_trained:
-        arrays["ivf.centroids"] = index.centroids.numpy()
-        arrays["ivf.lists"] = rows.term("lists").numpy().astype(np.int64)
-        if index.metric_type == METRIC_INNER_PRODUCT:  # a <c, r> - est<c, r>: from x, not codes
-            arrays["ivf.rowterm"] = rows.term("rowterm").numpy()
-    return meta, arrays
-
-
-def graph_state(index: GraphIndex, rows: Rows, graph: Graph | None
-                ) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    meta, arrays = _rows_state(index, rows, "graph")
-    meta.update(M=index.M, efSearch=index.efSearch, ef_construction=index.ef_construction,
-                entry=-1 if graph is None else graph.entry)
-    if graph is not None:
-        arrays["graph.levels"] = graph.levels
-        arrays["graph.base"] = graph.base
-        # the upper layers' rows one after another (layer 1's, then 2's ...): their sizes
-        # follow from the levels
-        arrays["graph.upper"] = (np.concatenate(graph.upper) if graph.upper
-                                 else np.zeros((0, index.M), np.int32))
-    return meta, arrays
+    out = {"type": kind, "params": index.codec.params,
+           "fingerprint": index.codec.fingerprint(), "metric": metric_name(index.metric_type),
+           "ntotal": rows.n, "next_id": rows.next_id, "refine": refine,
+           "k_factor": index.k_factor, **meta}
+    return out, arrays
 
 
 def index_state(index: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-    """(meta, arrays) of a ``FlatIndex``, ``GraphIndex``, ``IVFIndex`` or ``PCAIndex``."""
-    if isinstance(index, (FlatIndex, IVFIndex, PCAIndex)):
+    """(meta, arrays) of any index type a module registered (``FlatIndex``, ``GraphIndex``,
+    ``IVFIndex``, ``PCAIndex``)."""
+    known = [k.cls for k in KINDS.values()] + [w.cls for w in WRAPPERS.values()]
+    if isinstance(index, tuple(known)):
         return index.state()
-    raise TypeError(f"index must be a tqvec FlatIndex, GraphIndex, IVFIndex or PCAIndex, got "
-                    f"{type(index).__name__}")
+    names = " or ".join(", ".join(sorted(c.__name__ for c in known)).rsplit(", ", 1))
+    raise TypeError(f"index must be a tqvec {names}, got {type(index).__name__}")
 
 
 # -- reading -----------------------------------------------------------------------------------
 
-def _float_rows(arrays: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+def float_rows(arrays: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """A stored float32 array of ``shape`` with finite values (ValueError otherwise)."""
     a = arrays[name]
     if a.dtype != np.float32 or a.shape != shape:
@@ -133,8 +146,26 @@ def _float_rows(arrays: dict, name: str, shape: tuple[int, ...]) -> torch.Tensor
     return t
 
 
-def _expected_arrays(meta: dict, codec: Codec, ref_codec: Any, ntotal: int
-                     ) -> tuple[set[str], set[str]]:
+def row_correction(arrays: dict, ntotal: int, name: str) -> torch.Tensor:
+    """An inner-product index's per-row correction (a centred flat index's ``ipcorr``, an IVF
+    index's ``ivf.rowterm``); zeros (the estimator without it) for files written before it
+    existed."""
+    if name not in arrays:
+        return torch.zeros(ntotal, dtype=torch.float32)
+    return float_rows(arrays, name, (ntotal,)).clone()
+
+
+def no_center_or_prefilter(meta: dict, what: str) -> None:
+    """Refuse a centre or a prefilter in the header of an index type that has neither."""
+    centered = meta.get("centered", False)
+    if not isinstance(centered, bool):
+        raise TypeError(f"centered must be a bool, got {centered!r:.40}")
+    if centered or meta.get("prefilter", 0) != 0:
+        raise ValueError(f"{what} has no center or prefilter")
+
+
+def _expected_arrays(meta: dict, kind: StoredKind, wrapper: StoredWrapper | None, codec: Codec,
+                     ref_codec: Any, ntotal: int) -> tuple[set[str], set[str]]:
     """(required, optional) array names of a meta: a state holds the required ones, any of
     the optional ones (written by some versions only) and nothing else."""
     codes = {"codes.payload", *(f"codes.scalar.{k}" for k in codec.scalar_layout())}
@@ -145,72 +176,17 @@ def _expected_arrays(meta: dict, codec: Codec, ref_codec: Any, ntotal: int
         ref = {"refine.vectors"}
     required, optional = {"ids"}, set()
     (required if ntotal else optional).update(codes | ref)
-    if meta.get("centered"):
-        required.add("center")
-        if meta.get("center_term", True):
-            optional.add("ipcorr")
-    if meta["type"] == "ivf" and meta["trained"]:
-        required.add("ivf.centroids")
-        (required if ntotal else optional).add("ivf.lists")
-        optional.add("ivf.rowterm")
-    if "pca" in meta:
-        required.update({"pca.basis", "pca.variances"})
-    if meta["type"] == "graph" and ntotal:
-        required.update({"graph.levels", "graph.base", "graph.upper"})
+    own, own_optional = kind.arrays(meta, ntotal)
+    required |= own
+    optional |= own_optional
+    if wrapper is not None:
+        required |= wrapper.arrays
     return required, optional
 
 
-def _empty_index(meta: dict, codec: Codec, ref_codec: Any, arrays: dict
-                 ) -> FlatIndex | IVFIndex:
-    """The empty index a meta describes, its values checked by the constructors."""
-    centered = meta.get("centered", False)
-    if not isinstance(centered, bool):
-        raise TypeError(f"centered must be a bool, got {centered!r:.40}")
-    if meta["type"] == "graph":
-        if centered or "prefilter" in meta and meta["prefilter"] != 0 or "pca" in meta:
-            raise ValueError("a graph index has no center, prefilter or PCA basis")
-        return GraphIndex(codec, meta["M"], meta["metric"], refine=ref_codec,
-                          k_factor=meta["k_factor"], efSearch=meta["efSearch"],
-                          ef_construction=meta["ef_construction"])
-    if meta["type"] == "ivf":
-        if centered or "prefilter" in meta and meta["prefilter"] != 0 or "pca" in meta:
-            raise ValueError("an IVF index has no center, prefilter or PCA basis")
-        if not isinstance(meta["trained"], bool):
-            raise TypeError(f"trained must be a bool, got {meta['trained']!r:.40}")
-        index: FlatIndex | IVFIndex = IVFIndex(
-            codec, meta["nlist"], meta["metric"], refine=ref_codec, k_factor=meta["k_factor"],
-            nprobe=meta["nprobe"], seed=meta["seed"], niter=meta["niter"])
-        if meta["trained"]:
-            index.centroids = _float_rows(arrays, "ivf.centroids",
-                                          (index.nlist, codec.dim)).clone()
-            index.is_trained = True
-        return index
-    center = None
-    center_term = meta.get("center_term", True)
-    if not isinstance(center_term, bool) or not (center_term or centered):
-        raise ValueError(f"center_term must be a bool, False only for a centred index, got "
-                         f"{center_term!r:.40}")
-    if centered:
-        if "center" not in arrays:
-            raise ValueError("arrays must hold 'center' for a centred index")
-        center = _float_rows(arrays, "center", (codec.dim,)).numpy().copy()
-    return FlatIndex(codec, meta["metric"], refine=ref_codec, k_factor=meta["k_factor"],
-                     prefilter=meta.get("prefilter", 0), center=center,
-                     center_term=center_term)
-
-
-def _row_correction(arrays: dict, ntotal: int, name: str) -> torch.Tensor:
-    """An inner-product index's per-row correction (a centred flat index's ``ipcorr``, an IVF
-    index's ``ivf.rowterm``); zeros (the estimator without it) for files written before it
-    existed."""
-    if name not in arrays:
-        return torch.zeros(ntotal, dtype=torch.float32)
-    return _float_rows(arrays, name, (ntotal,)).clone()
-
-
-def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any, ntotal: int,
+def _rows(index: Any, kind: StoredKind, meta: dict, arrays: dict, ref_codec: Any, ntotal: int,
           where: str, mapped: Any, source: Any) -> Rows:
-    """The stored rows, every array checked against the index; derived terms recomputed.
+    """The stored rows, every array checked against the index; derived terms from the kind.
     ``mapped``: the file the arrays are mapped from (None: read into memory); ``source``: what
     the codes check at each use (``verify_fingerprints``)."""
     rows = Rows()
@@ -221,85 +197,39 @@ def _rows(index: FlatIndex | IVFIndex, meta: dict, arrays: dict, ref_codec: Any,
     if ntotal and next_id <= int(ids.max()):
         raise ValueError(f"next_id must exceed every stored id, got {next_id} <= {int(ids.max())}")
     if ntotal:
-        ivf = isinstance(index, IVFIndex)
-        if ivf and not index.is_trained:
-            raise ValueError(f"an untrained IVF index must be empty, got ntotal={ntotal}")
         codes = codes_from_arrays(where, index.codec, arrays, "codes.", ntotal, source)
         ref = None
         if isinstance(ref_codec, Codec):
             ref = codes_from_arrays(where, ref_codec, arrays, "refine.", ntotal, source)
         elif ref_codec == "flat":
-            ref = _float_rows(arrays, "refine.vectors", (ntotal, index.d))
+            ref = float_rows(arrays, "refine.vectors", (ntotal, index.d))
             if mapped is None:  # read into memory: onto huge pages, as added rows are
                 ref = pages.host_cat([ref])
-        if ivf:
-            lists = arrays["ivf.lists"]
-            if lists.dtype != np.int64 or lists.shape != (ntotal,) or (
-                    int(lists.min()) < 0 or int(lists.max()) >= index.nlist):
-                raise ValueError(f"ivf.lists must be {ntotal} int64 list numbers < "
-                                 f"{index.nlist}")
-            lists = torch.from_numpy(lists)
-            rowterm = (_row_correction(arrays, ntotal, "ivf.rowterm")
-                       if index.metric_type == METRIC_INNER_PRODUCT
-                       else index.row_terms(lists, codes))
-            per_row = {"lists": lists, "rowterm": rowterm}
-        else:
-            per_row = {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
-            if (index.centered and index.scoring == METRIC_INNER_PRODUCT
-                    and index.center_term):
-                per_row["ipcorr"] = _row_correction(arrays, ntotal, "ipcorr")
-        rows.append(codes, torch.from_numpy(ids), ref, per_row)
+        rows.append(codes, torch.from_numpy(ids), ref, kind.per_row(index, arrays, codes, ntotal))
     rows.next_id = next_id
     return rows
 
 
-def _graph(meta: dict, arrays: dict, index: GraphIndex, ntotal: int) -> Graph | None:
-    """The stored graph (checked by ``GraphIndex.install_graph``), or None for no rows."""
-    if not ntotal:
-        return None
-    levels, base, upper = arrays["graph.levels"], arrays["graph.base"], arrays["graph.upper"]
-    if levels.dtype != np.int32 or levels.shape != (ntotal,) or int(levels.min()) < 1 or \
-            int(levels.max()) > 64:
-        raise ValueError(f"graph.levels must be ({ntotal},) int32 in 1..64")
-    sizes = [int((levels > lv).sum()) for lv in range(1, int(levels.max()))]
-    if upper.ndim != 2 or upper.shape[0] != sum(sizes):
-        raise ValueError(f"graph.upper must have {sum(sizes)} rows, got shape {upper.shape}")
-    parts = np.split(np.asarray(upper), np.cumsum(sizes)[:-1]) if sizes else []
-    entry = V.positive_int(meta["entry"], "entry", 0, ntotal - 1)
-    return Graph(np.asarray(levels), np.asarray(base), list(parts), entry)
-
-
-def _pca(meta: dict, arrays: dict, index: FlatIndex | IVFIndex) -> PCAIndex:
-    """Wrap the inner index of a ``PCAIndex`` state again, checking its fit."""
-    if type(index) is not FlatIndex or not index.centered:
-        raise ValueError("a PCA index must hold a centred flat index")
-    fit = meta["pca"]
-    if not isinstance(fit, dict) or set(fit) != {"bits", "seed"}:
-        raise ValueError(f"pca must be an object with bits and seed, got {fit!r:.80}")
-    d = index.d
-    basis = _float_rows(arrays, "pca.basis", (d, d)).clone()
-    var = _float_rows(arrays, "pca.variances", (d,)).numpy().copy()
-    # orthonormal columns, or distances in the basis are not the original ones
-    err = float((basis.T.double() @ basis.double() - torch.eye(d, dtype=torch.float64)).abs().max())
-    if err > 1e-3:
-        raise ValueError(f"basis must be orthogonal, got max |V^T V - I| = {err:.3g}")
-    pca = PCAIndex(d, fit["bits"], index.metric_type, refine=index.refine,
-                   k_factor=index.k_factor, prefilter=index.prefilter, seed=fit["seed"])
-    pca.install(basis, var, index)
-    return pca
+def _kind_of(meta: dict, where: str) -> tuple[StoredKind, StoredWrapper | None]:
+    """The registered kind (and wrapper) of a header whose keys are exactly theirs."""
+    keys = set(meta)
+    name = meta.get("type")
+    kind = KINDS.get(name) if isinstance(name, str) else None
+    wrappers = [w for key, w in WRAPPERS.items() if key in keys]
+    want = _ROWS_META | (kind.meta if kind else set())
+    allowed = want | _OPTIONAL_META | (kind.optional_meta if kind else set()) | {
+        w.meta_key for w in wrappers}
+    if kind is None or len(wrappers) > 1 or not want <= keys <= allowed:
+        raise FormatError(f"{where!r} has a malformed index header: type {name!r:.40}, keys "
+                          f"{sorted(keys)}")
+    return kind, wrappers[0] if wrappers else None
 
 
 def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped: Any = None,
-                     where: str = "state") -> FlatIndex | IVFIndex | PCAIndex:
+                     where: str = "state") -> Any:
     """The index a state describes (``where`` names it in errors: a file's path). Every
     malformed value or array raises ``FormatError``."""
-    keys = set(meta)
-    kind = meta.get("type")
-    extra = {"ivf": _IVF_META, "graph": _GRAPH_META}
-    want = _FLAT_META | (extra.get(kind, set()) if isinstance(kind, str) else set())
-    if kind not in ("flat", "ivf", "graph") or not want <= keys <= want | _OPTIONAL_META:
-        raise FormatError(f"{where!r} has a malformed index header: type {kind!r:.40}, keys "
-                          f"{sorted(keys)}")
+    kind, wrapper = _kind_of(meta, where)
     codec = codec_from_header(where, meta["params"])
     refine = meta["refine"]
     if isinstance(refine, dict):
@@ -310,18 +240,20 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
         ref_codec = refine
     else:
         raise FormatError(f"{where!r} has a malformed refinement {refine!r:.80}")
-    errors = (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError)
     try:
         ntotal = V.positive_int(meta["ntotal"], "ntotal", 0, V.INT64_MAX)
-        index = _empty_index(meta, codec, ref_codec, arrays)
-    except errors as e:
+        index = kind.empty(meta, codec, ref_codec, arrays)
+        if wrapper is not None and type(index) is not wrapper.inner:
+            raise ValueError(f"an index of type {type(index).__name__} has no {wrapper.what}")
+    except _ERRORS as e:
         raise FormatError(f"{where!r} has an invalid index header: {e}") from e
-    required, optional = _expected_arrays(meta, codec, ref_codec, ntotal)
+    required, optional = _expected_arrays(meta, kind, wrapper, codec, ref_codec, ntotal)
     if not required <= set(arrays) <= required | optional:
         raise FormatError(f"{where!r} must hold the arrays {sorted(required)} (and optionally "
                           f"{sorted(optional)}), got {sorted(arrays)}")
+    not_per_row = kind.not_per_row | (wrapper.arrays if wrapper else set())
     for name, a in arrays.items():  # one row per vector, however many the header says
-        if name not in _NOT_PER_ROW and (a.ndim == 0 or a.shape[0] != ntotal):
+        if name not in not_per_row and (a.ndim == 0 or a.shape[0] != ntotal):
             raise FormatError(f"{where!r} says it holds {ntotal} vectors, array {name!r} has "
                               f"shape {a.shape}")
     source = mapped
@@ -332,18 +264,18 @@ def index_from_state(meta: dict[str, Any], arrays: dict[str, np.ndarray], mapped
         source = verify_fingerprints(where, checks, sum(a.nbytes for a in arrays.values()),
                                      mapped)
     try:
-        index.install_rows(_rows(index, meta, arrays, ref_codec, ntotal, where, mapped, source),
-                           source)
-    except errors as e:
+        index.install_rows(_rows(index, kind, meta, arrays, ref_codec, ntotal, where, mapped,
+                                 source), source)
+    except _ERRORS as e:
         raise FormatError(f"{where!r} does not match its header: {e}") from e
-    if kind == "graph":
+    if kind.finish is not None:
         try:
-            index.install_graph(_graph(meta, arrays, index, ntotal))
-        except errors as e:
-            raise FormatError(f"{where!r} has an invalid graph: {e}") from e
-    if "pca" in meta:
+            kind.finish(index, meta, arrays, ntotal)
+        except _ERRORS as e:
+            raise FormatError(f"{where!r} has an invalid {kind.what}: {e}") from e
+    if wrapper is not None:
         try:
-            return _pca(meta, arrays, index)
-        except errors as e:
-            raise FormatError(f"{where!r} has an invalid PCA basis: {e}") from e
+            return wrapper.wrap(meta, arrays, index)
+        except _ERRORS as e:
+            raise FormatError(f"{where!r} has an invalid {wrapper.what}: {e}") from e
     return index

@@ -115,7 +115,7 @@ class TurboQuantCache(Cache):
                     group=group, calibrate=calibrate, balance=balance, norm_bits=norm_bits,
                     residual_bits=residual_bits)
         seed = V.seed(seed)
-        self.settings = _settings(base, seed, head_dim, self.attention, "")
+        self.settings = layer_settings(base, seed, head_dim, self.attention, "")
         layer_types, layer_kwargs = _layer_kwargs(*get_layer_types_and_kwargs(text))
         for i, kind in enumerate(layer_types):
             if kind not in _SUPPORTED_LAYERS:
@@ -125,7 +125,7 @@ class TurboQuantCache(Cache):
         layers = []
         for i, (kind, kw) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
             mine = {**overrides.get(kind, {}), **overrides.get(i, {})}
-            settings = (_settings({**base, **mine}, seed, head_dim, self.attention,
+            settings = (layer_settings({**base, **mine}, seed, head_dim, self.attention,
                                   f"layer_overrides (layer {i}, {kind}): ")
                         if mine else self.settings)
             layers.append(CompressedLayer(settings, i, kw.get("sliding_window"),
@@ -185,7 +185,7 @@ def config_head_dim(config: Any) -> int:
     return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
-def _settings(kw: dict, seed: int, head_dim: int, attention: str, where: str) -> KVSettings:
+def layer_settings(kw: dict, seed: int, head_dim: int, attention: str, where: str) -> KVSettings:
     """Validate one layer's options and build its quantizers once now, so that a bad
     codec/bits/group fails at construction, not in the middle of a forward."""
     balance = kw["balance"]

@@ -36,7 +36,7 @@ import torch
 
 from .. import _validate as V
 from .attention import attend
-from .cache import _settings, config_head_dim
+from .cache import config_head_dim, layer_settings
 from .layer import LAYER_OPTIONS, CompressedLayer, KVSettings
 
 __all__ = ["LayerSample", "capture_attention_inputs", "layer_error", "layer_sensitivity",
@@ -368,7 +368,7 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
         if unknown:
             raise TypeError(f"candidate {name!r}: unknown cache option(s) {unknown}; allowed: "
                             f"{list(LAYER_OPTIONS)}")
-        settings[name] = _settings({**defaults, **mine}, seed, head_dim, "codes",
+        settings[name] = layer_settings({**defaults, **mine}, seed, head_dim, "codes",
                                    f"candidate {name!r}: ")
     samples = capture_attention_inputs(model, input_ids)
     V.positive_int(queries, "queries", 1, samples[0].key.shape[2] - 1)

@@ -67,8 +67,8 @@ class UniformScalar(Codec):
     def unrotate(self, y: torch.Tensor) -> torch.Tensor:
         return self._rot.inverse(y.contiguous())
 
-    def query_rotation(self):
-        return self._rot.op(torch.device("cpu"))
+    def query_rotation(self, device="cpu"):
+        return self._rot.op(torch.device(device))
 
     def centroids_on(self, device: torch.device) -> torch.Tensor:
         return torch.from_numpy(self.codebook.centroids.astype(np.float32)).to(device)

@@ -99,39 +99,39 @@ def test_a_codec_without_the_form_is_refused_by_the_graph_with_the_reason():
 
 @needs_kernels
 def test_kv_cache_runs_its_kernels_on_it(monkeypatch):
-    """With the cache's TurboQuant quantizers swapped for UniformScalar ones, decode steps run
-    the fused op over the codes (``ops.decode_attention``) and the compiled step
-    (``ops.attention_step``), and both give the per-segment torch composition's logits."""
+    """With the cache's TurboQuant quantizers swapped for UniformScalar ones, attention runs
+    through ``ops.attention_step`` - its torch reference, and on the CPU the one compiled call
+    per decode step - and both give the per-segment torch composition's logits."""
     pytest.importorskip("transformers")
     from tests.test_kv import llama, run
     from tqvec import kv, ops
     from tqvec.kv import attention, layer, quant
+    from tqvec.ops import cpu
 
     real_make = quant.make_quantizer
 
     def make(kind, dim, bits, *, seed, role, **kw):
         if kind == "turbo":
             return quant.CodecQuantizer(UniformScalar(dim, int(bits), seed=seed,
-                                                             norm_dtype="float16"))
+                                                      norm_dtype="float16"))
         return real_make(kind, dim, bits, seed=seed, role=role, **kw)
 
     monkeypatch.setattr(layer, "make_quantizer", make)
     model = llama()
     ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
     cfg = dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2, calibrate=False)
-    monkeypatch.setattr(attention, "COMPILED_STEP", False)
     monkeypatch.setattr(attention, "CODES_KERNEL", "never")
     plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-    steps, fused = [], []
-    real_step, real_fused = ops.attention_step, ops.decode_attention
-    monkeypatch.setattr(ops, "attention_step", lambda *a: steps.append(1) or real_step(*a))
-    monkeypatch.setattr(ops, "decode_attention",
-                        lambda *a, **k: fused.append(1) or real_fused(*a, **k))
-    monkeypatch.setattr(attention, "CODES_KERNEL", "auto")
-    op = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-    assert len(fused) >= (30 - 12) * model.config.num_hidden_layers and not steps
-    torch.testing.assert_close(op, plain, atol=1e-4, rtol=1e-4)
-    monkeypatch.setattr(attention, "COMPILED_STEP", True)
-    got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-    assert len(steps) >= (30 - 12) * model.config.num_hidden_layers
-    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+    steps, compiled = [], []
+    real_step, real_np = ops.attention_step, cpu.attention_step_np
+    monkeypatch.setattr(ops, "attention_step", lambda *a, **k: steps.append(1) or real_step(
+        *a, **k))
+    monkeypatch.setattr(cpu, "attention_step_np", lambda *a: compiled.append(1) or real_np(*a))
+    decode_steps = (30 - 12) * model.config.num_hidden_layers
+    for mode in ("ref", "auto"):
+        monkeypatch.setattr(attention, "CODES_KERNEL", mode)
+        steps.clear()
+        got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
+        assert len(steps) >= decode_steps
+        assert (len(compiled) >= decode_steps) == (mode == "auto")
+        torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)

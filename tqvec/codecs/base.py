@@ -84,8 +84,8 @@ class KernelForm:
 
     with ``idx`` the ``bits``-bit indices packed as the whole payload (``ops.pack_bits``), ``c``
     the codec's centroids (``centroids_on``, a ``codebook`` with its thresholds), ``Pi`` its
-    rotation (``rotate`` / ``unrotate``; ``query_rotation`` the prepared CPU op of a Hadamard
-    rotation, None for a dense one) and ``m`` each row's multiplier (``multiplier``). The
+    rotation (``rotate`` / ``unrotate``; ``query_rotation(device)`` the prepared op of a
+    Hadamard rotation, None for a dense one) and ``m`` each row's multiplier (``multiplier``). The
     search and KV layers build their fast paths from these parts - the fast-scan, fused and
     graph searches, rotated-domain re-scoring, the decode-attention kernels - so a codec of
     this form gets all of them by returning one from ``kernel_form``. Reading it draws nothing.

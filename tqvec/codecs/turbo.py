@@ -357,12 +357,13 @@ class TurboQuant(Codec):
         return KernelForm(self.bits, None if self.scale == "unbiased" else
                           ("fit" if self.scale == "fit" else "norm"), self.scale == "norm")
 
-    def query_rotation(self) -> ops.HadamardRotate | None:
-        """The prepared CPU op that ``query_terms`` rotates queries with (a Hadamard rotation;
-        None for Haar), for callers that fuse it into one kernel call (``index.fused``)."""
+    def query_rotation(self, device: torch.device | str = "cpu") -> ops.HadamardRotate | None:
+        """The prepared op on ``device`` that ``query_terms`` rotates queries with (a Hadamard
+        rotation; None for Haar), for callers that fuse it into kernel calls (``index.fused``,
+        ``ops.attention_step``)."""
         if not isinstance(self._rot, HadamardRotation):
             return None
-        return self._rot.op(torch.device("cpu"))
+        return self._rot.op(torch.device(device))
 
     def query_terms(self, q: torch.Tensor) -> list[torch.Tensor]:
         qr = self._rot.apply(q)

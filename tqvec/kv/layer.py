@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Any, NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from .. import ops
 from .balance import BalanceConfig, MergeAndReduce
 from .quant import ChannelScale, ChannelSplit, Fields, KVQuantizer, make_quantizer
 
@@ -71,7 +73,6 @@ class _Buffer:
         self.data: dict[str, torch.Tensor] = {}
         self.start = 0
         self.stop = 0
-        self._host: dict[str, object] = {}  # numpy views of data (``host``), until it changes
 
     def __len__(self) -> int:
         return self.stop - self.start
@@ -85,7 +86,6 @@ class _Buffer:
         if not self.data:
             self.data = {k: v.new_zeros((*v.shape[:2], _capacity(n), *v.shape[3:]))
                          for k, v in f.items()}
-            self._host = {}
         cap = next(iter(self.data.values())).shape[2]
         if self.stop + n > cap:
             live = len(self)
@@ -93,7 +93,6 @@ class _Buffer:
             self.data = {k: torch.cat([v[:, :, self.start: self.stop],
                                        v.new_zeros((*v.shape[:2], new_cap - live, *v.shape[3:]))],
                                       dim=2) for k, v in self.data.items()}
-            self._host = {}
             self.start, self.stop = 0, live
         for k, v in f.items():
             self.data[k][:, :, self.stop: self.stop + n] = v
@@ -108,17 +107,7 @@ class _Buffer:
     def keep_front(self, n: int) -> None:
         self.stop = self.start + min(n, len(self))
 
-    def host(self, *names: str) -> tuple:
-        """numpy views (B*H, capacity, *) of the named fields' whole storage, for the compiled
-        decode step (made once per allocation: CPU buffers only)."""
-        for k in names:
-            if k not in self._host:
-                v = self.data[k]
-                self._host[k] = v.reshape(v.shape[0] * v.shape[1], *v.shape[2:]).numpy()
-        return tuple(self._host[k] for k in names)
-
     def map_(self, fn) -> None:
-        self._host = {}
         self.data = {k: fn(v[:, :, self.start: self.stop]) for k, v in self.data.items()}
         self.stop -= self.start
         self.start = 0
@@ -126,6 +115,43 @@ class _Buffer:
     def nbytes(self) -> int:
         return sum(v[0, 0, 0].numel() * v.element_size() * v.shape[0] * v.shape[1]
                    for v in self.data.values()) * len(self)
+
+
+class CodePart(NamedTuple):
+    """A code segment's quantizers and the buffers of its codes."""
+
+    kq: KVQuantizer
+    vq: KVQuantizer
+    kbuf: _Buffer
+    vbuf: _Buffer
+
+
+class Segment(NamedTuple):
+    """One stored segment (``CompressedLayer.segments``). kind ``"exact"``: keys and values
+    are (B, H, n, D) tensors, coder None; kind ``"codes"``: field dicts, coder their
+    ``CodePart``. pos: a (start, stop) position range or a (B, H, n) tensor of positions;
+    log_weight: BalanceKV's log 2^level added to the segment's scores."""
+
+    kind: str
+    keys: Any
+    values: Any
+    pos: tuple[int, int] | torch.Tensor
+    log_weight: float
+    coder: CodePart | None
+
+
+class StepParts(NamedTuple):
+    """The stored tokens as ``ops.attention_step`` takes them (``CompressedLayer.step_parts``):
+    the oldest stored position, the code parts (the codes, the window's 8-bit codes), the
+    sink's and the window's exact (keys, values) (B, H, n, D) or None, and the position of the
+    window's first exact token; every part holds a contiguous position range."""
+
+    first: int
+    codes: list[CodePart]
+    code_pos: list[tuple[int, int]]  # each code part's position range
+    sink: tuple[torch.Tensor, torch.Tensor] | None
+    window: tuple[torch.Tensor, torch.Tensor] | None
+    window_start: int
 
 
 def _window(x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
@@ -171,6 +197,8 @@ class CompressedLayer(CacheLayerMixin):
         self.q_energy = None  # (H, d) query mean squares seen at the first attention
         # (B,) leading pad tokens of each row of a left-padded batch (None: not seen yet)
         self.pads: torch.Tensor | None = None
+        # (what it was made from, ops.KVStepPlan or None): ``step_plan``
+        self._step: tuple[list, ops.KVStepPlan | None] | None = None
 
     # -- setup -------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -497,56 +525,88 @@ class CompressedLayer(CacheLayerMixin):
 
     # -- views for attention -----------------------------------------------------------------
     def segments(self):
-        """Yield (kind, keys, values, positions, log_weight, coder) for every stored segment,
-        oldest first. kind 'exact': keys/values tensors (B, H, n, D), coder None; kind 'codes':
-        field dicts, coder = (key quantizer, value quantizer, key buffer, value buffer) - the
-        codes proper, and the window's 8-bit codes (``residual_bits``). positions: a
-        (start, stop) range or a (B, H, n) tensor of absolute positions."""
+        """Yield a ``Segment`` for every stored segment, oldest first: the sink, the codes
+        proper, BalanceKV's pending tokens, the window's 8-bit codes (``residual_bits``) and
+        its exact tokens."""
         w = self.window_length()
         s = self.sink_k.shape[2]
         if s:
-            yield "exact", self.sink_k, self.sink_v, (0, s), 0.0, None
-        coder = (self.kq, self.vq, self.kbuf, self.vbuf)
+            yield Segment("exact", self.sink_k, self.sink_v, (0, s), 0.0, None)
+        coder = CodePart(self.kq, self.vq, self.kbuf, self.vbuf)
         if len(self.kbuf):
             if self.code_pos is not None:
                 pos = self.code_pos.view()["pos"][..., 0].long()
-                yield ("codes", self.kbuf.view(), self.vbuf.view(), pos,
-                       self.balance.rounds * math.log(2.0), coder)
+                yield Segment("codes", self.kbuf.view(), self.vbuf.view(), pos,
+                              self.balance.rounds * math.log(2.0), coder)
             else:
-                yield ("codes", self.kbuf.view(), self.vbuf.view(),
-                       (self.code_start, self.code_start + len(self.kbuf)), 0.0, coder)
+                yield Segment("codes", self.kbuf.view(), self.vbuf.view(),
+                              (self.code_start, self.code_start + len(self.kbuf)), 0.0, coder)
         if self.mr is not None:
             for level, k, v, pos in self.mr.pending():
-                yield "exact", k, v, pos, level * math.log(2.0), None
+                yield Segment("exact", k, v, pos, level * math.log(2.0), None)
         start = self.cumulative_length - w
         if len(self.wkbuf):
             n = len(self.wkbuf)
-            yield ("codes", self.wkbuf.view(), self.wvbuf.view(), (start, start + n), 0.0,
-                   (self.wkq, self.wvq, self.wkbuf, self.wvbuf))
+            yield Segment("codes", self.wkbuf.view(), self.wvbuf.view(), (start, start + n), 0.0,
+                          CodePart(self.wkq, self.wvq, self.wkbuf, self.wvbuf))
             start += n
-        yield "exact", self.keys, self.values, (start, self.cumulative_length), 0.0, None
+        yield Segment("exact", self.keys, self.values, (start, self.cumulative_length), 0.0,
+                      None)
 
-    def step_parts(self):
-        """The stored tokens as a compiled decode step takes them, or None with BalanceKV (its
-        tokens carry explicit positions and weights): (position of the oldest stored token,
-        code parts [(key quantizer, value quantizer, key buffer, value buffer)] - the codes and
-        the window's 8-bit codes -, the sink's (keys, values) and the window's exact (keys,
-        values), each (B, H, n, D) or None when empty); every part holds a contiguous position
-        range."""
+    def step_parts(self) -> StepParts | None:
+        """The stored tokens as ``ops.attention_step`` takes them (``StepParts``), or None
+        with BalanceKV (its tokens carry explicit positions and weights)."""
         if self.mr is not None:
             return None
-        codes = [(kq, vq, kb, vb) for kq, vq, kb, vb in
-                 ((self.kq, self.vq, self.kbuf, self.vbuf),
-                  (self.wkq, self.wvq, self.wkbuf, self.wvbuf)) if len(kb)]
+        w0 = self.cumulative_length - self.window_length()
+        codes, code_pos = [], []
+        for part, start in ((CodePart(self.kq, self.vq, self.kbuf, self.vbuf), self.code_start),
+                            (CodePart(self.wkq, self.wvq, self.wkbuf, self.wvbuf), w0)):
+            if len(part.kbuf):
+                codes.append(part)
+                code_pos.append((start, start + len(part.kbuf)))
         sink = (self.sink_k, self.sink_v) if self.sink_k.shape[2] else None
         window = (self.keys, self.values) if self.keys.shape[2] else None
+        window_start = self.cumulative_length - self.keys.shape[2]
         if sink is not None:
             first = 0
         elif len(self.kbuf):
             first = self.code_start
         else:
-            first = self.cumulative_length - self.window_length()
-        return first, codes, sink, window
+            first = w0
+        return StepParts(first, codes, code_pos, sink, window, window_start)
+
+    def step_plan(self, parts: StepParts) -> ops.KVStepPlan | None:
+        """The layer's code parts and sink as an ``ops.KVStepPlan``, made again only when a
+        quantizer, a buffer's storage or the sink changed (the buffers are reallocated only as
+        they grow, and a quantizer's constants are set before its first codes exist, so new
+        constants come with new storage); None where a side has no ``step_side``."""
+        made_of = [x for c in parts.codes
+                   for x in (c.kq, c.kbuf.data["payload"], c.vq, c.vbuf.data["payload"])]
+        made_of += parts.sink or ()
+        if self._step is not None and len(self._step[0]) == len(made_of) and all(
+                a is b for a, b in zip(self._step[0], made_of, strict=True)):
+            return self._step[1]
+        self._step = (made_of, self._make_step_plan(parts))
+        return self._step[1]
+
+    def _make_step_plan(self, parts: StepParts) -> ops.KVStepPlan | None:
+        bh, d = self.batch * self.num_heads, self.head_dim
+        segments = []
+        for c in parts.codes:
+            sides = []
+            for quantizer, buf in ((c.kq, c.kbuf), (c.vq, c.vbuf)):
+                side = quantizer.step_side(self.device)
+                if side is None:
+                    return None
+                data = buf.data
+                cap = data["payload"].shape[2]
+                sides.append((side, data["payload"].reshape(bh, cap, -1),
+                              data[quantizer.multiplier_field()].reshape(bh, cap)))
+            (k, kc, km), (v, vc, vm) = sides
+            segments.append(ops.KVCodeSegment(k, v, kc, km, vc, vm))
+        sink = None if parts.sink is None else tuple(t.reshape(bh, -1, d) for t in parts.sink)
+        return ops.KVStepPlan(self.num_heads, bh, d, self.dtype, segments, sink)
 
     def only_window(self) -> bool:
         return not (self.sink_k.shape[2] or len(self.kbuf) or len(self.wkbuf)
@@ -555,9 +615,10 @@ class CompressedLayer(CacheLayerMixin):
     def decoded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """All stored tokens decoded to full tensors (the decode-then-SDPA reference)."""
         ks, vs = [], []
-        for kind, k, v, _, _, coder in self.segments():
-            if kind == "codes":
-                k, v = coder[0].decode(k), coder[1].decode(v)
+        for seg in self.segments():
+            k, v = seg.keys, seg.values
+            if seg.kind == "codes":
+                k, v = seg.coder.kq.decode(k), seg.coder.vq.decode(v)
             ks.append(k.to(self.dtype))
             vs.append(v.to(self.dtype))
         return torch.cat(ks, dim=2), torch.cat(vs, dim=2)

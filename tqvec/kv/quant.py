@@ -13,6 +13,7 @@ cache layer keeps those fields in buffers of shape (B, H, T, ...). Attention the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -59,6 +60,26 @@ class KVQuantizer:
     def side_bytes(self) -> int:
         """Bytes of per-layer tables (calibration vectors, channel sets), not per token."""
         return 0
+
+    def step_side(self, device: torch.device) -> ops.KVSide | None:
+        """This quantizer's constants as ``ops.attention_step`` takes a code side, or None where
+        its codes are not of that form (one rotated-domain scalar term per token)."""
+        return None
+
+    def multiplier_field(self) -> str | None:
+        """The stored field ``step_side``'s per-token multipliers are read from."""
+        return None
+
+
+class _CodecRotation:
+    """A codec's rotation called as ``ops.HadamardRotate`` is (``x`` or ``x, inverse=True``),
+    for codecs without a prepared Hadamard op (a dense rotation)."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+
+    def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return self.codec.unrotate(x) if inverse else self.codec.rotate(x)
 
 
 def _mean_bt(x: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
@@ -137,6 +158,23 @@ class CodecQuantizer(_LogNorms, KVQuantizer):
         for k in self.log_fields:
             scalars[k] = self.unlog8(scalars[k])
         return Codes(flat["payload"], scalars, self.codec.params)
+
+    def multiplier_field(self) -> str | None:
+        form = self.codec.kernel_form()
+        return None if form is None else form.multiplier_field
+
+    def step_side(self, device: torch.device) -> ops.KVSide | None:
+        """The codec's ``kernel_form`` parts where its multiplier is a stored field (8-bit
+        coded norms through their table)."""
+        form = self.codec.kernel_form()
+        if form is None or form.multiplier_field is None:
+            return None
+        rot = self.codec.query_rotation(device)
+        table = None
+        if form.multiplier_field in self.log_fields:
+            table = self.unlog8(torch.arange(256, dtype=torch.uint8)).float().to(device)
+        return ops.KVSide(rot if rot is not None else _CodecRotation(self.codec),
+                          self.codec.centroids_on(device), form.bits, norm_table=table)
 
     def decode(self, f: Fields) -> torch.Tensor:
         lead, flat = _flat(f)
@@ -439,6 +477,15 @@ class ChannelScale(KVQuantizer):
     def decode(self, f: Fields) -> torch.Tensor:
         mu, s = self.stats(f["payload"].device)
         return self.inner.decode(f) * s + mu
+
+    def step_side(self, device: torch.device) -> ops.KVSide | None:
+        side = self.inner.step_side(device)
+        if side is None or self.scale is None:
+            return None
+        return dataclasses.replace(side, mu=self.mean.to(device), sc=self.scale.to(device))
+
+    def multiplier_field(self) -> str | None:
+        return self.inner.multiplier_field()
 
     def scores(self, q: torch.Tensor, f: Fields) -> torch.Tensor:
         mu, s = self.stats(q.device)

@@ -16,6 +16,7 @@ import torch
 from . import cpu as _cpu
 from . import ref as _ref
 from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
+from .kvstep import KVCodeSegment, KVSide, KVStepPlan
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
@@ -28,7 +29,7 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "row_sqnorms", "row_dots", "row_project", "decode_attention", "row_bytes",
            "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS",
            "compiled_flat_searcher", "compiled_terms_searcher", "compiled_ivf_searcher",
-           "compiled_graph_searcher", "compiled_kv_side", "attention_plan", "attention_step",
+           "compiled_graph_searcher", "attention_step", "KVSide", "KVCodeSegment", "KVStepPlan",
            "threads", "simd_path", "has_cpu_kernels"]
 
 
@@ -608,59 +609,16 @@ def decode_attention(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.Tenso
              hi.to(torch.int32).contiguous(), scale)
 
 
-def compiled_kv_side(**args: Any) -> Any | None:
-    """A code segment side's constants prepared for ``attention_step`` (keyword arguments as
-    ``ops.cpu.kv_side`` takes them), or None without ``tqvec._C``."""
-    return _cpu.kv_side(**args) if _cpu.available() else None
-
-
-# ``attention_step``'s exact_dtype codes (csrc/cpu/kernels.h kF32 / kBF16 / kF16)
-_EXACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
-def _exact_host(t: torch.Tensor, code: int) -> np.ndarray:
-    """A full-precision row tensor as the numpy array the step reads (16-bit floats as their
-    bits)."""
-    t = t.contiguous()
-    return t.numpy() if code == 0 else t.view(torch.int16).numpy()
-
-
-def attention_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: list,
-                   exact: list[torch.Tensor] = (), dtype: torch.dtype = torch.float32
-                   ) -> Any | None:
-    """A cache layer's code segments prepared once for ``attention_step`` (checked, and held
-    for as long as the plan lives), or None without ``tqvec._C`` or for another dtype: per
-    code segment a (key, value) pair of ``compiled_kv_side`` sides, of codes (bh, t, row bytes)
-    uint8 and of multipliers (bh, t) (float16, or uint8 codes for a side with a norm table) -
-    numpy arrays or CPU tensors; exact: full-precision (keys, values) pairs (bh, n, d) that
-    every step reads unchanged (a sink); dtype: the full-precision rows' (float32, bfloat16 or
-    float16); heads KV heads per batch row, d the queries' width."""
-    code = _EXACT_DTYPES.get(dtype)
-    if code is None or not _cpu.available() or any(t.dtype != dtype for t in exact):
-        return None
-
-    def host(xs):
-        return [x.numpy() if isinstance(x, torch.Tensor) else x for x in xs]
-    return _cpu.step_plan(heads, bh, d, sides, host(packed), host(norms),
-                          [_exact_host(t, code) for t in exact], code)
-
-
-def attention_step(q: torch.Tensor, scale: float, plan: Any, ranges: list[int],
-                   exact: list[torch.Tensor]) -> torch.Tensor | None:
-    """One decode step of a KV-cache layer's attention in one compiled CPU call
-    (csrc/cpu/attention.cpp; its meaning: ``tqvec.kv.attention``'s composition of
-    ``decode_attention`` per code segment and exact scores, merged in one softmax).
-
-    q (bh, g, d) float32; plan: ``attention_plan``'s code segments and fixed rows, ranges the
-    segments' token ranges (lo, hi); exact: this step's other full-precision (keys, values)
-    pairs (bh, n, d) in the plan's dtype; every token visible to every row. Returns
-    (bh, g, d) float32, or None where it does not run (no plan, not on the CPU, another
-    dtype)."""
-    if plan is None or q.device.type != "cpu":
-        return None
-    code = plan.exact_dtype
-    if any(_EXACT_DTYPES.get(t.dtype) != code for t in exact):
-        return None
-    ex = [_exact_host(t, code) for t in exact]
-    return torch.from_numpy(_cpu.attention_step_np(plan, q.contiguous().numpy(), scale, ranges,
-                                                   ex))
+def attention_step(q: torch.Tensor, scale: float, plan: KVStepPlan, ranges: list[int],
+                   exact: list[tuple[torch.Tensor, torch.Tensor]],
+                   bias: list[torch.Tensor | None] | None = None, backend: str = "auto"
+                   ) -> torch.Tensor:
+    """Attention of a KV-cache layer's rows q (bh, R, d) float32 over its stored tokens: the
+    plan's code segments (``KVStepPlan``; segment i's live tokens [ranges[2i],
+    ranges[2i+1])), its sink and this step's other full-precision (keys, values) pairs, in
+    one softmax; ``bias`` one additive (bh, R, n) mask or None per full-precision pair (sink
+    first), or None when every row sees every token. Meaning: ``kvstep.compose_attention_step``;
+    on the CPU one compiled call where nothing is masked (csrc/cpu/attention.cpp), on a GPU the
+    composition over the CUDA decode-attention kernel. Returns (bh, R, d) float32."""
+    return pick("attention_step", q.device, backend)(q.contiguous(), scale, plan, ranges,
+                                                     exact, bias)

@@ -6,6 +6,7 @@ import numpy as np
 import torch
 
 from . import pages
+from .kvstep import KVStepPlan, compose_attention_step
 from .ref import fast_scan_row_bytes, row_bytes
 
 try:  # the compiled module is optional: tqvec.ops falls back to the reference without it
@@ -27,7 +28,7 @@ __all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
            "fast_scan_two_stage_np", "fast_scan_two_stage_cpu", "ivf_fast_scan_np",
            "ivf_fast_scan_cpu", "ivf_probe_np", "ivf_probe_cpu",
            "decode_attention_cpu", "turbo_mse_encode_cpu", "turbo_mse_decode_cpu", "kv_side",
-           "step_plan",
+           "step_plan", "attention_step_cpu", "EXACT_DTYPES",
            "attention_step_np", "rescore_topk_np",
            "rescore_topk_cpu"]
 
@@ -306,6 +307,64 @@ def step_plan(heads: int, bh: int, d: int, sides: list, packed: list, norms: lis
     ``attention_step_np`` (csrc/cpu/bind/attention.cpp ``KVStepPlan``): the arrays are checked
     once and held by the plan."""
     return _C.KVStepPlan(heads, bh, d, sides, packed, norms, exact, exact_dtype)
+
+
+# the compiled step's exact_dtype codes (csrc/cpu/kernels.h kF32 / kBF16 / kF16)
+EXACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _exact_host(t: torch.Tensor, code: int) -> np.ndarray:
+    """A full-precision row tensor as the numpy array the step reads (16-bit floats as their
+    bits)."""
+    t = t.contiguous()
+    return t.numpy() if code == 0 else t.view(torch.int16).numpy()
+
+
+def _compiled_plan(plan: KVStepPlan) -> object | None:
+    """The compiled kernel's form of a ``KVStepPlan`` (made once per plan and kept in it), or
+    None where the kernel cannot take it: another dtype, a side without a Hadamard rotation on
+    the CPU, multipliers stored as other than float16 or table-coded bytes."""
+    if "cpu" not in plan.prepared:
+        plan.prepared["cpu"] = _make_compiled_plan(plan)
+    return plan.prepared["cpu"]
+
+
+def _make_compiled_plan(plan: KVStepPlan) -> object | None:
+    code = EXACT_DTYPES.get(plan.dtype)
+    if code is None or any(t.device.type != "cpu" or t.dtype != plan.dtype
+                           for t in plan.sink or ()):
+        return None
+    sides, packed, norms = [], [], []
+    for seg in plan.segments:
+        for side, codes, mults in ((seg.key, seg.key_codes, seg.key_mults),
+                                   (seg.value, seg.value_codes, seg.value_mults)):
+            rot = side.rotation
+            stored = torch.uint8 if side.norm_table is not None else torch.float16
+            if getattr(rot, "host", None) is None or codes.device.type != "cpu" or \
+                    mults.dtype != stored:
+                return None
+            sides.append(kv_side(rotation=(*rot.host, rot.p), bits=side.bits,
+                                 centroids=side.centroids, mu=side.mu, sc=side.sc,
+                                 norm_table=side.norm_table))
+            packed.append(codes.numpy())
+            norms.append(mults.numpy())
+    return step_plan(plan.heads, plan.bh, plan.d, sides, packed, norms,
+                     [_exact_host(t, code) for t in plan.sink or ()], code)
+
+
+def attention_step_cpu(q: torch.Tensor, scale: float, plan: KVStepPlan, ranges: list[int],
+                       exact: list, bias: list | None = None) -> torch.Tensor:
+    """``ops.attention_step`` on the CPU: one compiled call (csrc/cpu/attention.cpp) where
+    every token is visible to every row (no ``bias``) and the plan is what the kernel takes;
+    else the composition over the compiled ``decode_attention``."""
+    compiled = None if bias is not None and any(b is not None for b in bias) else \
+        _compiled_plan(plan)
+    code = EXACT_DTYPES.get(plan.dtype)
+    if compiled is None or any(t.dtype != plan.dtype for pair in exact for t in pair):
+        return compose_attention_step(decode_attention_cpu, q, scale, plan, ranges, exact, bias)
+    ex = [_exact_host(t, code) for pair in exact for t in pair]
+    return torch.from_numpy(attention_step_np(compiled, q.contiguous().numpy(), scale, ranges,
+                                              ex))
 
 
 def attention_step_np(plan: object, q: np.ndarray, scale: float, ranges: list[int],

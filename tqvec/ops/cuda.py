@@ -22,11 +22,13 @@ from pathlib import Path
 
 import torch
 
+from .kvstep import compose_attention_step
 from .ref import decode_attention_ref, row_bytes
 
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
            "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
-           "decode_attention_cuda", "attention_kernel_applies", "ATTENTION_LAUNCH",
+           "decode_attention_cuda", "attention_step_cuda", "attention_kernel_applies",
+           "ATTENTION_LAUNCH",
            "SOURCES", "PRELUDE", "NVRTC_OPTIONS", "kernel_source", "MMA_SCAN",
            "attention_smem", "mma_scan_smem",
            "mma_scan_applies",
@@ -537,3 +539,10 @@ def decode_attention_cuda(qr: torch.Tensor, qbias: torch.Tensor, kpacked: torch.
     w = torch.exp(pm - torch.where(torch.isfinite(m), m, torch.zeros_like(m))[:, None])
     w = torch.where(torch.isfinite(pm), w, torch.zeros_like(w))  # empty partials weigh 0
     return m, (w * pl).sum(1), (w[..., None] * pacc).sum(1)
+
+
+def attention_step_cuda(q: torch.Tensor, scale: float, plan, ranges, exact, bias=None
+                        ) -> torch.Tensor:
+    """``ops.attention_step`` on a GPU: the composition over the CUDA ``decode_attention``
+    kernel (one fused step kernel is the GPU KV cache's to write)."""
+    return compose_attention_step(decode_attention_cuda, q, scale, plan, ranges, exact, bias)

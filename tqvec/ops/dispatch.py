@@ -21,6 +21,7 @@ import torch
 from ..errors import BackendUnavailable
 from . import cpu as _cpu
 from . import cuda as _cuda
+from . import kvstep as _kvstep
 from . import ref as _ref
 
 __all__ = ["BACKENDS", "Op", "OPS", "pick", "available_backends", "compiled_cpu"]
@@ -64,6 +65,8 @@ OPS: dict[str, Op] = {
     "rescore_topk": Op(_ref.rescore_topk_ref, _cpu.rescore_topk_cpu),
     "decode_attention": Op(_ref.decode_attention_ref, _cpu.decode_attention_cpu,
                            _cuda.decode_attention_cuda),
+    "attention_step": Op(_kvstep.attention_step_ref, _cpu.attention_step_cpu,
+                         _cuda.attention_step_cuda),
 }
 
 _log = logging.getLogger("tqvec")

@@ -159,22 +159,28 @@ def attend(layer, query: torch.Tensor, mask, scaling: float, softcap: float | No
     L = layer.cumulative_length
     kv_offset = L - mask.shape[-1] if mask is not None else 0
     qpos = range(L - Q, L)
-    qs = query.float().reshape(B, H, G, Q, D)
     parts = _step_parts(layer, query, mask, kv_offset, softcap)
     plan = layer.step_plan(parts) if parts is not None else None
     visible = plan is not None and (
         (Q == 1 and mask is None) or (mask is not None and parts.first >= kv_offset
                                       and _all_visible(mask)))
+    step = max(1, _QUERY_ROWS // G)
+    if plan is not None and Q <= step:  # one block of rows (decode steps): no copies
+        # rows are (g, q) pairs, g-major: query head h * G + g's row q
+        o = _attend_step(parts, plan, query.float().reshape(B * H, G * Q, D), B, G, qpos, mask,
+                         kv_offset, scaling, visible)
+        return o.reshape(B, Hq, Q, D).to(query.dtype)
+    qs = query.float().reshape(B, H, G, Q, D)
     segs = list(layer.segments()) if plan is None else None
     outs = []
-    step = max(1, _QUERY_ROWS // G)
     for s0 in range(0, Q, step):
         s1 = min(Q, s0 + step)
         # Rows are (g, q) pairs, g-major, for the queries s0..s1 of every group member.
         q = qs[:, :, :, s0:s1].reshape(B, H, G * (s1 - s0), D)
         m = mask[:, :, s0:s1] if mask is not None else None
         if plan is not None:
-            o = _attend_step(parts, plan, q, G, qpos[s0:s1], m, kv_offset, scaling, visible)
+            o = _attend_step(parts, plan, q.reshape(B * H, -1, D), B, G, qpos[s0:s1], m,
+                             kv_offset, scaling, visible)
         else:
             o = _attend_rows(segs, q, G, qpos[s0:s1], m, kv_offset, scaling, softcap)
         outs.append(o.reshape(B, H, G, s1 - s0, D))
@@ -201,13 +207,17 @@ def _step_parts(layer, query, mask, kv_offset: int, softcap):
     return parts
 
 
-def _attend_step(parts, plan, q, G, qpos, mask, kv_offset, scaling, visible: bool):
-    """``_attend_rows`` through ``ops.attention_step``: q (B, H, R, D) float32 rows for the
-    queries at positions qpos; ``visible``: every row sees every stored token (no masks),
-    else the exact rows' additive masks are made from ``mask`` (None: causal)."""
-    B, H, R, D = q.shape
-    bh = B * H
-    exact = [tuple(t.reshape(bh, -1, D) for t in parts.window)] if parts.window else []
+def _attend_step(parts, plan, q, B, G, qpos, mask, kv_offset, scaling, visible: bool):
+    """``_attend_rows`` through ``ops.attention_step``: q (B H, R, D) float32 rows for the
+    queries at positions qpos, batch-major; ``visible``: every row sees every stored token
+    (no masks), else the exact rows' additive masks are made from ``mask`` (None: causal).
+    Returns (B H, R, D)."""
+    bh, R, D = q.shape
+    H = bh // B
+    exact = []
+    if parts.window is not None:
+        k, v = parts.window
+        exact.append((k.reshape(bh, -1, D), v.reshape(bh, -1, D)))
     bias = None
     if not visible:
         spans = [(0, parts.sink[0].shape[2])] if parts.sink is not None else []
@@ -218,9 +228,8 @@ def _attend_step(parts, plan, q, G, qpos, mask, kv_offset, scaling, visible: boo
             b = _bias(mask, span, qpos, kv_offset, B, H, G, q.device)
             bias.append(None if b is None else b.expand(B, H, R, b.shape[-1]).reshape(bh, R, -1))
     ranges = [i for c in parts.codes for i in (c.kbuf.start, c.kbuf.stop)]
-    out = ops.attention_step(q.reshape(bh, R, D), scaling, plan, ranges, exact, bias,
-                             backend="ref" if CODES_KERNEL == "ref" else "auto")
-    return out.reshape(B, H, R, D)
+    return ops.attention_step(q, scaling, plan, ranges, exact, bias,
+                              backend="ref" if CODES_KERNEL == "ref" else "auto")
 
 
 def _attend_rows(segs, q, G, qpos, mask, kv_offset, scaling, softcap):

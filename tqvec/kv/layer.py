@@ -23,6 +23,7 @@ next ``update``. Sliding-window layers drop tokens older than the window.
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
 
@@ -560,11 +561,12 @@ class CompressedLayer(CacheLayerMixin):
             return None
         w0 = self.cumulative_length - self.window_length()
         codes, code_pos = [], []
-        for part, start in ((CodePart(self.kq, self.vq, self.kbuf, self.vbuf), self.code_start),
-                            (CodePart(self.wkq, self.wvq, self.wkbuf, self.wvbuf), w0)):
-            if len(part.kbuf):
-                codes.append(part)
-                code_pos.append((start, start + len(part.kbuf)))
+        if len(self.kbuf):
+            codes.append(CodePart(self.kq, self.vq, self.kbuf, self.vbuf))
+            code_pos.append((self.code_start, self.code_start + len(self.kbuf)))
+        if len(self.wkbuf):
+            codes.append(CodePart(self.wkq, self.wvq, self.wkbuf, self.wvbuf))
+            code_pos.append((w0, w0 + len(self.wkbuf)))
         sink = (self.sink_k, self.sink_v) if self.sink_k.shape[2] else None
         window = (self.keys, self.values) if self.keys.shape[2] else None
         window_start = self.cumulative_length - self.keys.shape[2]
@@ -581,11 +583,12 @@ class CompressedLayer(CacheLayerMixin):
         quantizer, a buffer's storage or the sink changed (the buffers are reallocated only as
         they grow, and a quantizer's constants are set before its first codes exist, so new
         constants come with new storage); None where a side has no ``step_side``."""
-        made_of = [x for c in parts.codes
-                   for x in (c.kq, c.kbuf.data["payload"], c.vq, c.vbuf.data["payload"])]
+        made_of = []
+        for c in parts.codes:
+            made_of += (c.kq, c.kbuf.data["payload"], c.vq, c.vbuf.data["payload"])
         made_of += parts.sink or ()
         if self._step is not None and len(self._step[0]) == len(made_of) and all(
-                a is b for a, b in zip(self._step[0], made_of, strict=True)):
+                map(operator.is_, self._step[0], made_of)):
             return self._step[1]
         self._step = (made_of, self._make_step_plan(parts))
         return self._step[1]

@@ -324,9 +324,10 @@ def _compiled_plan(plan: KVStepPlan) -> object | None:
     """The compiled kernel's form of a ``KVStepPlan`` (made once per plan and kept in it), or
     None where the kernel cannot take it: another dtype, a side without a Hadamard rotation on
     the CPU, multipliers stored as other than float16 or table-coded bytes."""
-    if "cpu" not in plan.prepared:
-        plan.prepared["cpu"] = _make_compiled_plan(plan)
-    return plan.prepared["cpu"]
+    prepared = plan.prepared
+    if "cpu" not in prepared:
+        prepared["cpu"] = _make_compiled_plan(plan)
+    return prepared["cpu"]
 
 
 def _make_compiled_plan(plan: KVStepPlan) -> object | None:
@@ -359,12 +360,12 @@ def attention_step_cpu(q: torch.Tensor, scale: float, plan: KVStepPlan, ranges: 
     else the composition over the compiled ``decode_attention``."""
     compiled = None if bias is not None and any(b is not None for b in bias) else \
         _compiled_plan(plan)
-    code = EXACT_DTYPES.get(plan.dtype)
-    if compiled is None or any(t.dtype != plan.dtype for pair in exact for t in pair):
+    dtype = plan.dtype
+    if compiled is None or any(k.dtype != dtype or v.dtype != dtype for k, v in exact):
         return compose_attention_step(decode_attention_cpu, q, scale, plan, ranges, exact, bias)
+    code = EXACT_DTYPES[dtype]
     ex = [_exact_host(t, code) for pair in exact for t in pair]
-    return torch.from_numpy(attention_step_np(compiled, q.contiguous().numpy(), scale, ranges,
-                                              ex))
+    return torch.from_numpy(attention_step_np(compiled, q.numpy(), scale, ranges, ex))
 
 
 def attention_step_np(plan: object, q: np.ndarray, scale: float, ranges: list[int],

@@ -135,10 +135,10 @@ MUTANTS = [
              "metric == kRescoreL2       ? 2.f * dot - qsq")],
            ["tests/test_ops.py", "tests/test_index.py"]),
     Mutant("attention-no-max", "decode attention's softmax state keeps the max but not the shift",
-           [("csrc/cpu/attention.cpp",
+           [("csrc/cpu/attention_rows.cpp",
              "lane[u] += (sr[i + u] = exp_softmax(sr[i + u] - ref));",
              "lane[u] += (sr[i + u] = exp_softmax(sr[i + u] - ref + 0.5f));"),
-            ("csrc/cpu/attention.cpp",
+            ("csrc/cpu/attention_avx2.cpp",
              "const __m256 e = exp8_avx2(_mm256_sub_ps(_mm256_loadu_ps(sr + i), ref8));",
              "const __m256 e = exp8_avx2(_mm256_add_ps(_mm256_sub_ps(_mm256_loadu_ps(sr + i), "
              "ref8), _mm256_set1_ps(0.5f)));")],
@@ -190,7 +190,7 @@ MUTANTS = [
            ["tests/test_io.py", "tests/test_hostile.py"]),
     Mutant("reader-ntotal-unchecked", "an index header's ntotal is not checked against its arrays",
            [("tqvec/index/state.py",
-             "if name not in _NOT_PER_ROW and (a.ndim == 0 or a.shape[0] != ntotal):",
+             "if name not in not_per_row and (a.ndim == 0 or a.shape[0] != ntotal):",
              "if False:")],
            ["tests/test_hostile.py"]),
 ]

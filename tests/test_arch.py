@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ["pack.cpp", "hadamard.cpp", "scan.cpp", "rescore.cpp", "search.cpp", "attention.cpp",
+           "attention_rows.cpp", "attention_avx2.cpp",
            "graph.cpp",
            "fastscan/tables.cpp", "fastscan/flat.cpp", "fastscan/terms.cpp",
            "fastscan/two_stage.cpp", "fastscan/ivf.cpp"]

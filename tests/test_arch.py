@@ -11,10 +11,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = ["pack.cpp", "hadamard.cpp", "scan.cpp", "rescore.cpp", "search.cpp", "attention.cpp",
-           "attention_rows.cpp", "attention_avx2.cpp",
-           "graph.cpp",
-           "fastscan/tables.cpp", "fastscan/flat.cpp", "fastscan/terms.cpp",
+KERNELS = ["cpu_features.cpp", "pack.cpp", "hadamard.cpp", "scan.cpp", "rescore.cpp",
+           "search.cpp", "attention.cpp", "attention_rows.cpp", "attention_avx2.cpp",
+           "graph.cpp", "fastscan/tables.cpp", "fastscan/flat.cpp", "fastscan/terms.cpp",
            "fastscan/two_stage.cpp", "fastscan/ivf.cpp"]
 # the extension's own flags (CMakeLists.txt): -O3, no contraction of multiplies and adds
 FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-pthread"]

@@ -217,8 +217,7 @@ void side_norms(const KVCodeSide& side, int64_t bh, int64_t t, int64_t lo, int64
   out.resize(static_cast<size_t>(bh * t));
   auto convert = halves_to_floats;
 #ifdef TQVEC_X86
-  static const bool f16c = simd_avx2() && __builtin_cpu_supports("f16c");
-  if (f16c) convert = halves_to_floats_f16c;
+  if (simd_f16c()) convert = halves_to_floats_f16c;
 #endif
   for (int64_t h = 0; h < bh; ++h) {
     float* o = out.data() + h * t;

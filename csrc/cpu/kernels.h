@@ -15,29 +15,10 @@
 #include <vector>
 
 #include "arch.h"
+#include "cpu_features.h"
 
 namespace tqvec {
 
-// Whether the AVX2 loops run: the CPU has AVX2 and TQVEC_SIMD is not "scalar" (which forces the
-// portable loops; the tests compare the paths). Read once per process. False off x86.
-bool simd_avx2();
-// Whether the NEON block scans run (aarch64 builds, TQVEC_SIMD not "scalar"); the rest of an
-// aarch64 build runs the portable loops as the compiler vectorizes them.
-bool simd_neon();
-// Whether the AVX-512 (F + BW) block sums run where they exist (the fast scans of 1, 2 and
-// 4-bit codes; the rest stays on AVX2): the CPU has them and TQVEC_SIMD is "avx512". Opt-in:
-// on Zen 4 (512-bit ops split in two 256-bit halves) the lookups are bound by the shuffle
-// ports either way and the path measured 0.90-1.0x the AVX2 one.
-bool simd_avx512();
-// Whether the 3-bit block sums take AVX-512 VBMI (vpermb: a pair's 64-entry table in one
-// lookup): the CPU has F, BW and VBMI, the AVX2 loops run and TQVEC_SIMD is not "avx2" (which
-// keeps every scan on AVX2). On by default: the same bits as the AVX2 path, measured faster.
-bool simd_vbmi();
-// Whether VNNI's vpdpbusd runs (simd_vbmi and the CPU has AVX-512 VNNI): the 1, 2 and 4-bit
-// table sums gather a row's four code bytes per 32-bit lane and add its lookups in one
-// instruction (fastscan/block_sums512.h), and batched exact scans of 4-bit codes score rows by
-// an int8 dot product instead of table lookups (fastscan/dot.h).
-bool simd_vnni();
 
 void pack_bits(const uint8_t* idx, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t d, int b, uint8_t* out, int nthreads);

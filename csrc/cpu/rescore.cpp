@@ -290,7 +290,7 @@ void project_rows_portable(const float* x, int64_t n, int64_t d, const float* W,
 
 void project_rows(const float* x, int64_t n, int64_t d, const float* W, int64_t m, float* out) {
 #ifdef TQVEC_X86
-  if (simd_avx2() && __builtin_cpu_supports("fma")) return project_rows_avx2(x, n, d, W, m, out);
+  if (simd_fma()) return project_rows_avx2(x, n, d, W, m, out);
 #endif
   project_rows_portable(x, n, d, W, m, out);
 }
@@ -360,7 +360,7 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
                int nthreads) {
 #ifdef TQVEC_X86
-  const bool fma = simd_avx2() && __builtin_cpu_supports("fma");
+  const bool fma = simd_fma();
 #else
   const bool fma = false;
 #endif

@@ -352,7 +352,10 @@ def main(argv: list[str] | None = None, *, prog: str = "tqvec bench",
 
 
 def _progress(total: int, name: str, quiet: bool):
-    from tqdm import tqdm
+    try:
+        from tqdm import tqdm
+    except ImportError as e:  # pragma: no cover
+        raise ImportError("tqvec bench needs the tools extra: pip install 'tqvec[tools]'") from e
 
     return tqdm(total=total, desc=name, unit="index", disable=quiet or None, leave=False,
                 file=sys.stderr)

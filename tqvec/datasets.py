@@ -28,7 +28,7 @@ def load_embedded(name: str = "digits", *, n: int = 100_000, dim: int = 384, see
             from sklearn.datasets import load_digits
         except ImportError as e:  # pragma: no cover
             raise ImportError("the 'digits' dataset needs scikit-learn: pip install "
-                              "scikit-learn") from e
+                              "'tqvec[tools]'") from e
         return load_digits().data.astype(np.float32)
     if name == "random":
         return np.random.default_rng(seed).standard_normal((n, dim), dtype=np.float32)
@@ -59,7 +59,8 @@ def read_hdf5(path: str) -> dict:
     try:
         import h5py
     except ImportError as e:  # pragma: no cover
-        raise ImportError("reading ann-benchmarks files needs h5py: pip install h5py") from e
+        raise ImportError("reading ann-benchmarks files needs h5py: pip install "
+                          "'tqvec[tools]'") from e
     from .errors import FormatError
 
     try:

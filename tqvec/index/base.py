@@ -21,7 +21,15 @@ import torch
 from .. import _validate as V
 from ..codecs.base import Codec, Codes
 from .memory import held_bytes
-from .metrics import METRIC_L2, QUERY_BLOCK, metric_code, padded, results, similarities
+from .metrics import (
+    METRIC_L2,
+    QUERY_BLOCK,
+    metric_code,
+    padded,
+    range_results,
+    results,
+    similarities,
+)
 from .rerank import RefineLut, check_refine, refine_lut, rerank
 from .rows import Rows
 
@@ -290,6 +298,33 @@ class CodesIndex:
             return None
         sel = torch.from_numpy(V.id_array(allowed_ids, "allowed_ids"))
         return torch.isin(ids, sel).to(self.device)
+
+    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """All results within ``radius``: L2 distance < radius, or similarity > radius, among
+        the rows the index scans (an IVF index: the probed lists, as faiss's).
+
+        Returns faiss's ``(lims, D, I)``: results of query i are D[lims[i]:lims[i+1]].
+        """
+        self._check_ready("range_search")
+        radius = V.finite_float(radius, "radius")
+        self.check_mapped()
+        q, off = self._queries(x)
+        per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(q.shape[0])]
+        l2 = self.metric_type == METRIC_L2
+        for qsel, s, ids in self._range_scores(q, off):  # l2 scores are -||q - x||^2
+            s = -s if l2 else s
+            inside = s < radius if l2 else s > radius
+            for a, qi in enumerate(qsel.tolist()):
+                sel = inside[a].nonzero()[:, 0]
+                if sel.numel():
+                    sel = sel.cpu()
+                    per_query[qi].append((s[a].cpu()[sel].numpy(), ids[sel].numpy()))
+        return range_results(per_query)
+
+    def _range_scores(self, q: torch.Tensor, off: np.ndarray | None):
+        """Yield (query rows (m,), their (m, n) metric scores, the n rows' ids) over every row
+        ``range_search`` considers (``off``: the queries' offsets from ``_queries``)."""
+        raise NotImplementedError
 
     def search(self, x: Any, k: int, *, allowed_ids: Sequence[int] | np.ndarray | None = None,
                params: Any = None) -> tuple[np.ndarray, np.ndarray]:

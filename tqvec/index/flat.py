@@ -48,7 +48,6 @@ layout is built at the first search after a change, under the index's lock, so c
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -69,15 +68,13 @@ from .metrics import (
     metric_code,
     metric_name,
     normalized,
-    range_results,
     results,
     row_mean,
     unit_rows,
 )
-from .rerank import RefineLut
 from .rows import Rows
 from .rowterms import ROW_BLOCK, ip_row_correction, sqnorms_of
-from .scan import BlockedCodes, FlatScan, metric_terms
+from .scan import BlockedCodes, FlatScan, FlatSnapshot, metric_terms
 from .state import StoredKind, float_rows, register_kind, row_correction, rows_state
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code",
@@ -91,19 +88,6 @@ _LUT_MAX_QUERIES = 32
 # The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few
 # rows per result (digits, n = 1,597, k = 100) that is most rows and the float paths are faster.
 _FAST_SCAN_ROWS_PER_RESULT = 64
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What a search reads, taken together under the index's lock."""
-
-    rows: Rows  # ``Rows.snapshot``
-    scan: FlatScan | None
-    ref_lut: RefineLut | None
-
-    @property
-    def n(self) -> int:
-        return self.rows.n
 
 
 class FlatIndex(CodesIndex):
@@ -488,12 +472,12 @@ class FlatIndex(CodesIndex):
                                    normalize=self.metric_type == METRIC_COSINE,
                                    ip_center=None if l2 else mu.numpy())
 
-    def _snapshot(self) -> Snapshot:
+    def _snapshot(self) -> FlatSnapshot:
         """What a search reads, taken together (call with the lock held). The scan state first:
         building it may hand the row-major codes to the blocked layout, which the rows' copy
         must not keep alive."""
         scan = self._scan_state()
-        return Snapshot(self._rows.snapshot(), scan, self._refine_lut())
+        return FlatSnapshot(self._rows.snapshot(), scan, self._refine_lut())
 
     # -- search ------------------------------------------------------------------------------
     def _fast_rows_ok(self, n: int, kk: int) -> bool:
@@ -501,7 +485,7 @@ class FlatIndex(CodesIndex):
         k = 100: most rows reach it, and the float paths are faster)."""
         return n > 0 and n >= _FAST_SCAN_ROWS_PER_RESULT * kk
 
-    def _route(self, snap: Snapshot, nq: int, kk: int, route: tuple[int, int] | None = None
+    def _route(self, snap: FlatSnapshot, nq: int, kk: int, route: tuple[int, int] | None = None
                ) -> str:
         """The scan a search runs, chosen here only: ``"fast"`` (the CPU fast-scan kernels),
         ``"lut"`` (per-query tables over the packed codes) or ``"gemm"`` (decoded blocks)."""
@@ -532,7 +516,7 @@ class FlatIndex(CodesIndex):
         # ops.row_dots: the one-call search's <q, mu> (same bits)
         return q, ops.row_dots(q, self._center).cpu().numpy()
 
-    def _fused_search(self, x: Any, snap: Snapshot, k: int
+    def _fused_search(self, x: Any, snap: FlatSnapshot, k: int
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """float32 numpy queries (one block) on an index whose scan has the one compiled call
         (``_fused``)."""
@@ -543,7 +527,7 @@ class FlatIndex(CodesIndex):
             return None
         return snap.scan.fused.search(x, k, self.k_factor)
 
-    def _scan_block(self, q: torch.Tensor, snap: Snapshot, mask: torch.Tensor | None, kk: int,
+    def _scan_block(self, q: torch.Tensor, snap: FlatSnapshot, mask: torch.Tensor | None, kk: int,
                     nq_total: int, route: tuple[int, int] | None = None, probes: Any = None
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Best kk similarities (larger is better; for L2 the negated squared distance) and
@@ -579,7 +563,7 @@ class FlatIndex(CodesIndex):
             return scan.scanner.search(qts, kk, add, k1=scan.prefilter * kk)
         return scan.scanner.search(qts, kk, add, approx=self.refine is not None)
 
-    def search_mapped(self, x: np.ndarray, k: int, snap: Snapshot | None = None
+    def search_mapped(self, x: np.ndarray, k: int, snap: FlatSnapshot | None = None
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` of queries in the owner's space (``query_map``) in one compiled call -
         the same bits as ``search_prepared`` with the owner's preparation -, or None where it
@@ -595,7 +579,7 @@ class FlatIndex(CodesIndex):
     def search_prepared(self, k: int, prepare: Callable[[], tuple[list[np.ndarray],
                                                                   torch.Tensor,
                                                                   np.ndarray | None] | None],
-                        snap: Snapshot | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+                        snap: FlatSnapshot | None = None) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` with the queries prepared by the caller (a ``PCAIndex`` folds its basis
         into the query terms): ``prepare()`` returns (``query_terms`` of the prepared queries as
         float32 numpy arrays, those queries (for ||q||^2 in L2), offsets per query added to the
@@ -633,7 +617,7 @@ class FlatIndex(CodesIndex):
             s = s + corr[None, :]
         return s
 
-    def _gemm_scan(self, q: torch.Tensor, snap: Snapshot, mask: torch.Tensor | None, kk: int
+    def _gemm_scan(self, q: torch.Tensor, snap: FlatSnapshot, mask: torch.Tensor | None, kk: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Running top-kk over blocks of codes scored with the codec (decode block + GEMM)."""
         rows, dev = snap.rows, q.device
@@ -652,39 +636,19 @@ class FlatIndex(CodesIndex):
             best_s, best_p = top.values, torch.gather(p, 1, top.indices)
         return best_s, best_p
 
-    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """All results within ``radius``: L2 distance < radius, or similarity > radius.
-
-        Returns faiss's ``(lims, D, I)``: results of query i are D[lims[i]:lims[i+1]].
-        """
-        if not self.is_trained:
-            raise ValueError("index must be trained before range_search: center='fit' needs "
-                             "train(x) to fit its center")
-        radius = V.finite_float(radius, "radius")
-        self.check_mapped()
-        q, off = self._queries(x)
+    def _range_scores(self, q: torch.Tensor, off: np.ndarray | None):
+        """``range_search``'s scores: every query against every row, a block of rows at a
+        time, as (query rows, their metric scores, the rows' ids)."""
         off_t = None if off is None else torch.from_numpy(off).to(q.device)[:, None]
         with self._lock:
             rows = self._rows.snapshot()
             ids, n = rows.ids, rows.n
             sqn, corr = rows.term("sqnorms", self.device), rows.term("ipcorr", self.device)
-        per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(q.shape[0])]
+        every = torch.arange(q.shape[0])
         for cs in range(0, n, ROW_BLOCK):
             ce = min(n, cs + ROW_BLOCK)
             s = self._scores(q, rows.codes_rows(cs, ce), sqn[cs:ce], corr[cs:ce])
-            if off_t is not None:
-                s = s + off_t
-            if self.metric_type == METRIC_L2:
-                s = -s
-                hit = s < radius
-            else:
-                hit = s > radius
-            for i in range(q.shape[0]):
-                sel = hit[i].nonzero()[:, 0]
-                if sel.numel():
-                    sel = sel.cpu()
-                    per_query[i].append((s[i].cpu()[sel].numpy(), ids[cs:ce][sel].numpy()))
-        return range_results(per_query)
+            yield every, s if off_t is None else s + off_t, ids[cs:ce]
 
     def __repr__(self) -> str:
         ref = f", refine={self.refine!r}" if self.refine is not None else ""

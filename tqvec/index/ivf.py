@@ -46,12 +46,10 @@ from .fused import IVFSearch
 from .metrics import (
     METRIC_COSINE,
     METRIC_INNER_PRODUCT,
-    METRIC_L2,
     QUERY_BLOCK,
     device_of,
     metric_name,
     normalized,
-    range_results,
     unit_rows,
 )
 from .rerank import RefineLut
@@ -526,31 +524,16 @@ class IVFIndex(CodesIndex):
         best_p = torch.where(torch.isfinite(best_s), best_p, torch.full_like(best_p, -1))
         return self._to_metric(best_s), best_p
 
-    def range_search(self, x: Any, radius: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Results within ``radius`` among the ``nprobe`` probed lists (faiss's IVF semantics):
-        L2 distance < radius, or similarity > radius."""
-        self._check_ready("range_search")
-        radius = V.finite_float(radius, "radius")
-        self.check_mapped()
-        q, _ = self._queries(x)
+    def _range_scores(self, q: torch.Tensor, off: np.ndarray | None):
+        """``range_search``'s scores among the ``nprobe`` probed lists (faiss's IVF semantics),
+        list by list."""
         snap = self._current()
-        nq = q.shape[0]
-        per_query: list[list[tuple[np.ndarray, np.ndarray]]] = [[] for _ in range(nq)]
-        if snap.n and nq:
-            probes, offsets = map(torch.from_numpy, self._probes(q.numpy(), snap))
-            ids = snap.rows.ids
-            for members, qsel, s in self._per_list_scores(q, snap, probes, offsets):
-                s = self._to_metric(s)
-                if self.metric_type == METRIC_L2:
-                    s = -s
-                    inside = s < radius
-                else:
-                    inside = s > radius
-                for a, qi in enumerate(qsel.tolist()):
-                    sel = inside[a].nonzero()[:, 0]
-                    if sel.numel():
-                        per_query[qi].append((s[a, sel].numpy(), ids[members[sel]].numpy()))
-        return range_results(per_query)
+        if not (snap.n and q.shape[0]):
+            return
+        probes, offsets = map(torch.from_numpy, self._probes(q.numpy(), snap))
+        ids = snap.rows.ids
+        for members, qsel, s in self._per_list_scores(q, snap, probes, offsets):
+            yield qsel, self._to_metric(s), ids[members]
 
     def __repr__(self) -> str:
         ref = f", refine={self.refine!r}" if self.refine is not None else ""

@@ -12,6 +12,8 @@ from .. import ops
 from ..codecs.base import Codec, Codes, LutTerm
 from .fused import FlatSearch, TermsSearch
 from .metrics import METRIC_COSINE, METRIC_L2
+from .rerank import RefineLut
+from .rows import Rows
 
 __all__ = ["FlatScan", "BlockedCodes", "metric_terms", "rows_from_blocked"]
 
@@ -123,3 +125,16 @@ class BlockedCodes:
         cols = [rows_from_blocked(bl, slots, d, b)
                 for bl, (d, b) in zip(self.blocks, self.dims, strict=True)]
         return cols[0] if len(cols) == 1 else torch.cat(cols, dim=1)
+
+
+@dataclass(frozen=True)
+class FlatSnapshot:
+    """What a flat index's search reads, taken together under the index's lock."""
+
+    rows: Rows  # ``Rows.snapshot``
+    scan: FlatScan | None
+    ref_lut: RefineLut | None
+
+    @property
+    def n(self) -> int:
+        return self.rows.n

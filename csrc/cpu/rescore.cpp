@@ -25,7 +25,7 @@ namespace {
 
 // Lane l of each accumulator sums the terms j = l (mod 8), then the tail and the lanes are added
 // in order: the same float operations in the AVX2 and the portable version. (GCC left the
-// portable loop scalar even in an AVX2 clone: 40 ms for 1,000 x 40 rows at d = 784, 10 ms here.)
+// portable loop scalar even in an AVX2 clone.)
 #ifdef TQVEC_X86
 __attribute__((target("avx2"))) void dot_and_sqnorm_avx2(const float* __restrict q,
                                                          const float* __restrict x, int64_t d,
@@ -107,11 +107,10 @@ __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
 // tail by fmaf, then the lanes in order — the float operations of dot1_portable. A tile of
 // Q queries x C lists shares its loads and keeps Q * C independent chains in flight, so any tile
 // shape (4 x 3 for batches, 1 x 8 for a query alone, 1 x 1 for the leftovers) gives a pair the
-// same bits: a query probed alone or within a batch gets the same lists. 1,000 queries x 252 x
-// 784 on one Zen 3 thread: 40 GMAC/s for 4 x 3 with FMA, 27 with a multiply and an add (12
-// accumulators, 3 rows and the product no longer fit the 16 registers: the query loads were
-// folded into the multiplies, 13 loads per step); the former 3 x 3 tile, which formed four
-// accumulators per pair one after another (stride-32 passes over the rows), reached 22.
+// same bits: a query probed alone or within a batch gets the same lists. 4 x 3 with FMA is the
+// widest tile whose 12 accumulators and 3 rows fit the 16 registers (with a separate multiply
+// and add the product needs one more and the query loads fold into the multiplies); its
+// throughput against other tiles is in docs/search.md.
 // out[a * ldo + c] = <q_a, x_c>.
 #ifdef TQVEC_X86
 template <int Q, int C>
@@ -368,8 +367,8 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
   constexpr int64_t kQ = 4, kC = 3;  // tile: kQ queries x kC lists
   [[maybe_unused]] constexpr int64_t kBlockC = 16 * kC;
   // queries [lo, hi): <q, c_l> for every list — 4 x 3 register tiles over blocks of kBlockC
-  // lists that stay in L2 while all the queries pass (reading all 800 KB of centroids from L3
-  // per tile of queries bound the tiles by L3 bandwidth: 8.6 ms for 1,000 queries); queries past
+  // lists that stay in L2 while all the queries pass (reading all the centroids from L3 per
+  // tile of queries bound the tiles by L3 bandwidth); queries past
   // the last whole tile 8 lists at a time, leftover lists pair by pair (the same bits) — then
   // each query's scores and top nprobe
   auto work = [&](int64_t lo, int64_t hi) {

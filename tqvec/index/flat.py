@@ -63,11 +63,11 @@ from .metrics import (
     METRIC_COSINE,
     METRIC_INNER_PRODUCT,
     METRIC_L2,
-    QUERY_BLOCK,
     device_of,
     metric_code,
     metric_name,
     normalized,
+    one_call_queries,
     results,
     row_mean,
     unit_rows,
@@ -520,8 +520,7 @@ class FlatIndex(CodesIndex):
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """float32 numpy queries (one block) on an index whose scan has the one compiled call
         (``_fused``)."""
-        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
+        if not (one_call_queries(x, self.d)
                 and snap.scan is not None and snap.scan.fused is not None
                 and self._fast_rows_ok(snap.n, self._candidates(snap.n, k))):
             return None

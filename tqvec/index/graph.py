@@ -40,7 +40,14 @@ from .. import ops
 from ..codecs.base import Codec
 from ..ops import pages
 from .flat import FlatIndex
-from .metrics import METRIC_COSINE, METRIC_INNER_PRODUCT, METRIC_L2, metric_name, normalized
+from .metrics import (
+    METRIC_COSINE,
+    METRIC_INNER_PRODUCT,
+    METRIC_L2,
+    metric_name,
+    normalized,
+    one_call_queries,
+)
 from .rerank import RefineLut
 from .rows import Rows
 from .rowterms import sqnorms_of
@@ -158,7 +165,7 @@ class GraphIndex(FlatIndex):
     efSearch: candidates kept by the base-layer search (an attribute, as faiss's
         ``hnsw.efSearch``; at least the candidates the re-rank takes are kept).
     ef_construction: faiss's ``efConstruction`` of the build (default 200, hnswlib's: faiss's
-        own 40 built a graph that needed 1.5x the efSearch for recall 0.99 on Fashion-MNIST).
+        own 40 builds a graph that needs a larger efSearch for the same recall).
         The build is faiss's HNSW insertion, most of this index's cost (docs/search.md gives
         it); ``verbose`` shows its progress.
     verbose: print the build's progress (faiss's own, per level) and the search layout's
@@ -371,8 +378,7 @@ class GraphIndex(FlatIndex):
         """float32 numpy queries through the searcher's whole search (rotation, graph, exact
         re-rank, ids), where it has one; None otherwise and for queries holding NaN or Inf
         (the composition reports them)."""
-        if not (snap.whole and type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and x.shape[0] > 0 and x.shape[1] == self.d):
+        if not (snap.whole and one_call_queries(x, self.d, max_rows=None)):
             return None
         # with exact vectors the search keeps the k best it expanded, exactly scored
         kk = min(k, snap.n) if self.refine == "flat" else self._candidates(snap.n, k)

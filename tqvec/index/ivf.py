@@ -46,10 +46,10 @@ from .fused import IVFSearch
 from .metrics import (
     METRIC_COSINE,
     METRIC_INNER_PRODUCT,
-    QUERY_BLOCK,
     device_of,
     metric_name,
     normalized,
+    one_call_queries,
     unit_rows,
 )
 from .rerank import RefineLut
@@ -401,9 +401,7 @@ class IVFIndex(CodesIndex):
                       ) -> tuple[np.ndarray, np.ndarray] | None:
         """float32 numpy queries (one block) on a trained, non-empty index with the compiled
         call; the call checks its queries for NaN and Inf itself (cosine: normalized here)."""
-        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
-                and snap.n and snap.scan.fused is not None):
+        if not (one_call_queries(x, self.d) and snap.n and snap.scan.fused is not None):
             return None
         q = np.ascontiguousarray(x)
         if self.metric_type == METRIC_COSINE:

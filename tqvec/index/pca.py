@@ -17,8 +17,8 @@ space, and the index behind it is a centred ``FlatIndex`` over x V (faiss's
 ``IndexPreTransform`` idea) - ids, removal, filters, range search, refinement, threads and
 the fast-scan kernel (one term per width) come from it.
 
-Cost: d^2 floats of basis (2.4 MB at d = 784) and a training pass (covariance + eigh, ~2 s
-for 60,000 x 784 on the 2-core Zen 1 machine); a query pays one (d, m) product, the basis and
+Cost: d^2 floats of basis (2.4 MB at d = 784) and a training pass (covariance + eigh:
+O(n d^2 + d^3)); a query pays one (d, m) product, the basis and
 every run's rotation folded together (``MixedTurboQuant.query_matrix``).
 """
 
@@ -42,9 +42,9 @@ from .memory import held_bytes
 from .metrics import (
     METRIC_COSINE,
     METRIC_L2,
-    QUERY_BLOCK,
     metric_code,
     normalized,
+    one_call_queries,
     row_mean,
     similarities,
     unit_rows,
@@ -295,9 +295,7 @@ class PCAIndex:
         all of it one compiled call where the inner index has it (``FlatIndex.search_mapped``:
         at one query the Python steps cost ~50 us of ~250), else these steps composed."""
         index = self.index
-        if not (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2
-                and 0 < x.shape[0] <= QUERY_BLOCK and x.shape[1] == self.d
-                and index.refine is None):
+        if not (one_call_queries(x, self.d) and index.refine is None):
             return None
         out = index.search_mapped(np.ascontiguousarray(x), k, snap)  # one compiled call
         if out is not None:

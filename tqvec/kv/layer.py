@@ -157,8 +157,8 @@ class StepParts(NamedTuple):
 
 def _window(x: torch.Tensor, start: int, stop: int | None = None) -> torch.Tensor:
     """Tokens [start, stop) of a (B, H, T, D) window, in storage of their own: a slice would
-    keep its source alive - after a prefill, every prompt token's full-precision keys and values
-    (SmolLM2 at 4k tokens: ~190 MB held beside ~19 MB of codes)."""
+    keep its source alive - after a prefill, every prompt token's full-precision keys and values,
+    many times the bytes of the codes."""
     return x[:, :, start:stop].clone()
 
 
@@ -218,8 +218,8 @@ class CompressedLayer(CacheLayerMixin):
                                               group=s.group, norm_bits=s.norm_bits)
         if s.residual_bits is not None:
             # one 8-bit codec for the window's keys and values: a block of tokens moves through
-            # one encode (and later one decode) of both, not two - each call costs ~0.2-0.35 ms
-            # here, more than its arithmetic
+            # one encode (and later one decode) of both, not two - a call's fixed cost is more
+            # than its arithmetic
             self.wkq = self.wvq = make_quantizer("turbo", d, s.residual_bits, seed=seed + 3,
                                                  role="keys")
         if s.calibrate and s.key_codec != "fp16":

@@ -555,8 +555,7 @@ def make_quantizer(kind: str, dim: int, bits: float, *, seed: int, role: str,
         return BlockVQQuantizer(dim, bits, seed, norm_bits)
     if kind == "turbo":
         # the least-squares scale of the chosen centroids instead of the norm: same bytes,
-        # never a larger error per token; attention-output error at 3 bits (keys and values)
-        # 0.205 -> 0.176 on SmolLM2-135M, 0.141 -> 0.139 on Gemma 3 270M
+        # never a larger error per token (the attention error it saves: docs/kv-benchmarks.md)
         return CodecQuantizer(TurboQuant(dim, bits, "mse", seed, norm_dtype="float16",
                                          scale="fit"), norm_bits)
     if kind == "turbo-prod":

@@ -143,3 +143,12 @@ def assert_numpy_path_matches(index, queries, k=10):
         np.testing.assert_array_equal(I1, I2)
         np.testing.assert_array_equal(D1, D2)
     return D1, I1
+
+
+@pytest.fixture
+def codes_file(tmp_path, rng):
+    """A small TurboQuant codes file (tests/test_hostile*.py craft their cases from it)."""
+    c = tqvec.TurboQuant(16, 2, seed=1)
+    tqvec.save_codes(tmp_path / "c.tqc", c.encode(rng.standard_normal((50, 16))
+                                                   .astype(np.float32)))
+    return tmp_path / "c.tqc"

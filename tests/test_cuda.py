@@ -430,7 +430,8 @@ def test_kv_adapter_through_the_emulated_kernel(emulated, monkeypatch):
     """The KV adapter's path with the CUDA kernel's own code (CPU emulation): a tiny Llama decoding
     from a compressed cache gives the per-segment path's logits."""
     pytest.importorskip("transformers")
-    from tests.test_kv import fused_and_plain, llama
+    from tests.test_kv import llama
+    from tests.test_kv_step import fused_and_plain
 
     model = llama(head_dim=32)  # 2 query heads per KV head, head_dim 32: the kernel's shape
     assert C.attention_kernel_applies(2, 32, 3, 2)
@@ -541,7 +542,8 @@ def test_gpu_kv_adapter_uses_the_kernel(dtype, residual_bits, monkeypatch):
     matches the per-segment torch path, with an exact or an 8-bit window (the recommended
     setting), in each of the dtypes models run in."""
     pytest.importorskip("transformers")
-    from tests.test_kv import fused_and_plain, llama
+    from tests.test_kv import llama
+    from tests.test_kv_step import fused_and_plain
 
     model = llama(head_dim=32).to("cuda", dtype)  # the kernel's shape (d % 32 == 0)
     ids = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(5)).cuda()

@@ -55,12 +55,11 @@ class StoredKind:
     """
 
     cls: type
-    meta: frozenset[str] = frozenset()
-    optional_meta: frozenset[str] = frozenset()
+    empty: Callable[..., Any]
+    per_row: Callable[..., dict[str, torch.Tensor]]
+    meta: frozenset[str] = frozenset()  # header keys of its own (all required)
     not_per_row: frozenset[str] = frozenset()
-    empty: Callable[..., Any] = None  # type: ignore[assignment]
     arrays: Callable[[dict, int], tuple[set[str], set[str]]] = lambda meta, n: (set(), set())
-    per_row: Callable[..., dict[str, torch.Tensor]] = None  # type: ignore[assignment]
     finish: Callable[..., None] | None = None
     what: str = "index"  # how errors name the finishing step's data
 
@@ -217,8 +216,7 @@ def _kind_of(meta: dict, where: str) -> tuple[StoredKind, StoredWrapper | None]:
     kind = KINDS.get(name) if isinstance(name, str) else None
     wrappers = [w for key, w in WRAPPERS.items() if key in keys]
     want = _ROWS_META | (kind.meta if kind else set())
-    allowed = want | _OPTIONAL_META | (kind.optional_meta if kind else set()) | {
-        w.meta_key for w in wrappers}
+    allowed = want | _OPTIONAL_META | {w.meta_key for w in wrappers}
     if kind is None or len(wrappers) > 1 or not want <= keys <= allowed:
         raise FormatError(f"{where!r} has a malformed index header: type {name!r:.40}, keys "
                           f"{sorted(keys)}")

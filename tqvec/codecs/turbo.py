@@ -352,6 +352,10 @@ class TurboQuant(Codec):
 
     def kernel_form(self) -> KernelForm | None:
         """mse codes: one term, Pi^T (m c[idx]) (``KernelForm``); prod has a second (QJL)."""
+        return self._kernel_form
+
+    @functools.cached_property
+    def _kernel_form(self) -> KernelForm | None:  # made once: searches ask for it per block
         if self.variant != "mse":
             return None
         return KernelForm(self.bits, None if self.scale == "unbiased" else

@@ -1,4 +1,5 @@
-// The CPU features of cpu_features.h.
+// The CPU features of cpu_features.h, read once when the extension loads (no static
+// initializer of the extension reads them: every kernel asks at run time).
 #include "cpu_features.h"
 
 #include <cstdlib>
@@ -7,76 +8,34 @@
 namespace tqvec {
 
 namespace {
+
 std::string simd_request() {
   const char* v = std::getenv("TQVEC_SIMD");
   return v != nullptr ? std::string(v) : std::string();
 }
+
+CpuFeatures read_features() {
+  CpuFeatures f{};
+  const std::string request = simd_request();
+#ifdef TQVEC_X86
+  __builtin_cpu_init();  // before __builtin_cpu_supports in a static initializer
+  f.avx2 = __builtin_cpu_supports("avx2") && request != "scalar";
+  const bool avx512bw = f.avx2 && __builtin_cpu_supports("avx512f") &&
+                        __builtin_cpu_supports("avx512bw");
+  f.avx512 = avx512bw && request == "avx512";
+  f.vbmi = avx512bw && __builtin_cpu_supports("avx512vbmi") && request != "avx2";
+  f.vnni = f.vbmi && __builtin_cpu_supports("avx512vnni");
+  f.f16c = f.avx2 && __builtin_cpu_supports("f16c");
+  f.fma = f.avx2 && __builtin_cpu_supports("fma");
+#endif
+#ifdef TQVEC_NEON
+  f.neon = request != "scalar";
+#endif
+  return f;
+}
+
 }  // namespace
 
-bool simd_avx2() {
-#ifdef TQVEC_X86
-  static const bool avx2 = __builtin_cpu_supports("avx2") && simd_request() != "scalar";
-  return avx2;
-#else
-  return false;
-#endif
-}
-
-bool simd_avx512() {
-#ifdef TQVEC_X86
-  static const bool avx512 = simd_avx2() && __builtin_cpu_supports("avx512f") &&
-                             __builtin_cpu_supports("avx512bw") && simd_request() == "avx512";
-  return avx512;
-#else
-  return false;
-#endif
-}
-
-bool simd_vbmi() {
-#ifdef TQVEC_X86
-  static const bool vbmi = simd_avx2() && __builtin_cpu_supports("avx512f") &&
-                           __builtin_cpu_supports("avx512bw") &&
-                           __builtin_cpu_supports("avx512vbmi") && simd_request() != "avx2";
-  return vbmi;
-#else
-  return false;
-#endif
-}
-
-bool simd_vnni() {
-#ifdef TQVEC_X86
-  static const bool vnni = simd_vbmi() && __builtin_cpu_supports("avx512vnni");
-  return vnni;
-#else
-  return false;
-#endif
-}
-
-bool simd_neon() {
-#ifdef TQVEC_NEON
-  static const bool neon = simd_request() != "scalar";
-  return neon;
-#else
-  return false;
-#endif
-}
-
-bool simd_f16c() {
-#ifdef TQVEC_X86
-  static const bool f16c = simd_avx2() && __builtin_cpu_supports("f16c");
-  return f16c;
-#else
-  return false;
-#endif
-}
-
-bool simd_fma() {
-#ifdef TQVEC_X86
-  static const bool fma = simd_avx2() && __builtin_cpu_supports("fma");
-  return fma;
-#else
-  return false;
-#endif
-}
+const CpuFeatures kCpuFeatures = read_features();
 
 }  // namespace tqvec

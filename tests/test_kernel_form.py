@@ -135,3 +135,40 @@ def test_kv_cache_runs_its_kernels_on_it(monkeypatch):
         assert len(steps) >= decode_steps
         assert (len(compiled) >= decode_steps) == (mode == "auto")
         torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
+
+
+@needs_kernels
+def test_kv_cache_takes_a_dense_rotation_through_the_composition(monkeypatch):
+    """A kernel-form codec without a prepared Hadamard op (TurboQuant with a Haar rotation)
+    still goes through ``ops.attention_step``: its composition rotates with the codec's own
+    rotate / unrotate, the compiled step (which needs a Hadamard rotation) does not run, and
+    the logits are the per-segment path's."""
+    pytest.importorskip("transformers")
+    from tests.test_kv import llama, run
+    from tqvec import kv, ops
+    from tqvec.kv import attention, layer, quant
+    from tqvec.ops import cpu
+
+    real_make = quant.make_quantizer
+
+    def make(kind, dim, bits, *, seed, role, **kw):
+        if kind == "turbo":
+            return quant.CodecQuantizer(TurboQuant(dim, int(bits), seed=seed, rotation="haar",
+                                                   norm_dtype="float16", scale="fit"))
+        return real_make(kind, dim, bits, seed=seed, role=role, **kw)
+
+    monkeypatch.setattr(layer, "make_quantizer", make)
+    model = llama()
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(6))
+    cfg = dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2, calibrate=False)
+    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 10)
+    steps, compiled = [], []
+    real_step, real_np = ops.attention_step, cpu.attention_step_np
+    monkeypatch.setattr(ops, "attention_step", lambda *a, **k: steps.append(1) or real_step(
+        *a, **k))
+    monkeypatch.setattr(cpu, "attention_step_np", lambda *a: compiled.append(1) or real_np(*a))
+    monkeypatch.setattr(attention, "CODES_KERNEL", "auto")
+    got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 10)
+    assert len(steps) >= (24 - 10) * model.config.num_hidden_layers and not compiled
+    torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)

@@ -127,11 +127,12 @@ def test_compiled_step_plans_follow_the_buffers(monkeypatch):
 
 
 @pytest.mark.skipif(not tqvec.ops.has_cpu_kernels(), reason="compiled CPU kernels not built")
-def test_compiled_decode_step_rejects_mismatched_buffers():
+def test_compiled_decode_step_rejects_mismatched_buffers(monkeypatch):
     """A plan the compiled kernel cannot take as stored (another dtype, float32 multipliers)
     runs as the composition; one whose shapes disagree with its rows or the step's is refused
     with the parameter named."""
     from tqvec import ops
+    from tqvec.ops import cpu
     cpu_dev = torch.device("cpu")
     q = make_quantizer("turbo", 16, 3, seed=0, role="keys")
     codes = q.encode_heads(torch.randn(1, 2, 5, 16))
@@ -154,11 +155,18 @@ def test_compiled_decode_step_rejects_mismatched_buffers():
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # rows held by the plan count as rows given to the step
     torch.testing.assert_close(step(plan(sink=(x, x)), qq, exact=()), out)
-    # what the kernel does not take, the composition does
-    for p, exact in ((plan(), ((x.half(), x.half()),)), (plan(mults=fit.float()), ((x, x),)),
-                     (plan(sink=(x, x), dtype=torch.float16), ())):
-        assert p.prepared.get("cpu") is None
-        torch.testing.assert_close(step(p, qq, exact=exact), out, atol=2e-3, rtol=2e-3)
+    # what the kernel does not take, the composition does (the plan's compiled form is made,
+    # or not, and the compiled call does not run)
+    compiled = []
+    real_np = cpu.attention_step_np
+    monkeypatch.setattr(cpu, "attention_step_np", lambda *a: compiled.append(1) or real_np(*a))
+    for p, exact, held in ((plan(), ((x.half(), x.half()),), True),
+                           (plan(mults=fit.float()), ((x, x),), False),
+                           (plan(sink=(x, x), dtype=torch.float16), (), False)):
+        got = step(p, qq, exact=exact)
+        assert not compiled and (p.prepared["cpu"] is not None) == held
+        torch.testing.assert_close(got, out, atol=2e-3, rtol=2e-3)
+    monkeypatch.undo()
     with pytest.raises(ValueError, match=r"dimension \(16\) must equal the queries' \(8\)"):
         step(plan(), torch.randn(2, 4, 8))
     with pytest.raises(ValueError, match="q"):

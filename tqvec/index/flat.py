@@ -682,8 +682,10 @@ def _arrays_in_state(meta: dict, ntotal: int) -> tuple[set[str], set[str]]:
     return {"center"}, {"ipcorr"} if meta.get("center_term", True) else set()
 
 
-def _per_row_from_state(index: FlatIndex, arrays: dict, codes: Codes, ntotal: int
-                        ) -> dict[str, torch.Tensor]:
+def stored_row_terms(index: FlatIndex, arrays: dict, codes: Codes, ntotal: int
+                     ) -> dict[str, torch.Tensor]:
+    """A flat (or graph) index's per-row terms of rows read from a file: the squared norms
+    its metric pairs with the codes, recomputed; a centred inner product's stored correction."""
     per_row = {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
     if index.centered and index.scoring == METRIC_INNER_PRODUCT and index.center_term:
         per_row["ipcorr"] = row_correction(arrays, ntotal, "ipcorr")
@@ -692,4 +694,4 @@ def _per_row_from_state(index: FlatIndex, arrays: dict, codes: Codes, ntotal: in
 
 register_kind("flat", StoredKind(FlatIndex, not_per_row=frozenset({"center"}),
                                  empty=_empty_from_state, arrays=_arrays_in_state,
-                                 per_row=_per_row_from_state))
+                                 per_row=stored_row_terms))

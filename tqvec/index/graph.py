@@ -39,7 +39,7 @@ from .. import _validate as V
 from .. import ops
 from ..codecs.base import Codec
 from ..ops import pages
-from .flat import FlatIndex
+from .flat import FlatIndex, stored_row_terms
 from .metrics import (
     METRIC_COSINE,
     METRIC_INNER_PRODUCT,
@@ -50,7 +50,6 @@ from .metrics import (
 )
 from .rerank import RefineLut
 from .rows import Rows
-from .rowterms import sqnorms_of
 from .scan import metric_terms
 from .state import StoredKind, no_center_or_prefilter, register_kind, rows_state
 
@@ -481,11 +480,6 @@ def _arrays_in_state(meta: dict, ntotal: int) -> tuple[set[str], set[str]]:
     return ({"graph.levels", "graph.base", "graph.upper"} if ntotal else set()), set()
 
 
-def _per_row_from_state(index: GraphIndex, arrays: dict, codes: Any, ntotal: int
-                        ) -> dict[str, torch.Tensor]:
-    return {"sqnorms": sqnorms_of(index.codec, codes, index.scoring, index.device)}
-
-
 def _graph_from_state(index: GraphIndex, meta: dict, arrays: dict, ntotal: int) -> None:
     """Install the stored graph (checked by ``GraphIndex.install_graph``; none for no rows)."""
     if not ntotal:
@@ -506,4 +500,4 @@ def _graph_from_state(index: GraphIndex, meta: dict, arrays: dict, ntotal: int) 
 register_kind("graph", StoredKind(
     GraphIndex, meta=frozenset({"M", "efSearch", "ef_construction", "entry"}),
     not_per_row=frozenset({"graph.upper"}), empty=_empty_from_state, arrays=_arrays_in_state,
-    per_row=_per_row_from_state, finish=_graph_from_state, what="graph"))
+    per_row=stored_row_terms, finish=_graph_from_state, what="graph"))

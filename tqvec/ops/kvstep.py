@@ -28,8 +28,10 @@ __all__ = ["KVSide", "KVCodeSegment", "KVStepPlan", "compose_attention_step",
 @dataclass(frozen=True, eq=False)
 class KVSide:
     """One code side's constants: x_hat = Pi^T (m c[idx]) (``Codec.kernel_form``), then, with a
-    channel scale, x = s x_hat + mu. ``rotation`` is the codec's prepared Hadamard rotation
-    on the plan's device (``ops.HadamardRotate``); ``mu``, ``sc`` (heads, d) float32 or None;
+    channel scale, x = s x_hat + mu. ``rotation`` rotates rows into the codes' domain, and
+    back with ``inverse=True``: the codec's prepared Hadamard op on the plan's device
+    (``ops.HadamardRotate``, which the compiled CPU step needs) or any callable of that form;
+    ``mu``, ``sc`` (heads, d) float32 or None;
     ``norm_table`` (256,) float32 for multipliers stored as 8-bit codes, else None (float16)."""
 
     rotation: Any

@@ -97,11 +97,12 @@ def test_a_codec_without_the_form_is_refused_by_the_graph_with_the_reason():
         GraphIndex(TurboQuant(32, 3, "prod"), 16)
 
 
-@needs_kernels
-def test_kv_cache_runs_its_kernels_on_it(monkeypatch):
-    """With the cache's TurboQuant quantizers swapped for UniformScalar ones, attention runs
-    through ``ops.attention_step`` - its torch reference, and on the CPU the one compiled call
-    per decode step - and both give the per-segment torch composition's logits."""
+def _kv_logits(monkeypatch, codec_of, modes, tokens=30, prefill=12):
+    """A tiny Llama's logits with the cache's "turbo" quantizers replaced by
+    ``CodecQuantizer(codec_of(dim, bits, seed))``: first by the per-segment path, then under
+    each ``CODES_KERNEL`` mode in ``modes``, with the calls of ``ops.attention_step`` and of
+    the compiled CPU step each made. Returns (plain, [(logits, steps, compiled) per mode],
+    decode steps over all layers)."""
     pytest.importorskip("transformers")
     from tests.test_kv import llama, run
     from tqvec import kv, ops
@@ -112,28 +113,41 @@ def test_kv_cache_runs_its_kernels_on_it(monkeypatch):
 
     def make(kind, dim, bits, *, seed, role, **kw):
         if kind == "turbo":
-            return quant.CodecQuantizer(UniformScalar(dim, int(bits), seed=seed,
-                                                      norm_dtype="float16"))
+            return quant.CodecQuantizer(codec_of(dim, int(bits), seed))
         return real_make(kind, dim, bits, seed=seed, role=role, **kw)
 
     monkeypatch.setattr(layer, "make_quantizer", make)
     model = llama()
-    ids = torch.randint(0, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(0, 97, (2, tokens), generator=torch.Generator().manual_seed(4))
     cfg = dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2, calibrate=False)
     monkeypatch.setattr(attention, "CODES_KERNEL", "never")
-    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
+    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), prefill)
     steps, compiled = [], []
     real_step, real_np = ops.attention_step, cpu.attention_step_np
     monkeypatch.setattr(ops, "attention_step", lambda *a, **k: steps.append(1) or real_step(
         *a, **k))
     monkeypatch.setattr(cpu, "attention_step_np", lambda *a: compiled.append(1) or real_np(*a))
-    decode_steps = (30 - 12) * model.config.num_hidden_layers
-    for mode in ("ref", "auto"):
+    out = []
+    for mode in modes:
         monkeypatch.setattr(attention, "CODES_KERNEL", mode)
         steps.clear()
-        got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 12)
-        assert len(steps) >= decode_steps
-        assert (len(compiled) >= decode_steps) == (mode == "auto")
+        compiled.clear()
+        got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), prefill)
+        out.append((got, len(steps), len(compiled)))
+    return plain, out, (tokens - prefill) * model.config.num_hidden_layers
+
+
+@needs_kernels
+def test_kv_cache_runs_its_kernels_on_it(monkeypatch):
+    """With the cache's TurboQuant quantizers swapped for UniformScalar ones, attention runs
+    through ``ops.attention_step`` - its torch reference, and on the CPU the one compiled call
+    per decode step - and both give the per-segment torch composition's logits."""
+    plain, runs, decode_steps = _kv_logits(
+        monkeypatch, lambda d, b, seed: UniformScalar(d, b, seed=seed, norm_dtype="float16"),
+        ("ref", "auto"))
+    for mode, (got, steps, compiled) in zip(("ref", "auto"), runs, strict=True):
+        assert steps >= decode_steps
+        assert (compiled >= decode_steps) == (mode == "auto")
         torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)
 
 
@@ -143,32 +157,9 @@ def test_kv_cache_takes_a_dense_rotation_through_the_composition(monkeypatch):
     still goes through ``ops.attention_step``: its composition rotates with the codec's own
     rotate / unrotate, the compiled step (which needs a Hadamard rotation) does not run, and
     the logits are the per-segment path's."""
-    pytest.importorskip("transformers")
-    from tests.test_kv import llama, run
-    from tqvec import kv, ops
-    from tqvec.kv import attention, layer, quant
-    from tqvec.ops import cpu
-
-    real_make = quant.make_quantizer
-
-    def make(kind, dim, bits, *, seed, role, **kw):
-        if kind == "turbo":
-            return quant.CodecQuantizer(TurboQuant(dim, int(bits), seed=seed, rotation="haar",
-                                                   norm_dtype="float16", scale="fit"))
-        return real_make(kind, dim, bits, seed=seed, role=role, **kw)
-
-    monkeypatch.setattr(layer, "make_quantizer", make)
-    model = llama()
-    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(6))
-    cfg = dict(key_bits=3, value_bits=3, residual_length=3, sink_length=2, calibrate=False)
-    monkeypatch.setattr(attention, "CODES_KERNEL", "never")
-    plain = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 10)
-    steps, compiled = [], []
-    real_step, real_np = ops.attention_step, cpu.attention_step_np
-    monkeypatch.setattr(ops, "attention_step", lambda *a, **k: steps.append(1) or real_step(
-        *a, **k))
-    monkeypatch.setattr(cpu, "attention_step_np", lambda *a: compiled.append(1) or real_np(*a))
-    monkeypatch.setattr(attention, "CODES_KERNEL", "auto")
-    got = run(model, ids, kv.TurboQuantCache(model.config, **cfg), 10)
-    assert len(steps) >= (24 - 10) * model.config.num_hidden_layers and not compiled
+    plain, [(got, steps, compiled)], decode_steps = _kv_logits(
+        monkeypatch, lambda d, b, seed: TurboQuant(d, b, seed=seed, rotation="haar",
+                                                   norm_dtype="float16", scale="fit"),
+        ("auto",), tokens=24, prefill=10)
+    assert steps >= decode_steps and not compiled
     torch.testing.assert_close(got, plain, atol=1e-4, rtol=1e-4)

@@ -303,7 +303,7 @@ def test_fast_scan_matches_lut_scan_reference(backend, b, d, n, nq, k, rng):
     if backend != "ref":  # the exact re-score replays lut_scan's float operations
         torch.testing.assert_close(vc, vr, rtol=1e-4, atol=1e-4)
     if backend == "cpu":  # a refinement's first stage: table scores, nothing re-scored
-        scan = ops.FastScan([blocked], n, [c], [mult], add, [b])
+        scan = ops.FastScan([ops.ScanTerm(blocked, c, mult, b)], n, add)
         va, pa = scan.search([qr], k, approx=True)
         full, fp = ops.lut_scan(qr, packed, c, mult, add, b, n, backend="ref")
         spread = float(vr[torch.isfinite(vr)].abs().max())
@@ -632,8 +632,8 @@ def test_fast_scan_keeps_rows_just_above_the_threshold(b, approx):
     idx = torch.from_numpy(np.tile(rng.integers(0, 1 << b, (1, d)), (n, 1)).astype(np.uint8))
     c = torch.from_numpy(np.sort(rng.standard_normal(1 << b)).astype(np.float32))
     mult = torch.from_numpy((1.0 + 1e-5 * np.arange(n)).astype(np.float32))
-    fs = ops.FastScan([ops.block_codes(ops.pack_bits(idx, b), d, b)], n, [c], [mult],
-                      torch.zeros(n), [b])
+    fs = ops.FastScan([ops.ScanTerm(ops.block_codes(ops.pack_bits(idx, b), d, b), c, mult, b)],
+                      n, torch.zeros(n))
     # queries along +-c[idx] (far from a zero score, which the tables could not resolve)
     sign = np.where(np.arange(13) % 2 == 0, 1.0, -1.0)[:, None]
     qr = torch.from_numpy((sign * (c[idx[0].long()].numpy() + 0.3 * rng.standard_normal(

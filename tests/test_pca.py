@@ -358,12 +358,14 @@ def test_mixed_two_stage_matches_reference(rng):
     with pytest.raises(ValueError, match="first must be"):
         ops.fast_scan_terms_two_stage(qts, blocked, packed[:2], n, cents, mults, add, bits, 1,
                                       50, 10)
+    scan_terms = [ops.ScanTerm(*parts) for parts in zip(blocked, cents, mults, bits, packed,
+                                                        strict=True)]
     with pytest.raises(ValueError, match="first must be"):
-        ops.FastScan(blocked, n, cents, mults, add, bits, first=6, packed=packed)
-    scan = ops.FastScan(blocked, n, cents, mults, add, bits, first=2, packed=packed)
+        ops.FastScan(scan_terms, n, add, first=6)
+    scan = ops.FastScan(scan_terms, n, add, first=2)
     with pytest.raises(ValueError, match="k1 must be"):
         scan.search(qts, 10)
-    if scan.host is not None:  # numpy query terms (strided views too): the same bits
+    if scan.compiled:  # numpy query terms (strided views too): the same bits
         v, p = scan.search(qts, 10, k1=50)
         wide = torch.cat(qts, dim=1).numpy()
         at = np.cumsum([0] + [t.shape[1] for t in qts])

@@ -98,7 +98,7 @@ def test_fast_scan_scalar_path_equals_simd_path(tmp_path):
         "    out += [t.numpy() for t in ops.ivf_fast_scan(qr, bl, c, m2, a2, lb, probes, off,\n"
         "                                                 b, 10)]\n"
         "    # the approximate scans return the table scores: the totals themselves, bit for bit\n"
-        "    fs = ops.FastScan([bl], n, [c], [mult], add, [b])\n"
+        "    fs = ops.FastScan([ops.ScanTerm(bl, c, mult, b)], n, add)\n"
         "    for qq in (qr, qr[:1]):\n"
         "        out += [t.numpy() for t in fs.search([qq], 10, approx=True)]\n"
         "    out += [t.numpy() for t in ops.ivf_fast_scan(qr, bl, c, m2, a2, lb, probes, off,\n"

@@ -383,7 +383,7 @@ class FlatIndex(CodesIndex):
             self._layout = self._layout.lay_out("terms", [(t.packed, t.d, t.bits) for t in tail],
                                                 n, start)
             blocked = self._layout.blocks
-            scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
+            scan.scanner = ops.FastScan(scan.scan_terms(blocked), n, add,
                                         self.codec.backend)
             rows.release(self._layout)
         elif fast and self._prefilter and not first:
@@ -406,11 +406,11 @@ class FlatIndex(CodesIndex):
                          * (float(term.centroids[1]) ** 2 * term.d)).contiguous()
             mult1, _ = metric_terms([first_term], n, self._scoring, rows.term("sqnorms", dev),
                                     rows.term("ipcorr", dev), dev)
-            scan.signs = ops.FastScan([signs], n, [term.centroids.float().contiguous()],
-                                      mults[:1], add, [1], self.codec.backend,
-                                      full=(scan.packed[0], scan.bits[0], scan.cents[0]),
-                                      add1=add1, mult1=None if torch.equal(mult1[0], mults[0])
-                                      else mult1[0])
+            full = ops.FullCodes(scan.packed[0], scan.bits[0], scan.cents[0], add1,
+                                 None if torch.equal(mult1[0], mults[0]) else mult1[0])
+            scan.signs = ops.FastScan(
+                [ops.ScanTerm(signs, term.centroids.float().contiguous(), mults[0], 1)], n, add,
+                self.codec.backend, full=full)
         elif fast:
             start = self._layout.start("terms")
             self._layout = self._layout.lay_out("terms", [(t.packed[start:], t.d, t.bits)
@@ -418,9 +418,9 @@ class FlatIndex(CodesIndex):
             blocked = self._layout.blocks
             # a prefilter over several terms: the leading ones first, then every term of
             # the shortlist from the packed codes
-            scan.scanner = ops.FastScan(blocked, n, scan.cents, mults, add, scan.bits,
-                                        self.codec.backend,
-                                        packed=scan.packed if first else None, first=first)
+            scan.scanner = ops.FastScan(
+                scan.scan_terms(blocked, scan.packed if first else None), n, add,
+                self.codec.backend, first=first)
         if fast:
             scan.fused = self._fused(scan)
             scan.mapped = self._one_call_mapped(scan)
@@ -695,3 +695,4 @@ def stored_row_terms(index: FlatIndex, arrays: dict, codes: Codes, ntotal: int
 register_kind("flat", StoredKind(FlatIndex, not_per_row=frozenset({"center"}),
                                  empty=_empty_from_state, arrays=_arrays_in_state,
                                  per_row=stored_row_terms))
+

@@ -16,27 +16,9 @@ from .. import ops
 
 __all__ = ["FlatSearch", "TermsSearch", "IVFSearch"]
 
-def _code_refinement(ref_codes: tuple | None) -> dict | None:
-    """The compiled searchers' ``refine_codes`` from ``ref_codes`` = (rotate, packed, b,
-    centroids, mult, add); None for no such refinement. Raises LookupError where the rotation
-    is not a compiled Hadamard one."""
-    if ref_codes is None:
-        return None
-    rot, packed, b, cents, mult, add = ref_codes
-    if rot.host is None:
-        raise LookupError("the refinement's rotation has no compiled form")
-    perms, signs = rot.host
 
-    def as_np(t: Any, dt: Any) -> np.ndarray:
-        return np.ascontiguousarray(t.numpy() if isinstance(t, torch.Tensor) else t, dt)
-
-    return dict(rotation=(perms, signs, int(rot.p)), packed=as_np(packed, np.uint8), bits=int(b),
-                centroids=as_np(cents, np.float32), mult=as_np(mult, np.float32),
-                add=as_np(add, np.float32))
-
-
-def _optional(x: Any) -> np.ndarray | None:
-    return None if x is None else np.ascontiguousarray(x, np.float32)
+def _refinement(ref_codes: tuple | None) -> ops.CodeRefinement | None:
+    return None if ref_codes is None else ops.CodeRefinement(*ref_codes)
 
 
 class FlatSearch:
@@ -61,25 +43,9 @@ class FlatSearch:
         the scan ranks by its tables alone (``rescore_topk`` / ``lut_rescore``; no prefilter)."""
         if metric not in ops.RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
-        if rotate.host is None or scan.host is None or len(scan.bits) != 1 or scan.n == 0:
-            return None
-        try:
-            refine_codes = _code_refinement(ref_codes)
-        except LookupError:
-            return None
-        perms, signs = rotate.host
-        h = scan.host
-        prefilter_arg = None
-        if h.full is not None:
-            packed, bfull, cfull, add1, mult1 = h.full
-            prefilter_arg = dict(keep=int(prefilter), packed=packed, bits=int(bfull),
-                                 centroids=cfull, first_add=add1, first_mult=mult1)
-        searcher = ops.compiled_flat_searcher(
-            rotation=(perms, signs, rotate.p), blocked=h.blocked[0], n=scan.n,
-            bits=scan.bits[0], centroids=h.centroids[0], mult=h.mults[0], add=h.add,
-            ids=np.ascontiguousarray(ids, np.int64), metric=ops.RESCORE_METRICS.index(metric),
-            prefilter=prefilter_arg, center=_optional(center), normalize=bool(normalize),
-            ip_center=_optional(ip_center), refine_x=_optional(ref_x), refine_codes=refine_codes)
+        args = ops.FlatSearchArgs(rotate, scan, ids, metric, int(prefilter), center,
+                                  bool(normalize), ip_center, ref_x, _refinement(ref_codes))
+        searcher = ops.prepare("flat_search_fused", args, scan.device, scan.backend)
         return None if searcher is None else cls(searcher)
 
     def search(self, q: np.ndarray, k: int, k_factor: int = 1
@@ -115,16 +81,9 @@ class TermsSearch:
                 ) -> TermsSearch | None:
         if metric not in ops.RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
-        h = scan.host
-        if h is None or scan.n == 0 or (scan.first and prefilter < 1):
-            return None
-        searcher = ops.compiled_terms_searcher(
-            W=np.ascontiguousarray(W.numpy(), np.float32), cols=[sl.start for sl in slices],
-            blocked=h.blocked, centroids=h.centroids, mults=h.mults, bits=list(scan.bits),
-            n=scan.n, add=h.add, ids=np.ascontiguousarray(ids, np.int64),
-            metric=ops.RESCORE_METRICS.index(metric), nfirst=int(scan.first),
-            prefilter=int(prefilter), packed=list(h.packed or []), center=_optional(center),
-            normalize=bool(normalize), ip_center=_optional(ip_center))
+        args = ops.TermsSearchArgs(W, list(slices), scan, ids, metric, int(prefilter), center,
+                                   bool(normalize), ip_center)
+        searcher = ops.prepare("terms_search_fused", args, scan.device, scan.backend)
         return None if searcher is None else cls(searcher)
 
     def search(self, q: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -158,24 +117,11 @@ class IVFSearch:
         add) TurboQuant-mse codes (``FlatSearch.prepare``'s): the refinement, or neither."""
         if metric not in ops.RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
-        if probe.host is None or rotate.host is None or scan.host is None:
-            return None
         if probe.l2 != (metric != "ip"):
             raise ValueError("probe.l2 must be True exactly for the l2 and cosine metrics")
-        try:
-            refine_codes = _code_refinement(ref_codes)
-        except LookupError:
-            return None
-        cen, csq = probe.host
-        perms, signs = rotate.host
-        blocked, codebook, mult, add, list_blocks = scan.host
-        searcher = ops.compiled_ivf_searcher(
-            centroids=cen, centroid_norms=csq, rotation=(perms, signs, rotate.p), blocked=blocked,
-            bits=scan.b, codebook=codebook, mult=mult, add=add, list_blocks=list_blocks,
-            pos=np.ascontiguousarray(pos, np.int64), ids=np.ascontiguousarray(ids, np.int64),
-            metric=ops.RESCORE_METRICS.index(metric),
-            refine_x=None if ref is None else ref.to(torch.float32).contiguous().numpy(),
-            refine_codes=refine_codes)
+        args = ops.IVFSearchArgs(probe, rotate, scan, pos, ids, metric, ref,
+                                 _refinement(ref_codes))
+        searcher = ops.prepare("ivf_search_fused", args, scan.device, scan.backend)
         return None if searcher is None else cls(searcher)
 
     def search(self, q: np.ndarray, nprobe: int, kk: int, k: int

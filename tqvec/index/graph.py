@@ -355,22 +355,17 @@ class GraphIndex(FlatIndex):
         one[0, 0] = g.entry
         entry = dict(zip(("entry_codes", "entry_mult", "entry_add"),
                          _lay_out(one, packed, mult, add, term.d, term.bits), strict=True))
-        whole: dict[str, Any] = {}
-        rotate = self.codec.query_rotation()
-        # the whole search in one call: a Hadamard rotation on the CPU, exact vectors or no
-        # refinement (finer codes re-rank through the composition)
-        if rotate is not None and rotate.host is not None and self.refine in (None, "flat"):
-            ref_x = rows.ref.numpy() if self.refine == "flat" else None
-            whole = dict(rotation=(*rotate.host, rotate.p), ids=rows.ids.numpy(),
-                         metric=ops.RESCORE_METRICS.index(metric_name(self._scoring)),
-                         normalize=self.metric_type == METRIC_COSINE, refine_x=ref_x)
-        searcher = ops.compiled_graph_searcher(
-            **arrays, n=rows.n, d=term.d, bits=term.bits,
-            centroids=term.centroids.to(torch.float32).contiguous(), entry=g.entry, **entry,
-            **whole)
+        # the whole search in one call where the rotation runs on the compiled kernel, with
+        # exact vectors or no refinement (finer codes re-rank through the composition)
+        rotate = self.codec.query_rotation() if self.refine in (None, "flat") else None
+        args = ops.GraphSearchArgs(
+            arrays, entry, rows.n, term.d, term.bits, term.centroids, g.entry, rotate,
+            rows.ids.numpy(), metric_name(self._scoring), self.metric_type == METRIC_COSINE,
+            rows.ref.numpy() if self.refine == "flat" and rotate is not None else None)
+        kernel = ops.prepare("graph_search", args, torch.device("cpu"), "cpu")
         self._hnsw = None  # the adjacency is in self._graph; an add restores faiss's index
-        return GraphSnapshot(rows.snapshot(), searcher, self._refine_lut(),
-                             [*arrays.values(), list(entry.values())], bool(whole))
+        return GraphSnapshot(rows.snapshot(), kernel.searcher, self._refine_lut(),
+                             [*arrays.values(), list(entry.values())], kernel.whole)
 
     def _fused_search(self, x: Any, snap: GraphSnapshot, k: int
                       ) -> tuple[np.ndarray, np.ndarray] | None:

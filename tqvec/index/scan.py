@@ -44,6 +44,14 @@ class FlatScan:
         """Whether the CPU fast-scan kernels scan these rows."""
         return self.scanner is not None or self.signs is not None
 
+    def scan_terms(self, blocked: list[torch.Tensor],
+                   packed: list[torch.Tensor] | None = None) -> list[ops.ScanTerm]:
+        """These terms for ``ops.FastScan`` over their fast-scan layout ``blocked``, with the
+        ``packed`` rows a first pass over several terms re-scores from."""
+        packed = packed or [None] * len(blocked)
+        return [ops.ScanTerm(b, c, m, bits, p) for b, c, m, bits, p in
+                zip(blocked, self.cents, self.mults, self.bits, packed, strict=True)]
+
 
 def metric_terms(terms: list[LutTerm], n: int, scoring: int, sqnorms: torch.Tensor,
                  ipcorr: torch.Tensor, device: torch.device

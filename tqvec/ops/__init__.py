@@ -1,14 +1,11 @@
 """Ops: one meaning (``ref.py``), several implementations (``cpu.py``, ``cuda.py``), chosen
 per call by ``dispatch.pick`` from the table ``dispatch.OPS``. Inputs are made contiguous
-here; kernels validate nothing. Prepared ops (``HadamardRotate``, ``FastScan``,
-``IVFFastScan``, ``IVFProbe``) settle their checks, kernel and arrays once for many calls;
-``host`` holds the numpy views the compiled CPU kernel reads (None on other backends).
+here; kernels validate nothing. Prepared ops (``prepared.py``: ``HadamardRotate``,
+``FastScan``, ``IVFFastScan``, ``IVFProbe`` and the fused searches' argument structs) settle
+their checks, kernel and arrays once for many calls, through rows of the same table.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -17,6 +14,21 @@ from . import cpu as _cpu
 from . import ref as _ref
 from .dispatch import BACKENDS, OPS, available_backends, compiled_cpu, pick
 from .kvstep import KVCodeSegment, KVSide, KVStepPlan
+from .prepared import (
+    MAX_SCAN_TERMS,
+    CodeRefinement,
+    FastScan,
+    FlatSearchArgs,
+    FullCodes,
+    GraphSearchArgs,
+    HadamardRotate,
+    IVFFastScan,
+    IVFProbe,
+    IVFSearchArgs,
+    ScanTerm,
+    TermsSearchArgs,
+    prepare,
+)
 from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
@@ -28,8 +40,9 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "IVFFastScan", "ivf_probe", "IVFProbe", "rescore_topk", "rescore_topk_np",
            "row_sqnorms", "row_dots", "row_project", "decode_attention", "row_bytes",
            "fast_scan_row_bytes", "FAST_SCAN_BITS", "MAX_SCAN_TERMS", "RESCORE_METRICS",
-           "compiled_flat_searcher", "compiled_terms_searcher", "compiled_ivf_searcher",
-           "compiled_graph_searcher", "attention_step", "KVSide", "KVCodeSegment", "KVStepPlan",
+           "prepare", "ScanTerm", "FullCodes", "CodeRefinement", "FlatSearchArgs",
+           "TermsSearchArgs", "IVFSearchArgs", "GraphSearchArgs", "attention_step", "KVSide",
+           "KVCodeSegment", "KVStepPlan",
            "threads", "simd_path", "has_cpu_kernels"]
 
 
@@ -102,24 +115,6 @@ def hadamard_rotate(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p
     return f(x.contiguous(), perms.contiguous(), signs.contiguous(), p, inverse)
 
 
-class HadamardRotate:
-    """``hadamard_rotate`` with fixed permutations and signs, prepared once: on the compiled
-    CPU kernel their numpy views are made here, so rotating one query is one kernel call (the
-    per-call conversions and dispatch cost 3x the rotation of a 384-vector)."""
-
-    def __init__(self, perms: torch.Tensor, signs: torch.Tensor, p: int, backend: str = "auto"):
-        self.perms, self.signs = perms.contiguous(), signs.contiguous()
-        self.p, self.backend = int(p), backend
-        self.host: tuple[np.ndarray, np.ndarray] | None = None  # (perms, signs)
-        if compiled_cpu("hadamard_rotate", self.perms.device, backend):
-            self.host = (self.perms.numpy(), self.signs.numpy())
-
-    def __call__(self, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        if self.host is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return _cpu.hadamard_rotate_np(x.contiguous(), *self.host, self.p, inverse)
-        return hadamard_rotate(x, self.perms, self.signs, self.p, inverse, self.backend)
-
-
 def lut_scan(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
              add: torch.Tensor, b: int, k: int, backend: str = "auto"
              ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -185,10 +180,6 @@ def fast_scan(qr: torch.Tensor, blocked: torch.Tensor, n: int, centroids: torch.
         mult.contiguous(), add.contiguous(), b, k)
 
 
-#: Code terms one fast scan sums per row (csrc/cpu/fastscan/terms.h kMaxTerms).
-MAX_SCAN_TERMS = 8
-
-
 def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: list[int]) -> None:
     if not 1 <= nt <= MAX_SCAN_TERMS or not (len(blocked) == len(centroids) == len(mults)
                                              == len(bits) == nt):
@@ -198,144 +189,6 @@ def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: lis
     for b in bits:
         if b not in FAST_SCAN_BITS:
             raise ValueError(f"bits must be in {list(FAST_SCAN_BITS)} for fast_scan_terms, got {b}")
-
-
-def _host_array(q: torch.Tensor | np.ndarray) -> np.ndarray:
-    """A query term as the compiled kernel reads it: contiguous float32 numpy."""
-    if isinstance(q, np.ndarray):
-        return np.ascontiguousarray(q, dtype=np.float32)
-    return q.contiguous().numpy()
-
-
-@dataclass(frozen=True)
-class FastScanHost:
-    """``FastScan``'s arrays as the compiled CPU kernel reads them: per term the blocked codes,
-    centroids and multipliers; the row offsets; a two-stage scan's full codes (packed, b,
-    centroids, first-pass offsets, first-pass multipliers or None) or several-term scan's packed
-    rows."""
-
-    blocked: list[np.ndarray]
-    centroids: list[np.ndarray]
-    mults: list[np.ndarray]
-    add: np.ndarray
-    full: tuple[np.ndarray, int, np.ndarray, np.ndarray, np.ndarray | None] | None
-    packed: list[np.ndarray] | None
-
-
-class FastScan:
-    """``fast_scan_terms`` over fixed codes, prepared once: the checks, the kernel choice and
-    the arrays the CPU kernel reads are settled here, so that a search pays only for its
-    queries (a one-query search on the compiled kernel is one call). The index keeps one per
-    state of its rows; the arrays must not change while it is in use.
-
-    ``search(qrs, k, add=None) -> (vals, pos)`` as ``fast_scan_terms``; ``add`` replaces the
-    prepared offsets for one search (e.g. -inf outside an allowed set). ``approx=True`` lets the
-    compiled one-term kernel rank by its 8-bit tables and return those scores, re-scoring
-    nothing exactly (for a first stage that a refinement re-ranks); elsewhere it is exact.
-
-    ``full=(packed, b, centroids)`` makes it two-stage (``fast_scan_two_stage``): the one term
-    is then the sign plane of those b-bit codes (row offsets ``add1``, default ``add``; per-row
-    multipliers ``mult1``, default the term's), and ``search(..., k1=...)`` re-scores its k1
-    best rows with the full codes.
-
-    ``first=f`` with ``packed`` (each term's (n, ceil(d_t b_t / 8)) rows) makes a several-term
-    scan two-stage (``fast_scan_terms_two_stage``): the k1 best rows by the first f terms,
-    re-scored with every term.
-
-    ``search`` takes the query terms as tensors, or - where the compiled CPU kernel holds the
-    scan (``host``) - as float32 numpy arrays, which reach it without a conversion per term (a
-    one-query search's glue costs as much as a large part of its scan)."""
-
-    def __init__(self, blocked: list[torch.Tensor], n: int, centroids: list[torch.Tensor],
-                 mults: list[torch.Tensor], add: torch.Tensor, bits: list[int],
-                 backend: str = "auto",
-                 full: tuple[torch.Tensor, int, torch.Tensor] | None = None,
-                 add1: torch.Tensor | None = None,
-                 packed: list[torch.Tensor] | None = None, first: int = 0,
-                 mult1: torch.Tensor | None = None):
-        _check_terms(len(blocked), blocked, centroids, mults, bits)
-        if full is not None and bits != [1]:
-            raise ValueError(f"a two-stage scan needs one 1-bit term (the signs), got bits {bits}")
-        self.first = int(first)
-        if self.first and not (1 <= self.first <= len(blocked) and packed is not None
-                               and len(packed) == len(blocked) and full is None):
-            raise ValueError(f"first must be 0, or 1 to {len(blocked)} (the terms) with packed "
-                             f"codes for every term, got first={first}")
-        self.packed = None if not self.first else [t.contiguous() for t in packed]
-        self.n, self.bits, self.backend = int(n), [int(b) for b in bits], backend
-        self.blocked = [t.contiguous() for t in blocked]
-        self.centroids = [t.contiguous() for t in centroids]
-        self.mults = [t.contiguous() for t in mults]
-        self.add = add.contiguous()
-        self.full = None if full is None else (full[0].contiguous(), int(full[1]),
-                                               full[2].contiguous())
-        self.add1 = (self.add if add1 is None else add1.contiguous())
-        self.mult1 = None if mult1 is None else mult1.contiguous()
-        name = ("fast_scan_two_stage" if full is not None
-                else "fast_scan_terms_two_stage" if self.first
-                else "fast_scan" if len(blocked) == 1 else "fast_scan_terms")
-        # the compiled CPU kernel, called on numpy views made once (~1 us each per call)
-        self.host: FastScanHost | None = None
-        if compiled_cpu(name, self.add.device, backend):
-            self.host = FastScanHost(
-                [t.numpy() for t in self.blocked], [t.numpy() for t in self.centroids],
-                [t.numpy() for t in self.mults], self.add.numpy(),
-                None if self.full is None else (
-                    self.full[0].numpy(), self.full[1], self.full[2].numpy(),
-                    self.add1.numpy(), None if self.mult1 is None else self.mult1.numpy()),
-                [t.numpy() for t in self.packed] if self.first else None)
-
-    def search(self, qrs: list[torch.Tensor] | list[np.ndarray], k: int,
-               add: torch.Tensor | None = None, k1: int | None = None, approx: bool = False
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if len(qrs) != len(self.bits):
-            raise ValueError(f"qrs must hold {len(self.bits)} query terms, got {len(qrs)}")
-        on_host = self.host is not None and (isinstance(qrs[0], np.ndarray)
-                                             or qrs[0].device.type == "cpu")
-        if not on_host and isinstance(qrs[0], np.ndarray):
-            raise TypeError("qrs must be torch tensors where the compiled CPU kernel does not "
-                            "hold the scan, got numpy arrays")
-        if (self.full is not None or self.first) and (k1 is None or k1 < 1):
-            raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
-        if k1 is not None:
-            k1 = min(int(k1), max(self.n, 1))  # more candidates than rows: every row
-        if self.full is not None:
-            add1 = None  # an override excludes its -inf rows from the first stage too
-            if add is not None:
-                add = add.contiguous()
-                add1 = torch.where(torch.isinf(add) & (add < 0), add, self.add1)
-            if on_host:
-                h = self.host
-                packed, b, full_c, add1_np, mult1_np = h.full
-                vals, pos = _cpu.fast_scan_two_stage_np(
-                    _host_array(qrs[0]), h.blocked[0], self.n, h.centroids[0], packed, b,
-                    full_c, h.mults[0], h.add if add is None else add.numpy(),
-                    add1_np if add1 is None else add1.numpy(), int(k1), int(k), mult1_np)
-                return torch.from_numpy(vals), torch.from_numpy(pos)
-            return fast_scan_two_stage(qrs[0], self.blocked[0], self.n, self.centroids[0],
-                                       *self.full, self.mults[0],
-                                       self.add if add is None else add,
-                                       self.add1 if add1 is None else add1, k1, k, self.backend,
-                                       mult1=self.mult1)
-        if on_host:
-            h = self.host
-            vals, pos = _cpu.fast_scan_np([_host_array(q) for q in qrs], h.blocked,
-                                          self.n, h.centroids, h.mults,
-                                          h.add if add is None else add.contiguous().numpy(),
-                                          self.bits, int(k), approx, packed=h.packed,
-                                          first=self.first, k1=int(k1 or 0))
-            return torch.from_numpy(vals), torch.from_numpy(pos)
-        add = self.add if add is None else add
-        if self.first:
-            return fast_scan_terms_two_stage(qrs, self.blocked, self.packed, self.n,
-                                             self.centroids, self.mults, add, self.bits,
-                                             self.first, k1, k, self.backend)
-        if len(qrs) == 1:
-            return fast_scan(qrs[0], self.blocked[0], self.n, self.centroids[0], self.mults[0],
-                             add, self.bits[0], k, self.backend)
-        return pick("fast_scan_terms", qrs[0].device, self.backend)(
-            [t.contiguous() for t in qrs], self.blocked, self.n, self.centroids, self.mults,
-            add.contiguous(), self.bits, k)
 
 
 def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
@@ -365,7 +218,9 @@ def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int
     batches several queries per pass). See ``ref.fast_scan_terms_ref``; ``FastScan`` prepares
     the codes once for many searches."""
     _check_terms(len(qrs), blocked, centroids, mults, bits)
-    return FastScan(blocked, n, centroids, mults, add, bits, backend).search(qrs, k)
+    terms = [ScanTerm(t, c, m, int(b)) for t, c, m, b in zip(blocked, centroids, mults, bits,
+                                                               strict=True)]
+    return FastScan(terms, n, add, backend).search(qrs, k)
 
 
 def fast_scan_terms_two_stage(qrs: list[torch.Tensor], blocked: list[torch.Tensor],
@@ -408,47 +263,6 @@ def ivf_fast_scan(qr: torch.Tensor, blocked: torch.Tensor, centroids: torch.Tens
         approx)
 
 
-class IVFFastScan:
-    """``ivf_fast_scan`` over fixed inverted lists, prepared once like ``FastScan``: on the
-    compiled CPU kernel the lists' numpy views are made here, so a one-query search is one
-    kernel call. ``search(qr, probes, offsets, k, add=None) -> (vals, pos)`` takes and returns
-    numpy arrays (float32 qr, int64 probes, float32 offsets) — the IVF index computes its
-    probes in numpy —, ``add`` replaces the prepared row offsets for one search, ``approx`` as
-    in ``ivf_fast_scan``."""
-
-    def __init__(self, blocked: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
-                 add: torch.Tensor, list_blocks: torch.Tensor, b: int, backend: str = "auto"):
-        if b not in FAST_SCAN_BITS:
-            raise ValueError(f"b must be one of {list(FAST_SCAN_BITS)} for ivf_fast_scan, "
-                             f"got {b}")
-        self.blocked, self.centroids = blocked.contiguous(), centroids.float().contiguous()
-        self.mult, self.add = mult.float().contiguous(), add.float().contiguous()
-        self.list_blocks = list_blocks.to(torch.int64).contiguous()
-        self.b, self.backend = int(b), backend
-        # (blocked, centroids, mult, add, list_blocks) for the compiled kernel
-        self.host: tuple[np.ndarray, ...] | None = None
-        if compiled_cpu("ivf_fast_scan", self.add.device, backend):
-            self.host = _cpu.host_views(self.blocked, self.centroids, self.mult, self.add,
-                                        self.list_blocks)
-
-    def search(self, qr: np.ndarray, probes: np.ndarray, offsets: np.ndarray, k: int,
-               add: torch.Tensor | None = None, approx: bool = False
-               ) -> tuple[np.ndarray, np.ndarray]:
-        if self.host is not None:
-            blocked, cents, mult, add_np, lb = self.host
-            return _cpu.ivf_fast_scan_np(
-                np.ascontiguousarray(qr, np.float32), blocked, cents, mult,
-                add_np if add is None else add.float().contiguous().numpy(), lb,
-                np.ascontiguousarray(probes, np.int64),
-                np.ascontiguousarray(offsets, np.float32), self.b, int(k), approx)
-        vals, pos = ivf_fast_scan(torch.from_numpy(np.asarray(qr, np.float32)), self.blocked,
-                                  self.centroids, self.mult, self.add if add is None else add,
-                                  self.list_blocks, torch.from_numpy(np.asarray(probes)),
-                                  torch.from_numpy(np.asarray(offsets)), self.b, k,
-                                  self.backend, approx)
-        return vals.cpu().numpy(), pos.cpu().numpy()
-
-
 def ivf_probe(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
               nprobe: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """(probes (nq, nprobe) int64, scores float32): each query's nprobe best lists, best first;
@@ -460,30 +274,6 @@ def ivf_probe(q: torch.Tensor, centroids: torch.Tensor, csq: torch.Tensor, l2: b
     return pick("ivf_probe", q.device, backend)(
         q.to(torch.float32).contiguous(), centroids.to(torch.float32).contiguous(),
         csq.to(torch.float32).contiguous(), bool(l2), int(nprobe))
-
-
-class IVFProbe:
-    """``ivf_probe`` against fixed centroids, prepared once (their numpy views on the compiled
-    kernel): ``probe(q, nprobe) -> (probes, scores)`` on float32 numpy queries, a one-query
-    probe one kernel call (the per-call dispatch and conversions cost as much as the kernel's
-    ~20 us at nlist 256, d 784)."""
-
-    def __init__(self, centroids: torch.Tensor, csq: torch.Tensor, l2: bool,
-                 backend: str = "auto"):
-        self.centroids = centroids.to(torch.float32).contiguous()
-        self.csq = csq.to(torch.float32).contiguous()
-        self.l2, self.backend = bool(l2), backend
-        self.host: tuple[np.ndarray, np.ndarray] | None = None  # (centroids, csq)
-        if compiled_cpu("ivf_probe", self.centroids.device, backend):
-            self.host = (self.centroids.numpy(), self.csq.numpy())
-
-    def probe(self, q: np.ndarray, nprobe: int) -> tuple[np.ndarray, np.ndarray]:
-        if self.host is not None and 1 <= nprobe <= self.centroids.shape[0]:
-            return _cpu.ivf_probe_np(np.ascontiguousarray(q, np.float32), *self.host, self.l2,
-                                     int(nprobe))
-        probes, scores = ivf_probe(torch.from_numpy(np.asarray(q, np.float32)), self.centroids,
-                                   self.csq, self.l2, nprobe, self.backend)
-        return probes.cpu().numpy(), scores.cpu().numpy()
 
 
 RESCORE_METRICS = ("ip", "l2", "cosine")
@@ -511,29 +301,6 @@ def simd_path() -> str:
     ``TQVEC_SIMD=avx2`` keeps every scan on AVX2. The variable is read once per process; every
     path gives the same bits."""
     return _cpu.simd_path()
-
-
-def compiled_flat_searcher(**args: Any) -> Any | None:
-    """The compiled one-call flat search over prepared arrays (``tqvec.index.fused``; keyword
-    arguments as ``ops.cpu.flat_searcher`` takes them), or None without ``tqvec._C``."""
-    return _cpu.flat_searcher(**args) if _cpu.available() else None
-
-
-def compiled_terms_searcher(**args: Any) -> Any | None:
-    """The compiled one-call search over several terms from one query product
-    (``tqvec.index.fused.TermsSearch``), as ``compiled_flat_searcher``."""
-    return _cpu.terms_searcher(**args) if _cpu.available() else None
-
-
-def compiled_ivf_searcher(**args: Any) -> Any | None:
-    """The compiled one-call IVF search, as ``compiled_flat_searcher``."""
-    return _cpu.ivf_searcher(**args) if _cpu.available() else None
-
-
-def compiled_graph_searcher(**args: Any) -> Any | None:
-    """The compiled graph search over a graph's layers (``tqvec.index.graph``; keyword
-    arguments as ``ops.cpu.graph_searcher`` takes them), or None without ``tqvec._C``."""
-    return _cpu.graph_searcher(**args) if _cpu.available() else None
 
 
 def row_sqnorms(x: torch.Tensor, backend: str = "auto") -> torch.Tensor:

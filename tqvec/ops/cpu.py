@@ -17,8 +17,8 @@ except ImportError as e:  # pragma: no cover - exercised only on broken installs
 else:
     IMPORT_ERROR = None
 
-__all__ = ["available", "threads", "simd_path", "host_views", "flat_searcher",
-           "ivf_searcher",
+__all__ = ["available", "threads", "simd_path", "host_views", "compiled", "rotation",
+           "code_refinement", "RotateKernel",
            "RESCORE_METRIC_CODES", "pack_bits_cpu", "unpack_bits_cpu", "quantize_pack_cpu",
            "centroid_stats_cpu",
            "hadamard_rotate_cpu", "hadamard_rotate_np", "lut_scan_cpu", "lut_rescore_cpu",
@@ -130,6 +130,21 @@ def hadamard_rotate_np(x: torch.Tensor, perms: np.ndarray, signs: np.ndarray, p:
 def hadamard_rotate_cpu(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tensor, p: int,
                         inverse: bool = False) -> torch.Tensor:
     return hadamard_rotate_np(x, perms.numpy(), signs.numpy(), p, inverse)
+
+
+class RotateKernel:
+    """A prepared Hadamard rotation on the compiled kernel (``ops.HadamardRotate``'s runner):
+    its permutations and signs as numpy, so that rotating float32 rows is one kernel call."""
+
+    compiled = True
+
+    def __init__(self, perms: np.ndarray, signs: np.ndarray, p: int):
+        self.perms, self.signs, self.p = perms, signs, int(p)
+
+    def __call__(self, x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            x = x.float()
+        return hadamard_rotate_np(x.contiguous(), self.perms, self.signs, self.p, inverse)
 
 
 def lut_scan_cpu(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Tensor,
@@ -339,12 +354,12 @@ def _make_compiled_plan(plan: KVStepPlan) -> object | None:
     for seg in plan.segments:
         for side, codes, mults in ((seg.key, seg.key_codes, seg.key_mults),
                                    (seg.value, seg.value_codes, seg.value_mults)):
-            rot = side.rotation
+            rot = getattr(side.rotation, "runner", None)
             stored = torch.uint8 if side.norm_table is not None else torch.float16
-            if getattr(rot, "host", None) is None or codes.device.type != "cpu" or \
+            if not isinstance(rot, RotateKernel) or codes.device.type != "cpu" or \
                     mults.dtype != stored:
                 return None
-            sides.append(kv_side(rotation=(*rot.host, rot.p), bits=side.bits,
+            sides.append(kv_side(rotation=(rot.perms, rot.signs, rot.p), bits=side.bits,
                                  centroids=side.centroids, mu=side.mu, sc=side.sc,
                                  norm_table=side.norm_table))
             packed.append(codes.numpy())
@@ -429,39 +444,21 @@ def rescore_topk_cpu(q: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, metri
     return torch.from_numpy(vals), torch.from_numpy(idx)
 
 
-def _code_refinement(parts: dict | None) -> object:
+def compiled() -> object:
+    """The compiled module (``tqvec._C``) for the prepared ops' factories
+    (``prepared_cpu``)."""
+    return _C
+
+
+def rotation(parts: tuple) -> object:
+    """A Hadamard rotation's (perms, signs, p) numpy parts as the kernels' ``Rotation``."""
+    return _C.Rotation(*parts)
+
+
+def code_refinement(parts: dict | None) -> object:
+    """The compiled searchers' ``CodeRefinement`` from its keyword parts (its rotation a
+    (perms, signs, p) tuple), or None."""
     if parts is None:
         return None
     parts = dict(parts)
-    return _C.CodeRefinement(rotation=_C.Rotation(*parts.pop("rotation")), **parts)
-
-
-def flat_searcher(*, rotation: tuple, prefilter: dict | None = None,
-                  refine_codes: dict | None = None, **args: object) -> object:
-    """The one-call flat search (csrc/cpu/search.cpp ``flat_search``; its keyword arguments:
-    csrc/cpu/bind/searchers.cpp) over prepared arrays: ``rotation`` = (perms, signs, p),
-    ``prefilter`` and ``refine_codes`` the keywords of ``Prefilter`` / ``CodeRefinement`` (the
-    latter's rotation a tuple too), as ``tqvec.index.fused.FlatSearch.prepare`` assembles them."""
-    return _C.FlatSearcher(rotation=_C.Rotation(*rotation),
-                           prefilter=None if prefilter is None else _C.Prefilter(**prefilter),
-                           refine_codes=_code_refinement(refine_codes), **args)
-
-
-def terms_searcher(**args: object) -> object:
-    """The one-call search of a flat index over several terms from one query product
-    (``terms_search``; keyword arguments: csrc/cpu/bind/searchers.cpp ``TermsSearcher``)."""
-    return _C.TermsSearcher(**args)
-
-
-def ivf_searcher(*, rotation: tuple, refine_codes: dict | None = None, **args: object) -> object:
-    """The one-call IVF search (``ivf_search``), as ``flat_searcher``."""
-    return _C.IVFSearcher(rotation=_C.Rotation(*rotation),
-                          refine_codes=_code_refinement(refine_codes), **args)
-
-
-def graph_searcher(*, rotation: tuple | None = None, **args: object) -> object:
-    """The graph search (csrc/cpu/graph.cpp ``graph_search``; keyword arguments:
-    csrc/cpu/bind/graph.cpp) over a graph's layers; with ``rotation`` = (perms, signs, p) and
-    ``ids`` also the whole search in one call (``search_full``: search.cpp
-    ``graph_index_search``)."""
-    return _C.GraphSearcher(rotation=None if rotation is None else _C.Rotation(*rotation), **args)
+    return _C.CodeRefinement(rotation=rotation(parts.pop("rotation")), **parts)

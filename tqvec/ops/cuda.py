@@ -18,7 +18,9 @@ import functools
 import hashlib
 import math
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +28,8 @@ from .kvstep import compose_attention_step
 from .ref import decode_attention_ref, row_bytes
 
 __all__ = ["available", "unavailable_reason", "pack_bits_cuda", "unpack_bits_cuda",
-           "quantize_pack_cuda", "hadamard_rotate_cuda", "lut_scan_cuda",
+           "quantize_pack_cuda", "hadamard_rotate_cuda", "hadamard_rotate_runner",
+           "lut_scan_cuda",
            "decode_attention_cuda", "attention_step_cuda", "attention_kernel_applies",
            "ATTENTION_LAUNCH",
            "SOURCES", "PRELUDE", "NVRTC_OPTIONS", "kernel_source", "MMA_SCAN",
@@ -304,6 +307,18 @@ def hadamard_rotate_cuda(x: torch.Tensor, perms: torch.Tensor, signs: torch.Tens
         else:
             raise TypeError(f"x must be float32, float16 or bfloat16, got {x.dtype}")
     return out
+
+
+def hadamard_rotate_runner(r: Any) -> Callable | None:
+    """A prepared rotation (``ops.HadamardRotate``) on the CUDA kernel; None off the GPU."""
+    if r.perms.device.type != "cuda":
+        return None
+
+    def run(x: torch.Tensor, inverse: bool) -> torch.Tensor:
+        if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            x = x.float()
+        return hadamard_rotate_cuda(x.contiguous(), r.perms, r.signs, r.p, inverse)
+    return run
 
 
 # -- LUT scan -----------------------------------------------------------------------------------

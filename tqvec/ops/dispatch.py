@@ -1,7 +1,8 @@
 """The ops table and its one dispatcher: each op has a torch reference (its meaning, ``ref.py``)
 and optionally a compiled CPU kernel (``cpu.py``, ``tqvec._C``) and a CUDA kernel
 (``cuda.py``, NVRTC); ``pick`` chooses per call by the tensor's device and the backend asked
-for.
+for. Prepared ops (``prepared.py``) are rows of the same table whose implementations map an
+argument struct to a runner, chosen once per struct by the same ``pick``.
 
 CPU tensors go to the compiled kernel when ``tqvec._C`` imported, CUDA tensors to the CUDA
 kernel when it is available; ``backend="auto"`` falls back to the reference (one logged warning
@@ -22,6 +23,8 @@ from ..errors import BackendUnavailable
 from . import cpu as _cpu
 from . import cuda as _cuda
 from . import kvstep as _kvstep
+from . import prepared_cpu as _pcpu
+from . import prepared_ref as _pref
 from . import ref as _ref
 
 __all__ = ["BACKENDS", "Op", "OPS", "pick", "available_backends", "compiled_cpu"]
@@ -67,6 +70,18 @@ OPS: dict[str, Op] = {
                            _cuda.decode_attention_cuda),
     "attention_step": Op(_kvstep.attention_step_ref, _cpu.attention_step_cpu,
                          _cuda.attention_step_cuda),
+    # prepared ops (``prepared.py``): each implementation maps the op's argument struct to a
+    # runner, or to None where that kernel cannot take it
+    "hadamard_rotate_prepared": Op(_pref.hadamard_rotate_runner, _pcpu.hadamard_rotate_runner,
+                                   _cuda.hadamard_rotate_runner),
+    "fast_scan_prepared": Op(_pref.fast_scan_runner, _pcpu.fast_scan_runner),
+    "ivf_fast_scan_prepared": Op(_pref.ivf_fast_scan_runner, _pcpu.ivf_fast_scan_runner),
+    "ivf_probe_prepared": Op(_pref.ivf_probe_runner, _pcpu.ivf_probe_runner),
+    # fused searches: the reference is the index's composition of its prepared parts
+    "flat_search_fused": Op(_pref.no_fused, _pcpu.flat_search),
+    "terms_search_fused": Op(_pref.no_fused, _pcpu.terms_search),
+    "ivf_search_fused": Op(_pref.no_fused, _pcpu.ivf_search),
+    "graph_search": Op(_pref.no_fused, _pcpu.graph_search),
 }
 
 _log = logging.getLogger("tqvec")

@@ -89,13 +89,25 @@ void block_code_rows(const uint8_t* packed, const int32_t* rows, int64_t n, int6
 // table scores and those scores, no exact re-score (a first stage before a refinement).
 void fast_scan(const float* qr, int64_t nq, const CodeTable& t, bool approx, const TopKOut& out,
                int nthreads);
+// A sign-plane first pass bounded by its error (ops.fast_scan_two_stage_ref's bound): the
+// pass's multipliers are (about) gain times the full codes', and a row's full score lies within
+// |mult| (sigma ||q|| sin(q, row) / gain + the tables' error) of its pass score, the angle's
+// cosine estimated by gain (score - add) / (mult cnorm ||q||), sin at least min_sin.
+// sigma = 0: no bound.
+struct SignBound {
+  float sigma = 0.0f, gain = 1.0f, cnorm = 1.0f;
+  float min_sin = 0.0f;  // the floor of sin (the cosine estimate's own resolution)
+};
 // Two stages: the approximate top k1 rows by the sign plane `signs` (blocked 1-bit codes of the
 // top bit of each index of the first signs.d <= full.d coordinates, its 2 centroids, its own
 // per-row multipliers and offsets), then the exact top k of those by their packed b-bit codes
 // `full`; signs.add = -inf must hold wherever full.add = -inf. qr (nq, full.d).
 // (1-bit codes: signs.d < d, a prefix of the coordinates is the coarse pass.)
+// bound.sigma > 0 replaces the fixed k1 by an error bound (SignBound), and every row whose
+// upper bound reaches the k-th best lower bound is re-scored (k1 is unused).
 void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs,
-                         const CodeTable& full, int64_t k1, const TopKOut& out, int nthreads);
+                         const CodeTable& full, int64_t k1, const TopKOut& out, int nthreads,
+                         const SignBound& bound = {});
 // fast_scan with several terms per row: score_i = add_i + sum_t mult_t[i] <qr_t, c_t[idx_t,i]>,
 // each term with its own queries (nq, d_t), blocked codes (nb, fs_row_bytes(d_t, b_t), 32),
 // width b_t in {1, 2, 3, 4}, 2^b_t centroids and (n) multipliers (e.g. TurboQuant-prod: the
@@ -289,6 +301,7 @@ struct FlatSearchArgs {
   CodeTable full;         // the packed full codes of a prefilter; codes == nullptr: one stage
   int64_t d;              // the queries' dimension
   int64_t prefilter;
+  SignBound prefilter_bound;  // sigma > 0: fast_scan_two_stage's bounded pass (prefilter unused)
   const int64_t* ids;
   int metric;            // RescoreMetric of the index's scores
   const float* center;   // (d) subtracted from the queries (an L2 index's centring), or nullptr

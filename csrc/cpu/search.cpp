@@ -131,8 +131,9 @@ void flat_search(const FlatSearchArgs& a, const float* q, int64_t nq, int64_t k,
   std::vector<int64_t> idx(nqs * kk);
   const TopKOut out{kk, vals.data(), idx.data()};
   if (a.full.codes != nullptr)  // a prefilter: the sign plane, then the full codes of its best
-    fast_scan_two_stage(qr.data(), nq, a.scan, a.full, capped_product(a.prefilter, kk, n), out,
-                        nthreads);
+    fast_scan_two_stage(qr.data(), nq, a.scan, a.full,
+                        capped_product(std::max<int64_t>(a.prefilter, 1), kk, n), out, nthreads,
+                        a.prefilter_bound);
   else
     fast_scan(qr.data(), nq, a.scan, false, out, nthreads);
   if (l2)  // the similarity -||q - x||^2 = score - ||q||^2 (then reported negated)

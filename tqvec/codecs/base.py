@@ -18,7 +18,8 @@ import torch
 
 from .. import _validate as V
 
-__all__ = ["Codes", "Codec", "KernelForm", "LutTerm", "codec_from_params", "register",
+__all__ = ["Codes", "Codec", "KernelForm", "LutTerm", "SignTermError", "codec_from_params",
+           "register",
            "concat_codes", "BLOCK_ROWS", "score_from_terms"]
 
 BLOCK_ROWS = 8192
@@ -62,6 +63,18 @@ def codec_from_params(params: Mapping[str, Any], *, strict: bool = False) -> Cod
     if strict and codec.params != {"codec": name, **params}:
         raise ValueError(f"params must be canonical, got {dict(params)} for {codec!r}")
     return codec
+
+
+class SignTermError(NamedTuple):
+    """How a codec's sign-term estimate relates to its full codes' (``Codec.sign_term_error``),
+    for the rotated query q and a row with multiplier m, full-code centroids c and signs s:
+    m <q, c> = gains_row m <q, c1 s> + err, err ~ N(0, (noise |m| ||q|| sin)^2), sin the angle
+    between q and c, whose cosine the sign estimate gives as gain <q, c1 s> / (cnorm ||q||);
+    ``Codec.sign_term_gains`` gives each row's gain (about ``gain``)."""
+
+    gain: float
+    noise: float
+    cnorm: float
 
 
 class LutTerm(NamedTuple):
@@ -302,6 +315,16 @@ class Codec:
     def sign_scale(self, codes: Codes) -> torch.Tensor:
         """The per-row scale of ``sign_term``'s entry, from the codes' scalars alone."""
         raise NotImplementedError(f"{type(self).__name__} has no sign term")
+
+    def sign_term_error(self) -> SignTermError | None:
+        """The error model of the sign term's estimate against the full codes' (an
+        error-bounded first pass), or None where the codec has none."""
+        return None
+
+    def sign_term_gains(self, codes: Codes) -> torch.Tensor:
+        """Each row's gain (``SignTermError``): the factor that makes the sign estimate's
+        error orthogonal to the row's own full-code direction."""
+        raise NotImplementedError(f"{type(self).__name__} has no sign-term error model")
 
     #: True when ``score`` is an unbiased estimate of <q, x> (then L2 search must pair it with
     #: the true ||x||^2, not with ||x_hat||^2, which carries the estimator's noise).

@@ -16,6 +16,7 @@ PolarQuant paper (that is ``tqvec.PolarQuant``) but the rotation + Lloyd-Max of 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -45,6 +46,7 @@ from .base import (
     Codes,
     KernelForm,
     LutTerm,
+    SignTermError,
     inverse_norms,
     register,
     store_norm,
@@ -439,6 +441,45 @@ class TurboQuant(Codec):
         if self.scale == "unbiased" and self.mse_bits > 1:
             return codes.scalars["norm"].float()
         return self.multiplier(codes).to(torch.float32)
+
+    def sign_term_error(self) -> SignTermError | None:
+        """``Codec.sign_term_error`` at 2+ bits (the sign plane covers every coordinate; 1-bit
+        codes' prefix pass has no such model), from the codebook with a rotated coordinate
+        y ~ N(0, 1/d). With c the b-bit centroids, c1 the sign term's and s = sign(y), the full
+        estimate minus g times the sign estimate is m <q, w>, w = c - g c1 s. A row's own gain
+        g = ||c||^2 / (c1 sum |c_j|) makes w orthogonal to c (``sign_term_gains``), so only the
+        part of q orthogonal to c, of norm ||q|| sin, meets w: over its ~independent
+        coordinates the error has variance (||q|| sin)^2 E[w_j^2] (noise^2 = E[w_j^2]). For
+        Lloyd-Max codes g ~ E[c^2] / c1^2 (``gain``), the 1-bit estimate's 2/pi shrinkage undone;
+        cnorm = E||c|| for a unit vector."""
+        if self.variant != "mse" or self.mse_bits < 2:
+            return None
+        cb = self.codebook
+        sigma = 1.0 / math.sqrt(self.dim)
+        edges = [-math.inf, *map(float, cb.thresholds), math.inf]
+
+        def cdf(t: float) -> float:
+            return 0.5 * (1.0 + math.erf(t / (sigma * math.sqrt(2.0))))
+
+        cells = [(float(c), cdf(hi) - cdf(lo))
+                 for c, lo, hi in zip(cb.centroids, edges[:-1], edges[1:], strict=True)]
+        c1 = float(sphere_codebook(self.dim, 1).centroids[1])
+        e_c2 = sum(p * c * c for c, p in cells)
+        gain = e_c2 / (c1 * sum(p * abs(c) for c, p in cells))
+        e_w2 = sum(p * (c - gain * c1 * math.copysign(1.0, c)) ** 2 for c, p in cells)
+        return SignTermError(float(gain), math.sqrt(e_w2), math.sqrt(e_c2 * self.dim))
+
+    def sign_term_gains(self, codes: Codes) -> torch.Tensor:
+        if self.sign_term_error() is None:
+            raise ValueError(f"{self!r} has no sign-term error model (mse codes at 2+ bits)")
+        packed, dev = codes.payload[:, : self._mse_bytes], codes.device
+        cents = self._arr.get("centroids", dev).to(torch.float32)
+        csq, _ = ops.centroid_stats(packed, self.dim, self.mse_bits, cents, backend=self.backend)
+        # sum_j |c_j| as the "squares" of sqrt|c|
+        cabs, _ = ops.centroid_stats(packed, self.dim, self.mse_bits, cents.abs().sqrt(),
+                                     backend=self.backend)
+        c1 = float(sphere_codebook(self.dim, 1).centroids[1])
+        return torch.where(cabs > 0, csq / (c1 * cabs), torch.ones_like(csq))
 
     def lut_terms(self, codes: Codes) -> list[LutTerm]:
         """code_terms over the packed codes (no unpacking): the mse indices with the codebook,

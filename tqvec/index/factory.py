@@ -1,6 +1,6 @@
 """``index_factory(d, spec, metric)``: build an index from a faiss-style string.
 
-Grammar: ``CODE[,Prefilter(P)][,Refine(CODE|Flat)]`` where CODE is one of
+Grammar: ``CODE[,Prefilter[(P)]][,Refine(CODE|Flat)]`` where CODE is one of
 
 ==================  =======================================================  ==================
 spec                codec                                                    bytes / vector
@@ -19,10 +19,13 @@ spec                codec                                                    byt
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes
 (``Refine(TQ8g)``: the same bytes on a uniform grid, re-scored ~2x faster on the CPU).
-``TQ4,Prefilter(10)`` (TurboQuant-mse, CPU) scans only the sign bits of the codes first and
-ranks their best 10k rows with the full codes (``FlatIndex.prefilter``; no extra bytes: the sign
-plane is the top bit of each index; ``TQ1,Prefilter(10)`` scans the codes of the first half of
-the coordinates first).
+``TQ4,Prefilter`` (TurboQuant-mse at 2-4 bits, CPU) scans only the sign bits of the codes first
+and re-scores with the full codes every row whose sign estimate, within 3 standard deviations of
+its error, can reach the k-th best (``FlatIndex.prefilter_sigmas``; no extra bytes: the sign
+plane is the top bit of each index). ``TQ4,Prefilter(10)`` keeps a fixed 10k rows instead
+(``FlatIndex.prefilter``: faster where the data is far from isotropic, and it can lose recall
+where it is not); ``TQ1,Prefilter(10)`` scans the codes of the first half of the coordinates
+first (1-bit codes have no bounded pass).
 ``Center,`` in front (``Center,TQ2``) codes x - mu with mu the mean of the rows passed to
 ``train`` (a fit of one vector: the index then needs ``train``; see ``FlatIndex``'s ``center``);
 for ip and cosine it stores 4 more bytes per vector (the exact <mu, x - mu> term).
@@ -54,9 +57,13 @@ from .graph import GraphIndex
 from .ivf import IVFIndex
 from .pca import PCAIndex
 
-__all__ = ["index_factory", "parse_codec"]
+__all__ = ["index_factory", "parse_codec", "PREFILTER_SIGMAS"]
 
-_REFINE = re.compile(r"^(?P<base>[^,]+)(,Prefilter\((?P<pf>\d+)\))?"
+#: ``Prefilter``'s error bound, in standard deviations of the first pass's error (a true top-k
+#: row is missed with probability ~0.13 % where that error is Gaussian).
+PREFILTER_SIGMAS = 3.0
+
+_REFINE = re.compile(r"^(?P<base>[^,]+)(,(?P<first>Prefilter)(\((?P<pf>\d+)\))?)?"
                      r"(,Refine\((?P<ref>[^)]+)\))?$")
 
 
@@ -176,14 +183,16 @@ def index_factory(d: int, spec: str, metric: Any = "l2", *, seed: int = 0,
     # costs nothing). Indexes written with another refinement seed keep it (their params).
     ref = parse_codec(d, m["ref"], seed) if m["ref"] else None
     pf = int(m["pf"]) if m["pf"] else 0
+    bounded = m["first"] is not None and m["pf"] is None
     if ivf:
         if center:
             raise ValueError(f"spec must not combine Center with IVF (the lists' residuals are "
                              f"already centred, each on its centroid), got {spec!r}")
-        if pf:
+        if pf or bounded:
             raise ValueError(f"spec must not combine IVF with Prefilter (the probed lists are "
                              f"scanned in full), got {spec!r}")
         return IVFIndex(base, int(ivf[1]), metric, refine=ref, k_factor=k_factor, seed=seed,
                         device=device)
     return FlatIndex(base, metric, refine=ref, k_factor=k_factor, prefilter=pf,
+                     prefilter_sigmas=PREFILTER_SIGMAS if bounded else 0.0,
                      center="fit" if center else None, device=device)

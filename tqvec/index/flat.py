@@ -2,36 +2,14 @@
 
 ``search(x, k) -> (D, I)``: D float32 (nq, k), I int64 (nq, k), best first; missing results are
 I = -1 with D = -FLT_MAX (inner product, cosine) or +FLT_MAX (L2), exactly as faiss pads.
-Distances by metric (the estimator matters more than the code):
-
-* ``ip``: the codec's asymmetric estimate of <q, x> (query exact, never quantized), for the
-  biased mse codes that store ||x|| (TurboQuant-mse) rescaled to the true norm:
-  ||x|| <q, x_hat> / ||x_hat||, the inner product with the reconstruction stretched back to
-  ||x||. The paper's <q, x_hat> shrinks each row by its own factor <u, c[idx]> ~ 1 - D, and when
-  neighbours' scores are close that per-row noise reorders them (bench/results: recall@10 on
-  Fashion-MNIST at 4 bits 0.675 -> 0.919). At 1 bit ||c[idx]|| is the same for every row and the
-  two agree. Unbiased estimators (TurboQuant-prod, QJL, the unbiased scale) are used as they are.
-* ``l2``: ||q||^2 - 2 est<q, x> + N(x), where N must match the estimator: for the biased MSE
-  estimators (TurboQuant-mse, PolarQuant) N = ||x_hat||^2, i.e. the distance to the
-  reconstruction (pairing the shrunk inner product with the true ||x||^2 collapses recall);
-  for unbiased estimators (TurboQuant-prod, QJL, the unbiased scale) N = the true ||x||^2,
-  which makes the distance estimate unbiased (||x_hat||^2 would add the estimator's noise).
-* ``cosine``: est<q, x> / (||q|| sqrt(N(x))), the same pairing.
-
-So ip and cosine both score est<q, x> / sqrt(N(x)), with N = ||x_hat||^2 / ||x||^2 (ip, biased
-codes), ||x_hat||^2 or ||x||^2 (cosine); ip without such an N uses est<q, x> unchanged.
-
-A centred index (``center``) codes y = x - mu. For L2 it ranks by the distance between q - mu and
-y's estimate (translation-invariant). For inner products (and centred cosine, the inner product of
-unit vectors) <q, x> = <q, mu> + <q, y> = <q, mu> + <mu, y> + <q - mu, y>: <q, mu> is exact per
-query, <mu, y> is exact per row, known when the row is added, and only <q - mu, y> is left to the
-codes (RaBitQ's estimator, Gao & Long 2024). Estimating all of <q, y> from the codes instead adds
-the code's error on <mu, y>, a per-row noise that no query removes. As the estimators are linear
-in the query, est<q - mu, y> + a <mu, y> = est<q, y> + (a <mu, y> - est<mu, y>): the index stores
-that per-row correction (4 bytes per vector; ``rowterms.ip_row_correction``) and adds it to every
-row's score. a = 1 for the unbiased estimators; a biased one scales <q - mu, y> by about
-a = est<y, y> / ||y||^2 (cos(y, y_hat) with the norm-rescaled mse codes, ~0.8 at 1 bit), and the
-exact term gets the same factor so that the two parts keep their weights.
+Distances by metric: ``ip`` the codec's asymmetric estimate of <q, x> (the query exact; the
+biased mse codes that store ||x|| rescaled to the true norm, ||x|| <q, x_hat> / ||x_hat||);
+``l2`` ||q||^2 - 2 est<q, x> + N(x) with N matched to the estimator (||x_hat||^2 for the biased
+mse codes, the true ||x||^2 for unbiased ones); ``cosine`` est<q, x> / (||q|| sqrt(N(x))). A
+centred index (``center``) codes y = x - mu: L2 is translation-invariant, and an inner product
+is <q, mu> (exact per query) + <mu, y> (exact per row, stored as a per-row correction,
+``rowterms.ip_row_correction``) + est<q - mu, y> (RaBitQ's estimator, Gao & Long 2024). The
+derivations and what each choice measured: docs/search.md.
 
 A search is one composition - prepare the queries (validate, unit rows for cosine, centre) ->
 scan the codes for each query's best candidates -> re-rank them with the refinement -> ids and
@@ -55,7 +33,7 @@ import torch
 
 from .. import _validate as V
 from .. import ops
-from ..codecs.base import Codec, Codes, LutTerm
+from ..codecs.base import Codec, Codes
 from ..ops import pages
 from .base import CodesIndex
 from .fused import FlatSearch, TermsSearch
@@ -74,7 +52,7 @@ from .metrics import (
 )
 from .rows import Rows
 from .rowterms import ROW_BLOCK, ip_row_correction, sqnorms_of
-from .scan import BlockedCodes, FlatScan, FlatSnapshot, metric_terms
+from .scan import BlockedCodes, FlatScan, FlatSnapshot, metric_terms, sign_stage
 from .state import StoredKind, float_rows, register_kind, row_correction, rows_state
 
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code",
@@ -88,6 +66,7 @@ _LUT_MAX_QUERIES = 32
 # The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few
 # rows per result (digits, n = 1,597, k = 100) that is most rows and the float paths are faster.
 _FAST_SCAN_ROWS_PER_RESULT = 64
+_MAX_SIGMAS = 10.0  # a wider bound re-scores nearly every row: the exact scan is cheaper
 
 
 class FlatIndex(CodesIndex):
@@ -108,6 +87,12 @@ class FlatIndex(CodesIndex):
         (``TurboQuant.sign_term``). Mixed-width codes (``MixedTurboQuant``, ``PCAIndex``) have
         a first pass over their leading runs instead (``Codec.first_pass_terms``). An
         attribute, like faiss's ``nprobe``: may change between searches.
+    prefilter_sigmas: 0 (default), or the sign-bit first pass bounded by its error instead of
+        a count (TurboQuant-mse at 2-4 bits, CPU; exclusive with ``prefilter``): every row whose
+        first-pass estimate, widened by this many standard deviations of its error against the
+        full codes (``Codec.sign_term_error``), can reach the k-th best is re-scored. The
+        shortlist adapts to each query and to the data; ~3 misses about 0.1 % of the full
+        codes' top k (``factory``'s ``Prefilter`` sets 3). An attribute too.
     center: ``None`` (default), ``"fit"`` or a (d,) vector mu: codes of x - mu instead of x (for
         cosine: of x / ||x|| - mu). A fit of one vector, so the index then needs ``train`` when
         ``"fit"`` (mu = the training rows' mean). The codec's error scales with the norm it
@@ -126,8 +111,9 @@ class FlatIndex(CodesIndex):
     """
 
     def __init__(self, codec: Codec, metric: Any = "l2", *, refine: Codec | str | None = None,
-                 k_factor: int = 4, prefilter: int = 0, center: Any = None,
-                 center_term: bool = True, device: str | torch.device | None = None):
+                 k_factor: int = 4, prefilter: int = 0, prefilter_sigmas: float = 0.0,
+                 center: Any = None, center_term: bool = True,
+                 device: str | torch.device | None = None):
         self._init_rows(codec, metric, refine, k_factor)
         self.device = device_of(device)
         self.is_trained = True  # data-oblivious: nothing to train (unless center="fit")
@@ -151,11 +137,12 @@ class FlatIndex(CodesIndex):
         # vectors (see ``center``)
         self._scoring = (METRIC_INNER_PRODUCT if self.centered and
                          self.metric_type == METRIC_COSINE else self.metric_type)
-        self._prefilter = 0
+        self._prefilter, self._sigmas = 0, 0.0
         self._query_map: tuple[torch.Tensor, list[slice], torch.Tensor] | None = None
         self._layout = BlockedCodes()  # the codes' fast-scan layout, kept across appends
         self._invalidate()
         self.prefilter = prefilter
+        self.prefilter_sigmas = prefilter_sigmas
 
     _train_hint = "center='fit' needs train(x) to fit its center"
 
@@ -172,10 +159,39 @@ class FlatIndex(CodesIndex):
             raise ValueError(f"prefilter must be 0 for {self.codec!r}: a first pass needs "
                              "TurboQuant-mse codes (their sign bits; 1-bit codes: d > 8) or "
                              "mixed-width codes (their leading runs)")
+        if v and self._sigmas:
+            raise ValueError(f"prefilter must be 0 while prefilter_sigmas is set "
+                             f"({self._sigmas}): the first pass keeps a count or a bound")
+        self._set_first_pass(v, 0.0)
+
+    @property
+    def prefilter_sigmas(self) -> float:
+        """The sign-bit first pass's error bound in standard deviations (0: none)."""
+        return self._sigmas
+
+    @prefilter_sigmas.setter
+    def prefilter_sigmas(self, value: float) -> None:
+        v = V.finite_float(value, "prefilter_sigmas")
+        if not 0.0 <= v <= _MAX_SIGMAS:
+            raise ValueError(f"prefilter_sigmas must be in [0, {_MAX_SIGMAS}], got {v}")
+        if v and self.codec.sign_term_error() is None:
+            raise ValueError(f"prefilter_sigmas must be 0 for {self.codec!r}: a bounded first "
+                             "pass needs TurboQuant-mse codes at 2-4 bits (their sign plane "
+                             "and its error model)")
+        if v and self._prefilter:
+            raise ValueError(f"prefilter_sigmas must be 0 while prefilter is set "
+                             f"({self._prefilter}): the first pass keeps a count or a bound")
+        self._set_first_pass(self._prefilter, v)
+
+    def _set_first_pass(self, count: int, sigmas: float) -> None:
         with self._lock:
-            self._prefilter = v
+            self._prefilter, self._sigmas = count, sigmas
             self._scan = None  # the scan state holds the sign plane or the full blocked codes
             self._snap = None
+
+    @property
+    def _first_pass(self) -> bool:
+        return bool(self._prefilter or self._sigmas)
 
     @property
     def query_map(self) -> tuple[torch.Tensor, list[slice], torch.Tensor] | None:
@@ -323,6 +339,8 @@ class FlatIndex(CodesIndex):
     def _state_meta(self) -> dict[str, Any]:
         """The header values of the flat index's own (a graph index writes them too)."""
         meta = {"prefilter": self.prefilter, "centered": bool(self.centered)}
+        if self._sigmas:
+            meta["prefilter_sigmas"] = self._sigmas
         if self.centered and not self.center_term:
             meta["center_term"] = False
         return meta
@@ -348,8 +366,8 @@ class FlatIndex(CodesIndex):
         if not (self.device.type == "cpu" and self.codec.backend in ("auto", "cpu")
                 and ops.has_cpu_kernels()):
             return False
-        if self._prefilter:
-            return True  # the setter checked has_sign_term()
+        if self._first_pass:
+            return True  # the setters checked has_sign_term() / sign_term_error()
         bits = self.codec.lut_term_bits()
         return bool(bits) and all(b in ops.FAST_SCAN_BITS for b in bits)
 
@@ -366,7 +384,7 @@ class FlatIndex(CodesIndex):
         first = self.codec.first_pass_terms() if self._prefilter else 0
         # The codes are held once: a scan that reads only their blocked layout (every term, no
         # first pass re-scoring packed rows) takes them over from the row-major copy.
-        held_by_layout = fast and not self._prefilter and self._layout_tiles_payload()
+        held_by_layout = fast and not self._first_pass and self._layout_tiles_payload()
         if held_by_layout:
             start = self._layout.start("terms")
             tail = self.codec.lut_terms(rows.codes_rows(start, n))
@@ -386,28 +404,11 @@ class FlatIndex(CodesIndex):
             scan.scanner = ops.FastScan(scan.scan_terms(blocked), n, add,
                                         self.codec.backend)
             rows.release(self._layout)
-        elif fast and self._prefilter and not first:
+        elif fast and self._first_pass and not first:
             self._layout, term = self._layout.sign_plane(self.codec, rows.codes)
             signs = self._layout.blocks[0]
-            # every row's first-pass term (the plane's rows were laid out in appends)
-            first_term = LutTerm(None, term.d, 1, term.centroids,
-                                 self.codec.sign_scale(rows.scalar_codes()))
-            add1 = add
-            prefix = term.d < self.d  # 1-bit codes: a prefix of the coordinates scores ~d1/d
-            if prefix:
-                add1 = (add1 * (term.d / self.d)).contiguous()
-            if self._scoring == METRIC_L2 and not (prefix and self.codec.unbiased_ip):
-                # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign]
-                # (m the sign term's scale, norm^2 = m^2 d c1^2), not with the full code's
-                # ||x_hat||^2: its inner products are ~2/pi smaller, and mixing the two scales
-                # ranks short vectors first. An unbiased 1-bit prefix instead scores ~d1/d of
-                # <q, x>, paired with d1/d of ||x||^2 (above).
-                add1 = -(first_term.scale ** 2
-                         * (float(term.centroids[1]) ** 2 * term.d)).contiguous()
-            mult1, _ = metric_terms([first_term], n, self._scoring, rows.term("sqnorms", dev),
-                                    rows.term("ipcorr", dev), dev)
-            full = ops.FullCodes(scan.packed[0], scan.bits[0], scan.cents[0], add1,
-                                 None if torch.equal(mult1[0], mults[0]) else mult1[0])
+            full = sign_stage(self.codec, self._scoring, self._sigmas, term, scan, rows,
+                              self.device)
             scan.signs = ops.FastScan(
                 [ops.ScanTerm(signs, term.centroids.float().contiguous(), mults[0], 1)], n, add,
                 self.codec.backend, full=full)
@@ -451,7 +452,7 @@ class FlatIndex(CodesIndex):
         elif lut is not None:
             ref_codes = (self.refine.query_rotation(), lut.packed, lut.bits, lut.cents,
                          lut.mult, lut.add)
-        if self.refine is not None and (self._prefilter or (ref_x is None and ref_codes is None)):
+        if self.refine is not None and (self._first_pass or (ref_x is None and ref_codes is None)):
             return None
         return FlatSearch.prepare(rotate, scan.signs or scan.scanner, self._rows.ids.numpy(),
                                   metric_name(self._scoring), self._prefilter,
@@ -672,7 +673,8 @@ def _empty_from_state(meta: dict, codec: Codec, refine: Any, arrays: dict) -> Fl
             raise ValueError("arrays must hold 'center' for a centred index")
         center = float_rows(arrays, "center", (codec.dim,)).numpy().copy()
     return FlatIndex(codec, meta["metric"], refine=refine, k_factor=meta["k_factor"],
-                     prefilter=meta.get("prefilter", 0), center=center,
+                     prefilter=meta.get("prefilter", 0),
+                     prefilter_sigmas=meta.get("prefilter_sigmas", 0.0), center=center,
                      center_term=center_term)
 
 

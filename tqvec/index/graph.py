@@ -216,6 +216,16 @@ class GraphIndex(FlatIndex):
             raise ValueError(f"prefilter must be 0 for a graph index, got {value!r}")
         self._prefilter = 0
 
+    @property
+    def prefilter_sigmas(self) -> float:
+        """0: a graph index has no first pass."""
+        return 0.0
+
+    @prefilter_sigmas.setter
+    def prefilter_sigmas(self, value: float) -> None:
+        if V.finite_float(value, "prefilter_sigmas"):
+            raise ValueError(f"prefilter_sigmas must be 0 for a graph index, got {value!r}")
+
     # -- the graph -----------------------------------------------------------------------------
     def _graph_vectors(self, t: torch.Tensor) -> np.ndarray:
         """The vectors the graph links (float32, numpy) of new stored rows t: the rows

@@ -4,6 +4,7 @@ of the CPU kernels."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,7 +16,7 @@ from .metrics import METRIC_COSINE, METRIC_L2
 from .rerank import RefineLut
 from .rows import Rows
 
-__all__ = ["FlatScan", "BlockedCodes", "metric_terms", "rows_from_blocked"]
+__all__ = ["FlatScan", "BlockedCodes", "metric_terms", "rows_from_blocked", "sign_stage"]
 
 
 @dataclass
@@ -146,3 +147,37 @@ class FlatSnapshot:
     @property
     def n(self) -> int:
         return self.rows.n
+
+
+def sign_stage(codec: Codec, scoring: int, sigmas: float, term: LutTerm, scan: FlatScan,
+               rows: Rows, device: torch.device) -> ops.FullCodes:
+    """The full codes behind a flat index's sign-plane first pass (``term``: the plane), with
+    that pass's own offsets and multipliers: bounded by its error (``sigmas`` > 0) the full
+    codes' estimate from the signs (``Codec.sign_term_error``: each row's gain times its full
+    multiplier, the full offsets; the bound ``sigmas`` standard deviations wide, the angle's
+    sine at least 1 / sqrt(d), the resolution of its estimate); by a count, the signs' own
+    estimate."""
+    mults, add, n, d = scan.mults, scan.add, rows.n, codec.dim
+    if sigmas:
+        model = codec.sign_term_error()
+        gains = codec.sign_term_gains(rows.codes).to(device=device, dtype=torch.float32)
+        bound = ops.SignBound(sigmas * model.noise, model.gain, model.cnorm, 1.0 / math.sqrt(d))
+        return ops.FullCodes(scan.packed[0], scan.bits[0], scan.cents[0], add,
+                             (gains * mults[0]).contiguous(), bound)
+    # every row's first-pass term (the plane's rows were laid out in appends)
+    first_term = LutTerm(None, term.d, 1, term.centroids, codec.sign_scale(rows.scalar_codes()))
+    add1 = add
+    prefix = term.d < d  # 1-bit codes: a prefix of the coordinates scores ~d1/d
+    if prefix:
+        add1 = (add1 * (term.d / d)).contiguous()
+    if scoring == METRIC_L2 and not (prefix and codec.unbiased_ip):
+        # Rank the first pass by the distance to the 1-bit reconstruction, m c1[sign] (m the
+        # sign term's scale, norm^2 = m^2 d c1^2), not with the full code's ||x_hat||^2: its
+        # inner products are ~2/pi smaller, and mixing the two scales ranks short vectors
+        # first. An unbiased 1-bit prefix instead scores ~d1/d of <q, x>, paired with d1/d of
+        # ||x||^2 (above).
+        add1 = -(first_term.scale ** 2 * (float(term.centroids[1]) ** 2 * term.d)).contiguous()
+    mult1, _ = metric_terms([first_term], n, scoring, rows.term("sqnorms", device),
+                            rows.term("ipcorr", device), device)
+    return ops.FullCodes(scan.packed[0], scan.bits[0], scan.cents[0], add1,
+                         None if torch.equal(mult1[0], mults[0]) else mult1[0])

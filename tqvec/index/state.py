@@ -38,7 +38,7 @@ __all__ = ["index_state", "index_from_state", "StoredKind", "StoredWrapper", "re
 _ROWS_META = {"type", "params", "fingerprint", "metric", "ntotal", "next_id", "refine",
               "k_factor"}
 # absent in files written before them
-_OPTIONAL_META = {"prefilter", "centered", "center_term"}
+_OPTIONAL_META = {"prefilter", "prefilter_sigmas", "centered", "center_term"}
 # the errors a malformed value raises in the constructors and checks
 _ERRORS = (KeyError, TypeError, ValueError, IndexError, OverflowError, RecursionError)
 
@@ -159,7 +159,7 @@ def no_center_or_prefilter(meta: dict, what: str) -> None:
     centered = meta.get("centered", False)
     if not isinstance(centered, bool):
         raise TypeError(f"centered must be a bool, got {centered!r:.40}")
-    if centered or meta.get("prefilter", 0) != 0:
+    if centered or meta.get("prefilter", 0) != 0 or meta.get("prefilter_sigmas", 0) != 0:
         raise ValueError(f"{what} has no center or prefilter")
 
 

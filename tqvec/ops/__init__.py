@@ -29,7 +29,7 @@ from .prepared import (
     TermsSearchArgs,
     prepare,
 )
-from .ref import FAST_SCAN_BITS, fast_scan_row_bytes, row_bytes
+from .ref import FAST_SCAN_BITS, SignBound, check_sign_bound, fast_scan_row_bytes, row_bytes
 
 __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack_bits",
            "quantize_pack", "centroid_stats", "turbo_mse_encode", "turbo_mse_decode",
@@ -43,7 +43,7 @@ __all__ = ["BACKENDS", "OPS", "available_backends", "pick", "pack_bits", "unpack
            "prepare", "ScanTerm", "FullCodes", "CodeRefinement", "FlatSearchArgs",
            "TermsSearchArgs", "IVFSearchArgs", "GraphSearchArgs", "attention_step", "KVSide",
            "KVCodeSegment", "KVStepPlan",
-           "threads", "simd_path", "has_cpu_kernels"]
+           "threads", "simd_path", "has_cpu_kernels", "SignBound", "check_sign_bound"]
 
 
 def pack_bits(idx: torch.Tensor, b: int, backend: str = "auto") -> torch.Tensor:
@@ -194,18 +194,20 @@ def _check_terms(nt: int, blocked: list, centroids: list, mults: list, bits: lis
 def fast_scan_two_stage(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                         packed: torch.Tensor, b: int, centroids: torch.Tensor, mult: torch.Tensor,
                         add: torch.Tensor, add1: torch.Tensor, k1: int, k: int,
-                        backend: str = "auto", mult1: torch.Tensor | None = None
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        backend: str = "auto", mult1: torch.Tensor | None = None,
+                        bound: SignBound | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k by the full b-bit codes ``packed`` among the k1 best rows of a first pass over
     their sign plane ``signs`` (1-bit codes, fast-scan layout, centroids c1, row offsets add1;
     add is the full codes'; the first pass's per-row multipliers mult1, default mult): a
     two-stage scan
     that reads b times fewer bytes per row in its first pass. Heuristic: a row outside the
-    sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``."""
+    sign pass's k1 best is never scored; see ``ref.fast_scan_two_stage_ref``. ``bound`` (a
+    ``SignBound``) selects stage 1's rows by their error bounds instead (k1 unused; see there)."""
+    bound = check_sign_bound(bound)
     return pick("fast_scan_two_stage", qr.device, backend)(
         qr.contiguous(), signs.contiguous(), int(n), c1.contiguous(), packed.contiguous(),
         int(b), centroids.contiguous(), mult.contiguous(), add.contiguous(), add1.contiguous(),
-        int(k1), int(k), None if mult1 is None else mult1.contiguous())
+        int(k1), int(k), None if mult1 is None else mult1.contiguous(), bound)
 
 
 def fast_scan_terms(qrs: list[torch.Tensor], blocked: list[torch.Tensor], n: int,

@@ -218,22 +218,25 @@ def fast_scan_np(qrs: list[np.ndarray], blocked: list[np.ndarray], n: int,
 def fast_scan_two_stage_np(qr: np.ndarray, signs: np.ndarray, n: int, c1: np.ndarray,
                            packed: np.ndarray, b: int, centroids: np.ndarray, mult: np.ndarray,
                            add: np.ndarray, add1: np.ndarray, k1: int, k: int,
-                           mult1: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                           mult1: np.ndarray | None = None, bound: tuple | None = None
+                           ) -> tuple[np.ndarray, np.ndarray]:
+    """``bound``: a ``ref.SignBound`` (sigma, gain, cnorm, min_sin) or None."""
     vals, pos = _topk_out(qr.shape[0], k, written=bool(n))
     if qr.shape[0] and n:
+        sigma, gain, cnorm, min_sin = bound if bound is not None else (0.0, 1.0, 1.0, 0.0)
         _C.fast_scan_two_stage(qr, signs, n, c1, packed, b, centroids, mult, add, add1, k1, k,
-                               vals, pos, threads(), mult1)
+                               vals, pos, threads(), mult1, sigma, gain, cnorm, min_sin)
     return vals, pos
 
 
 def fast_scan_two_stage_cpu(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                             packed: torch.Tensor, b: int, centroids: torch.Tensor,
                             mult: torch.Tensor, add: torch.Tensor, add1: torch.Tensor, k1: int,
-                            k: int, mult1: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            k: int, mult1: torch.Tensor | None = None,
+                            bound: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     vals, pos = fast_scan_two_stage_np(*_np(qr, signs), n, c1.numpy(), packed.numpy(), b,
                                        *_np(centroids, mult, add, add1), k1, k,
-                                       None if mult1 is None else mult1.numpy())
+                                       None if mult1 is None else mult1.numpy(), bound)
     return torch.from_numpy(vals), torch.from_numpy(pos)
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .dispatch import OPS, pick
-from .ref import FAST_SCAN_BITS
+from .ref import FAST_SCAN_BITS, SignBound, check_sign_bound
 
 __all__ = ["prepare", "HadamardRotate", "ScanTerm", "FullCodes", "FastScan", "IVFFastScan",
            "IVFProbe", "FlatSearchArgs", "TermsSearchArgs", "IVFSearchArgs", "GraphSearchArgs",
@@ -80,13 +80,16 @@ class FullCodes:
     """A two-stage scan's second stage behind a one-term sign pass: the full ``bits``-bit codes
     (``packed`` rows, their ``centroids``) that re-score the pass's k1 best rows; the pass's own
     row offsets ``first_add`` (default the scan's) and multipliers ``first_mult`` (default its
-    term's)."""
+    term's). ``bound`` (a ``SignBound``): the pass keeps the rows whose error bound reaches the
+    k-th best instead of k1 (``fast_scan_two_stage``'s bound: the pass's terms then estimate the
+    full codes' scores)."""
 
     packed: torch.Tensor
     bits: int
     centroids: torch.Tensor
     first_add: torch.Tensor | None = None
     first_mult: torch.Tensor | None = None
+    bound: SignBound | None = None
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -138,7 +141,7 @@ class FastScan:
         self.full = None if full is None else FullCodes(
             full.packed.contiguous(), int(full.bits), full.centroids.contiguous(),
             self.add if full.first_add is None else full.first_add.contiguous(),
-            _contiguous(full.first_mult))
+            _contiguous(full.first_mult), check_sign_bound(full.bound))
         self.device = self.add.device
         self.runner = prepare("fast_scan_prepared", self, self.device, backend)
         self.compiled = getattr(self.runner, "compiled", False)
@@ -151,6 +154,8 @@ class FastScan:
         if isinstance(qrs[0], np.ndarray) and not self.compiled:
             raise TypeError("qrs must be torch tensors where the compiled CPU kernel does not "
                             "hold the scan, got numpy arrays")
+        if self.full is not None and self.full.bound is not None:
+            k1 = k1 or 1  # the bound selects the rows
         if (self.full is not None or self.first) and (k1 is None or k1 < 1):
             raise ValueError(f"k1 must be a positive int for a two-stage scan, got {k1!r}")
         if k1 is not None:

@@ -53,6 +53,7 @@ class FastScanKernel:
         f = s.full
         self.full = None if f is None else (f.packed.numpy(), f.bits, f.centroids.numpy(),
                                             f.first_add.numpy(), _np(f.first_mult))
+        self.bound = None if f is None else f.bound
 
     def __call__(self, qrs: list, k: int, add: torch.Tensor | None, add1: torch.Tensor | None,
                  k1: int | None, approx: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,7 +63,7 @@ class FastScanKernel:
             vals, pos = _cpu.fast_scan_two_stage_np(
                 _query(qrs[0]), self.blocked[0], self.n, self.centroids[0], packed, b, cents,
                 self.mults[0], add_np, first_add if add1 is None else add1.numpy(), int(k1),
-                k, first_mult)
+                k, first_mult, self.bound)
         else:
             vals, pos = _cpu.fast_scan_np([_query(q) for q in qrs], self.blocked, self.n,
                                           self.centroids, self.mults, add_np, self.bits, k,
@@ -161,9 +162,11 @@ def flat_search(a: Any) -> object | None:
     prefilter = None
     if scan.full is not None:
         packed, bfull, cfull, add1, mult1 = scan.full
-        prefilter = _cpu.compiled().Prefilter(keep=int(a.prefilter), packed=packed,
-                                              bits=int(bfull), centroids=cfull, first_add=add1,
-                                              first_mult=mult1)
+        sigma, gain, cnorm, min_sin = scan.bound or (0.0, 1.0, 1.0, 0.0)
+        prefilter = _cpu.compiled().Prefilter(
+            keep=int(a.prefilter), packed=packed, bits=int(bfull), centroids=cfull,
+            first_add=add1, first_mult=mult1, bound_sigma=sigma, bound_gain=gain,
+            bound_cnorm=cnorm, bound_min_sin=min_sin)
     return _cpu.compiled().FlatSearcher(
         rotation=_cpu.rotation(rot), prefilter=prefilter,
         refine_codes=_cpu.code_refinement(refine_codes), blocked=scan.blocked[0], n=scan.n,

@@ -39,7 +39,7 @@ def fast_scan_runner(s: Any) -> Callable:
             f, t = s.full, terms[0]
             return _ref.fast_scan_two_stage_ref(
                 qrs[0], t.blocked, s.n, t.centroids, f.packed, f.bits, f.centroids, t.mult,
-                add, f.first_add if add1 is None else add1, k1, k, f.first_mult)
+                add, f.first_add if add1 is None else add1, k1, k, f.first_mult, f.bound)
         if s.first:
             return _ref.fast_scan_terms_two_stage_ref(
                 qrs, [t.blocked for t in terms], [t.packed for t in terms], s.n,

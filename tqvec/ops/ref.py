@@ -7,16 +7,44 @@ trailing pad bits are 0). Float inputs are float32 and contiguous (the dispatche
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = ["pack_bits_ref", "unpack_bits_ref", "quantize_pack_ref", "hadamard_rotate_ref",
            "lut_scan_ref", "lut_rescore_ref", "fast_scan_two_stage_ref", "block_codes_ref",
            "block_code_rows_ref",
            "fast_scan_ref", "fast_scan_terms_ref", "fast_scan_terms_two_stage_ref",
-           "decode_attention_ref", "row_bytes"]
+           "decode_attention_ref", "row_bytes", "SignBound", "check_sign_bound"]
 
 FAST_SCAN_BITS = (1, 2, 3, 4)  # widths with a fast-scan layout (3 bits: pairs, see block_codes_ref)
 BLOCK_ROWS = 32
+
+
+class SignBound(NamedTuple):
+    """A sign-plane first pass bounded by its error (``fast_scan_two_stage_ref``): sigma (0:
+    no bound; the error's standard deviations times the codec's noise), the codec's gain and
+    cnorm (``SignTermError``), and min_sin, the floor of the row angle's sine."""
+
+    sigma: float
+    gain: float
+    cnorm: float
+    min_sin: float = 0.0
+
+
+def check_sign_bound(bound: SignBound | None) -> SignBound | None:
+    """``bound`` checked (a ``SignBound`` of finite values: sigma >= 0, gain and cnorm > 0,
+    min_sin in [0, 1]) and as floats, or None for none (sigma 0 counts as none)."""
+    if bound is None:
+        return None
+    if not isinstance(bound, SignBound):
+        raise TypeError(f"bound must be an ops.SignBound or None, got {type(bound).__name__}")
+    b = SignBound(*(float(v) for v in bound))
+    ok = all(v == v and abs(v) < float("inf") for v in b)
+    if not (ok and b.sigma >= 0 and b.gain > 0 and b.cnorm > 0 and 0 <= b.min_sin <= 1):
+        raise ValueError(f"bound must hold finite sigma >= 0, gain > 0, cnorm > 0 and min_sin "
+                         f"in [0, 1], got {bound}")
+    return b if b.sigma > 0 else None
 
 
 def row_bytes(d: int, b: int) -> int:
@@ -175,8 +203,8 @@ def lut_rescore_ref(qr: torch.Tensor, packed: torch.Tensor, centroids: torch.Ten
 def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: torch.Tensor,
                             packed: torch.Tensor, b: int, centroids: torch.Tensor,
                             mult: torch.Tensor, add: torch.Tensor, add1: torch.Tensor, k1: int,
-                            k: int, mult1: torch.Tensor | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            k: int, mult1: torch.Tensor | None = None,
+                            bound: SignBound | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Top k by the full b-bit codes among the top k1 by the sign plane: stage 1 is
     ``fast_scan_ref`` over ``signs`` (1-bit codes in the fast-scan layout, centroids c1, row
     offsets add1: e.g. -||x_1bit||^2 for L2, the distance to the 1-bit reconstruction), stage
@@ -185,8 +213,35 @@ def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: t
     by its 7-bit tables (no exact re-score), so its candidate set may differ at the k1-th
     place: a heuristic first pass, which is what it is for (the exact scan is ``fast_scan``).
     ``signs`` may cover only the first d1 = 8 * signs.shape[1] < d coordinates (1-bit codes:
-    a prefix of the coordinates is their coarse pass); stage 1 then scores qr[:, :d1]."""
+    a prefix of the coordinates is their coarse pass); stage 1 then scores qr[:, :d1].
+
+    ``bound`` (a ``SignBound`` with sigma > 0) bounds stage 1 by its error instead of a count
+    (k1 unused): mult1 and add1 must then make stage 1 the full codes' estimate (the rows' gains
+    times their full multipliers, the full offsets; ``Codec.sign_term_error``). Row i's stage-1
+    score s_i = mult1_i T_i + add1_i (T_i = <qr, c1[sign_i]>) is within
+    e_i = |mult1_i| sigma ||qr|| sin_i / gain of its full score, where
+    cos_i = gain T_i / (cnorm ||qr||) and sin_i = sqrt(max(min_sin^2, 1 - cos_i^2)); every row
+    with s_i + e_i at least the k-th largest s_i - e_i is re-scored. The CPU kernel's stage 1
+    uses its tables' scores and widens each bound by their error, so its rows include these."""
     d1 = sign_plane_dims(signs.shape[1], qr.shape[1])
+    if bound is not None and bound.sigma > 0:
+        q1 = qr[:, :d1].contiguous()
+        m1 = mult if mult1 is None else mult1
+        T = q1 @ c1[unpack_bits_ref(unblock_codes(signs, n, d1, 1), d1, 1).long()].T
+        s = T * m1[None, :] + add1[None, :]
+        qn = q1.norm(dim=1, keepdim=True)
+        cos = bound.gain * T / (bound.cnorm * qn).clamp_min(1e-30)
+        sin = torch.sqrt(torch.clamp(1 - cos * cos, min=bound.min_sin ** 2))
+        e = (bound.sigma / bound.gain) * qn * sin * m1.abs()[None, :]
+        lb = torch.where(torch.isfinite(s), s - e, torch.full_like(s, -float("inf")))
+        if n == 0:
+            return _topk_padded(s, k)
+        th = torch.topk(lb, min(k, n), dim=1).values[:, -1:]
+        keep = (s + e >= th) & torch.isfinite(s)
+        width = max(1, int(keep.sum(1).max()))
+        order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]
+        cand = torch.where(torch.gather(keep, 1, order), order, torch.full_like(order, -1))
+        return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
     _, cand = fast_scan_ref(qr[:, :d1].contiguous(), signs, n, c1,
                             mult if mult1 is None else mult1, add1, 1, min(k1, n) if n else k1)
     return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)

@@ -83,6 +83,16 @@ inline void check_bits(int b, int max_bits, const char* op) {
           ", got ", std::to_string(b));
 }
 
+// A two-stage scan's SignBound: sigma finite and >= 0 (0: none), gain and cnorm finite and > 0.
+inline SignBound sign_bound(float sigma, float gain, float cnorm, float min_sin,
+                            const char* op) {
+  require(std::isfinite(sigma) && sigma >= 0.0f, op, ": bound_sigma must be finite and >= 0");
+  require(std::isfinite(gain) && gain > 0.0f && std::isfinite(cnorm) && cnorm > 0.0f, op,
+          ": bound_gain and bound_cnorm must be finite and > 0");
+  require(min_sin >= 0.0f && min_sin <= 1.0f, op, ": bound_min_sin must be in [0, 1]");
+  return SignBound{sigma, gain, cnorm, min_sin};
+}
+
 inline void check_metric(int metric, const char* op) {
   require(metric >= 0 && metric <= 2, op, ": metric must be 0, 1 or 2 (ip, l2, cosine)");
 }

@@ -71,7 +71,9 @@ void bind_scans(nb::module_& m) {
                                   CArr<const float> centroids, CArr<const float> mult,
                                   CArr<const float> add, CArr<const float> add1, int64_t k1,
                                   int64_t k, CArr<float> out_vals, CArr<int64_t> out_idx,
-                                  int nthreads, std::optional<CArr<const float>> mult1) {
+                                  int nthreads, std::optional<CArr<const float>> mult1,
+                                  float bound_sigma, float bound_gain, float bound_cnorm,
+                                  float bound_min_sin) {
     const char* op = "fast_scan_two_stage";
     check_shape(qr, {kAny, kAny}, op, "qr");
     const int64_t nq = dim(qr, 0), d = dim(qr, 1);
@@ -81,14 +83,18 @@ void bind_scans(nb::module_& m) {
     const CodeTable first = blocked_table(signs, n, sign_plane_dims(signs, d, op), 1, c1,
                                           mult1 ? *mult1 : mult, add1, op);
     require(k1 >= 1, op, ": k1 must be >= 1");
+    const SignBound bound =
+        sign_bound(bound_sigma, bound_gain, bound_cnorm, bound_min_sin, op);
     const TopKOut out = topk_out(out_vals, out_idx, nq, k, op);
     k1 = std::min(k1, n);  // more candidates than rows: every row
     nb::gil_scoped_release rel;
-    fast_scan_two_stage(qr.data(), nq, first, full, k1, out, nthreads);
+    fast_scan_two_stage(qr.data(), nq, first, full, k1, out, nthreads, bound);
   }, nb::arg("qr"), nb::arg("signs"), nb::arg("n"), nb::arg("c1"), nb::arg("packed"),
      nb::arg("b"), nb::arg("centroids"), nb::arg("mult"), nb::arg("add"), nb::arg("add1"),
      nb::arg("k1"), nb::arg("k"), nb::arg("out_vals"), nb::arg("out_idx"),
-     nb::arg("nthreads"), nb::arg("mult1").none() = nb::none());
+     nb::arg("nthreads"), nb::arg("mult1").none() = nb::none(), nb::arg("bound_sigma") = 0.0f,
+     nb::arg("bound_gain") = 1.0f, nb::arg("bound_cnorm") = 1.0f,
+     nb::arg("bound_min_sin") = 0.0f);
 
   m.def("fast_scan_terms", [](std::vector<CArr<const float>> qrs,
                               std::vector<CArr<const uint8_t>> blocked,

@@ -19,13 +19,15 @@ using OptF = std::optional<CArr<const float>>;
 
 // A flat index's prefilter: keep * k rows of the first pass over the sign plane (with row
 // offsets first_add and multipliers first_mult, or the scan's mult) re-scored by the full codes
-// (packed, bits, centroids; the scan's mult and add).
+// (packed, bits, centroids; the scan's mult and add) - or with bound > 0 every row whose error
+// bound reaches the k-th (fast_scan_two_stage's bound; keep unused).
 struct Prefilter {
   int64_t keep;
   CArr<const uint8_t> packed;
   int bits;
   CArr<const float> centroids, first_add;
   OptF first_mult;
+  float bound_sigma = 0.0f, bound_gain = 1.0f, bound_cnorm = 1.0f, bound_min_sin = 0.0f;
 };
 
 // A refinement by TurboQuant-mse codes: packed rows, their rotation and table terms.
@@ -177,8 +179,10 @@ void build_flat(FlatSearcher* self, const Rotation& rotation, CArr<const uint8_t
   a.d = d;
   if (prefilter != nullptr) {
     // the scan is the sign plane of the first d1 <= d coordinates; the full codes re-score
-    require(bits == 1 && prefilter->keep >= 1, op,
-            ": a prefilter scans 1-bit signs and keeps >= 1 rows per result");
+    a.prefilter_bound = sign_bound(prefilter->bound_sigma, prefilter->bound_gain,
+                                   prefilter->bound_cnorm, prefilter->bound_min_sin, op);
+    require(bits == 1 && (prefilter->keep >= 1 || a.prefilter_bound.sigma > 0.0f), op,
+            ": a prefilter scans 1-bit signs and keeps >= 1 rows per result or has a bound");
     a.scan = blocked_table(blocked, n, sign_plane_dims(blocked, d, op), 1, centroids,
                            prefilter->first_mult ? *prefilter->first_mult : mult,
                            prefilter->first_add, op);
@@ -272,10 +276,13 @@ void bind_searchers(nb::module_& m) {
   nb::class_<Prefilter>(m, "Prefilter")
       .def("__init__", [](Prefilter* self, int64_t keep, CArr<const uint8_t> packed, int bits,
                           CArr<const float> centroids, CArr<const float> first_add,
-                          OptF first_mult) {
-        new (self) Prefilter{keep, packed, bits, centroids, first_add, first_mult};
+                          OptF first_mult, float bound_sigma, float bound_gain,
+                          float bound_cnorm, float bound_min_sin) {
+        new (self) Prefilter{keep,       packed,      bits,       centroids,   first_add,
+                             first_mult, bound_sigma, bound_gain, bound_cnorm, bound_min_sin};
       }, nb::kw_only(), arg("keep"), arg("packed"), arg("bits"), arg("centroids"),
-         arg("first_add"), arg("first_mult").none() = nb::none());
+         arg("first_add"), arg("first_mult").none() = nb::none(), arg("bound_sigma") = 0.0f,
+         arg("bound_gain") = 1.0f, arg("bound_cnorm") = 1.0f, arg("bound_min_sin") = 0.0f);
 
   nb::class_<CodeRefinement>(m, "CodeRefinement")
       .def("__init__", [](CodeRefinement* self, const Rotation& rotation,

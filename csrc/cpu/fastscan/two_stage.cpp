@@ -82,13 +82,63 @@ void approx_scores_any(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t
   }
 }
 
+// One worker's part of a bounded first pass: the k best lower bounds among its rows (a min-heap)
+// and the rows whose upper bound reached the k-th of them when they were scored.
+struct BoundedPart {
+  std::vector<float> best;
+  std::vector<std::pair<float, int64_t>> cand;  // (upper bound, row)
+};
+
+// Rows of blocks [j0, j1) into part with SignBound's bounds: each row's first-pass score s (the
+// tables' approximate one) estimates its full score within
+// e = |mult| (sigma ||q|| sin / gain + the tables' error), sin the row's angle to the query as
+// that score gives it (cos = gain (s - add) / (mult cnorm ||q||); sin >= min_sin).
+void bounded_rows(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, int64_t j0,
+                  int64_t j1, const float* mult, const float* add, const SignBound& bound,
+                  float qn, int64_t k, BoundedPart& part) {
+  constexpr int64_t kChunk = 16;  // blocks per pass: 2 KB of scores
+  alignas(32) float s[kChunk * kRows], lb[kChunk * kRows], ub[kChunk * kRows];
+  const float wq = bound.sigma * qn / bound.gain, err = L.err;
+  const float cs = qn > 0.0f ? bound.gain / (bound.cnorm * qn) : 0.0f;
+  const float sin2 = bound.min_sin * bound.min_sin, ninf = -std::numeric_limits<float>::infinity();
+  auto& best = part.best;
+  const auto greater = std::greater<float>();
+  for (int64_t c0 = j0; c0 < j1; c0 += kChunk) {
+    const int64_t c1 = std::min(j1, c0 + kChunk);
+    approx_scores_any(L, blocked, rb, n, c0, c1, mult, add, s);
+    const int64_t base = c0 * kRows, rows = std::min(n, c1 * kRows) - base;
+    for (int64_t t = 0; t < rows; ++t) {  // branch-free: the compiler vectorizes it
+      const float a = add[base + t], m = mult[base + t], v = s[t];
+      const float cos = cs * (v - a) / (m != 0.0f ? m : 1.0f);
+      const float e = std::fabs(m) * (wq * std::sqrt(std::max(sin2, 1.0f - cos * cos)) + err);
+      const bool live = a > ninf;  // -inf offsets (removed or filtered rows) never enter
+      lb[t] = live ? v - e : ninf;
+      ub[t] = live ? v + e : ninf;
+    }
+    for (int64_t t = 0; t < rows; ++t) {
+      const float th = static_cast<int64_t>(best.size()) < k ? ninf : best.front();
+      if (lb[t] > th) {
+        if (static_cast<int64_t>(best.size()) == k) {
+          std::pop_heap(best.begin(), best.end(), greater);
+          best.back() = lb[t];
+        } else {
+          best.push_back(lb[t]);
+        }
+        std::push_heap(best.begin(), best.end(), greater);
+      }
+      if (ub[t] >= th && ub[t] > ninf) part.cand.emplace_back(ub[t], base + t);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace fastscan
 
 using namespace fastscan;  // NOLINT: the kernel's own internals
 
 void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
-                         const CodeTable& full_t, int64_t k1, const TopKOut& out, int nthreads) {
+                         const CodeTable& full_t, int64_t k1, const TopKOut& out, int nthreads,
+                         const SignBound& bound) {
   const int64_t d = full_t.d, d1 = signs_t.d, n = full_t.n, k = out.k;
   const uint8_t* signs = signs_t.codes;
   const float *c1 = signs_t.centroids, *mult1 = signs_t.mult, *add1 = signs_t.add;
@@ -99,6 +149,42 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
     rescore_terms(&full, 1, qi, rows, full_t.add, k, out.vals_of(qi), out.idx_of(qi));
   };
   const int64_t t = std::max(1, nthreads), nb = (n + kRows - 1) / kRows;
+  if (bound.sigma > 0.0f) {
+    // Every row whose error bound reaches the k-th best lower bound (SignBound), query by
+    // query: threads over queries, or over one query's blocks where the queries are few
+    const int64_t rb1 = fs_row_bytes(d1, 1);
+    auto one_query = [&](int64_t qi, int64_t workers) {
+      const float* q = qr + qi * d;
+      double s2 = 0.0;
+      for (int64_t j = 0; j < d1; ++j) s2 += static_cast<double>(q[j]) * q[j];
+      const float qn = static_cast<float>(std::sqrt(s2));
+      const Lut L = build_lut(q, d1, 1, c1, rb1, false);
+      const int64_t w = std::max<int64_t>(1, workers), per = (nb + w - 1) / w;
+      std::vector<BoundedPart> parts(static_cast<size_t>(w));
+      run_workers(w, [&](int64_t x) {
+        bounded_rows(L, signs, rb1, n, std::min(nb, x * per), std::min(nb, (x + 1) * per),
+                     mult1, add1, bound, qn, k, parts[static_cast<size_t>(x)]);
+      });
+      // the k-th best lower bound over every row: among the parts' k best
+      std::vector<float> lbs;
+      for (const auto& p : parts) lbs.insert(lbs.end(), p.best.begin(), p.best.end());
+      std::vector<float> tmp;
+      const float th = static_cast<int64_t>(lbs.size()) < k
+                           ? -std::numeric_limits<float>::infinity()
+                           : select_kth_largest(lbs.data(), static_cast<int64_t>(lbs.size()), k,
+                                                tmp);
+      std::vector<int64_t> rows;
+      for (const auto& p : parts)
+        for (const auto& [u, row] : p.cand)
+          if (u >= th) rows.push_back(row);
+      second(qi, rows);
+    };
+    if (threads_over_queries(nq, nb, t))
+      for_each_query(nq, t, [&](int64_t qi) { one_query(qi, 1); });
+    else
+      for (int64_t qi = 0; qi < nq; ++qi) one_query(qi, std::min<int64_t>(t, nb / kMinBlocksPerSplit));
+    return;
+  }
   if ((simd_avx2() || simd_neon()) && nq < 3 * t && nb >= kMinBlocksPerSplit) {
     // A few queries: the first pass's scores a chunk at a time (threads over blocks), the
     // rows of the k1 best kept as they come (rows_reaching_kth)

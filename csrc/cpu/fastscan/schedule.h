@@ -79,23 +79,18 @@ void start_from_sample(int64_t nb, int64_t n, int64_t k, std::vector<Shortlist>&
 // float copy and with a zero error bound, so a shortlist holds the rows of the best
 // approximate (quantized-table) scores, each with that score as its bound.
 // qstride: floats between consecutive queries (>= d: a two-stage scan's first pass reads the
-// first d coordinates of its queries). widen (nq) or nullptr: added to each query's bound on
-// top of the tables' error (kept with approx too) - a first pass whose scores estimate another
-// estimator's, with that estimator's own error (fast_scan_two_stage's bounded pass).
+// first d coordinates of its queries).
 template <class Finish>
 void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
                     const uint8_t* blocked, int64_t n, int b, const float* centroids,
                     const float* mult, const float* add, int64_t k_scan, bool approx,
-                    int nthreads, Finish&& fin, const float* widen = nullptr) {
+                    int nthreads, Finish&& fin) {
   const int64_t rb = fs_row_bytes(d, b);
   const int64_t nb = (n + kRows - 1) / kRows;
   const int64_t t = std::max(1, nthreads);
   auto lut = [&](int64_t qi) {
     Lut L = build_lut(qr + qi * qstride, d, b, centroids, rb, !approx);
-    if (widen != nullptr)
-      L.err += widen[qi];
-    else if (approx)
-      L.err = 0.0f;
+    if (approx) L.err = 0.0f;
     if (uses_dot(b, !approx)) add_dot(L, rb);
     return L;
   };
@@ -129,8 +124,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
           for (size_t g = grouped; g < ng; ++g)
             scan_blocks(luts[g], blocked, rb, n, c0, c1, mult, add, 0.f, *to[g]);
         };
-        const bool sampled =
-            approx && widen == nullptr && k_scan >= kSampledMinK && nb >= kSampleBlocks;
+        const bool sampled = approx && k_scan >= kSampledMinK && nb >= kSampleBlocks;
         if (sampled) start_from_sample(nb, n, k_scan, sls, scan);
         for (int64_t c0 = 0; c0 < nb; c0 += chunk_blocks)
           scan(sp.data(), c0, std::min(nb, c0 + chunk_blocks));

@@ -123,6 +123,45 @@ def test_the_kernel_keeps_every_row_its_reference_keeps():
         ops.fast_scan_two_stage(*args, bound=(3.0, 1.0, 1.0, 0.0))
 
 
+@needs_cpu
+def test_rows_the_stop_passes_over_are_not_scored():
+    """A candidate whose bound is below the k-th full score of the rows re-scored before it is
+    never scored, in the kernel and the reference alike: planted full codes that score it
+    first (its sign plane, hence its bound, left low) stay out of both results, and would be
+    in them if every candidate were scored."""
+    rng = np.random.default_rng(11)
+    d, n, k = 128, 3000, 10
+    codec = tqvec.TurboQuant(d, 3, seed=4)
+    codes, m, _, sign = _planes(codec, rng.standard_normal((n, d)).astype(np.float32))
+    term, signs = codec.lut_terms(codes)[0], codec.sign_term(codes)
+    model = codec.sign_term_error()
+    mult1 = (codec.sign_term_gains(codes) * term.scale).float().contiguous()
+    add = torch.zeros(n)
+    q = rng.standard_normal((1, d)).astype(np.float32)
+    qr = codec.query_terms(torch.from_numpy(q))[0]
+    bound = ops.SignBound(3 * model.noise, model.gain, model.cnorm, 1 / math.sqrt(d))
+    # the reference's bounds (fast_scan_two_stage_ref) and the candidates
+    t = (qr @ sign.T)[0]
+    est = t * mult1
+    cos = model.gain * t / (model.cnorm * qr.norm())
+    e = bound.sigma / model.gain * qr.norm() * torch.sqrt(torch.clamp(1 - cos * cos, min=1 / d))
+    ub = est + e * mult1.abs()
+    cand = torch.nonzero(ub >= torch.topk(est - e * mult1.abs(), k).values[-1]).flatten()
+    cents, scale = term.centroids.float(), term.scale.float()
+    full = (qr @ cents[ops.unpack_bits(term.packed, d, 3).long()].T)[0] * scale
+    r = int(cand[torch.argmin(ub[cand])])
+    assert float(ub[r]) < float(torch.topk(full, k).values[-1])  # the stop passes over it
+    planted = term.packed.clone()
+    planted[r] = codec.lut_terms(codec.encode(torch.from_numpy(q)))[0].packed[0]
+    args = (qr, ops.block_codes(signs.packed, d, 1), n, signs.centroids.float(), planted, 3,
+            cents, scale, add, add, 1, k)
+    _, every = ops.lut_rescore(qr, planted, cents, scale, add, cand[None], 3, k, backend="ref")
+    assert int(every[0, 0]) == r  # the best full score of all
+    for backend in ("cpu", "ref"):
+        _, pos = ops.fast_scan_two_stage(*args, backend=backend, mult1=mult1, bound=bound)
+        assert r not in pos[0].tolist(), backend
+
+
 def test_the_setting_is_checked():
     codec = tqvec.TurboQuant(64, 2)
     for bad in (-1.0, float("nan"), 11.0):

@@ -7,6 +7,7 @@ trailing pad bits are 0). Float inputs are float32 and contiguous (the dispatche
 
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 import torch
@@ -220,9 +221,14 @@ def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: t
     times their full multipliers, the full offsets; ``Codec.sign_term_error``). Row i's stage-1
     score s_i = mult1_i T_i + add1_i (T_i = <qr, c1[sign_i]>) is within
     e_i = |mult1_i| sigma ||qr|| sin_i / gain of its full score, where
-    cos_i = gain T_i / (cnorm ||qr||) and sin_i = sqrt(max(min_sin^2, 1 - cos_i^2)); every row
-    with s_i + e_i at least the k-th largest s_i - e_i is re-scored. The CPU kernel's stage 1
-    uses its tables' scores and widens each bound by their error, so its rows include these."""
+    cos_i = gain T_i / (cnorm ||qr||) and sin_i = sqrt(max(min_sin^2, 1 - cos_i^2)). The rows
+    with s_i + e_i at least the k-th largest s_i - e_i are the candidates. The k of them with
+    the best s_i are re-scored first, then the rest by their upper bounds s_i + e_i, largest
+    first (ties by the lower row), until the next one's is below the k-th best full score so
+    far: a row that cannot reach the results is not scored (RaBitQ's pattern: the bound
+    against the exact k-th, not against other bounds). The CPU kernel's stage 1 uses its
+    tables' scores and widens each bound by their error, so its rows nearly always include
+    these."""
     d1 = sign_plane_dims(signs.shape[1], qr.shape[1])
     if bound is not None and bound.sigma > 0:
         q1 = qr[:, :d1].contiguous()
@@ -238,13 +244,40 @@ def fast_scan_two_stage_ref(qr: torch.Tensor, signs: torch.Tensor, n: int, c1: t
             return _topk_padded(s, k)
         th = torch.topk(lb, min(k, n), dim=1).values[:, -1:]
         keep = (s + e >= th) & torch.isfinite(s)
-        width = max(1, int(keep.sum(1).max()))
-        order = torch.argsort((~keep).to(torch.uint8), dim=1, stable=True)[:, :width]
-        cand = torch.where(torch.gather(keep, 1, order), order, torch.full_like(order, -1))
+        scored = [_scored_by_bound(s[i], s[i] + e[i], keep[i], qr[i], packed, centroids, mult,
+                                   add, b, k) for i in range(qr.shape[0])]
+        cand = torch.full((qr.shape[0], max(1, max(len(r) for r in scored))), -1)
+        for i, r in enumerate(scored):
+            cand[i, :len(r)] = r
         return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
     _, cand = fast_scan_ref(qr[:, :d1].contiguous(), signs, n, c1,
                             mult if mult1 is None else mult1, add1, 1, min(k1, n) if n else k1)
     return lut_rescore_ref(qr, packed, centroids, mult, add, cand, b, k)
+
+
+def _scored_by_bound(est: torch.Tensor, ub: torch.Tensor, keep: torch.Tensor, q: torch.Tensor,
+                     packed: torch.Tensor, centroids: torch.Tensor, mult: torch.Tensor,
+                     add: torch.Tensor, b: int, k: int) -> torch.Tensor:
+    """The candidate rows (``keep``) a bounded stage 1 re-scores for one query q: the k with
+    the best estimates ``est`` (ties by the lower row), then the rest by their upper bounds
+    ``ub``, largest first (ties by the lower row), up to the first whose bound is below the
+    k-th best full score of the rows before it."""
+    rows = torch.nonzero(keep).flatten()
+    if len(rows) <= k:
+        return rows
+    seeds = rows[torch.argsort(-est[rows], stable=True)[:k]]
+    rest = rows[~torch.isin(rows, seeds)]
+    rows = torch.cat([seeds, rest[torch.argsort(-ub[rest], stable=True)]])
+    yhat = centroids[unpack_bits_ref(packed[rows], q.shape[0], b).long()]
+    f = ((yhat @ q) * mult[rows] + add[rows]).tolist()
+    best = f[:k]  # a min-heap of the k best full scores so far
+    heapq.heapify(best)
+    for r in range(k, len(rows)):
+        if float(ub[rows[r]]) < best[0]:
+            return rows[:r]
+        if f[r] > best[0]:
+            heapq.heapreplace(best, f[r])
+    return rows
 
 
 def sign_plane_dims(row_bytes: int, d: int) -> int:

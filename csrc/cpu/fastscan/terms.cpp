@@ -214,9 +214,11 @@ void finish_terms(const std::vector<TermScan>& ts, const float* add,
 // The second pass: query qi's exact scores of the candidate rows with every term, read from the
 // terms' packed (row-major) codes - a few cache lines per row and term where the blocked layout
 // spreads a row over rb lines - each chunk of rows loaded (touch_span) before the chunk before
-// it is scored, so the misses overlap.
+// it is scored, so the misses overlap. With bounds ub (rows sorted by them, largest first) the
+// pass stops at the first row, or group of 8 rows, whose bound is below the k-th best score so
+// far (rescore_best_first's rule): the rows after it cannot enter.
 void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vector<int64_t>& rows,
-                   const float* add, int64_t k, float* vals, int64_t* idx) {
+                   const float* add, int64_t k, float* vals, int64_t* idx, const float* ub) {
   thread_local std::vector<float> tables[kMaxTerms];
   const float* q[kMaxTerms];
   int64_t rbs[kMaxTerms];
@@ -242,15 +244,35 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   };
   touch(0);
   std::vector<Hit> hits;
-  hits.reserve(rows.size());
-  size_t r0 = 0;
+  hits.reserve(ub ? std::min(rows.size(), static_cast<size_t>(4 * k + 64)) : rows.size());
+  std::vector<float> best;  // with bounds: a min-heap of the k best scores so far
+  const auto greater = std::greater<float>();
+  auto admit = [&](float v, int64_t i) {
+    hits.emplace_back(v, i);
+    if (!ub || !(v > -std::numeric_limits<float>::infinity())) return;
+    if (static_cast<int64_t>(best.size()) < k) {
+      best.push_back(v);
+      std::push_heap(best.begin(), best.end(), greater);
+    } else if (v > best.front()) {
+      std::pop_heap(best.begin(), best.end(), greater);
+      best.back() = v;
+      std::push_heap(best.begin(), best.end(), greater);
+    }
+  };
+  // strictly greater: a row whose bound equals the k-th score could still tie it
+  auto done = [&](size_t r) {
+    return ub && static_cast<int64_t>(best.size()) == k && best.front() > ub[r];
+  };
+  size_t r0 = 0, end = rows.size();
 #ifdef TQVEC_X86
   // 8 rows at a time, terms of 1 and 2 bits (tables) by rescore_rows8_avx2, the others row by
   // row: each row's terms add in the same order as below, so its value is the same
   bool tabled = false;
   for (int x = 0; x < nterms; ++x) tabled = tabled || terms[x].b == 1 || terms[x].b == 2;
   tabled = tabled && simd_avx2();
-  for (; tabled && r0 + 8 <= rows.size(); r0 += 8) {
+  for (; tabled && r0 + 8 <= end; r0 += 8) {
+    if (done(r0)) end = r0;
+    if (r0 == end) break;
     if (r0 % kChunk == 0) touch(r0 + kChunk);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[8];
     for (int x = 0; x < nterms; ++x) {
@@ -264,10 +286,11 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
           sc[u] = rescore_row(q[x], tables[x].data(), rp[u], T.d, T.b, T.centroids, hs[x]);
       for (int u = 0; u < 8; ++u) v[u] += T.mult[rows[r0 + u]] * sc[u];
     }
-    for (int u = 0; u < 8; ++u) hits.emplace_back(v[u] + add[rows[r0 + u]], rows[r0 + u]);
+    for (int u = 0; u < 8; ++u) admit(v[u] + add[rows[r0 + u]], rows[r0 + u]);
   }
 #endif
-  for (size_t r = r0; r < rows.size(); ++r) {
+  for (size_t r = r0; r < end; ++r) {
+    if (done(r)) break;
     if (r % kChunk == 0) touch(r + kChunk);
     const int64_t i = rows[r];
     float v = 0.0f;
@@ -276,7 +299,7 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
       v += T.mult[i] * rescore_row(q[x], tables[x].data(), T.packed + i * rbs[x], T.d, T.b,
                                    T.centroids, hs[x]);
     }
-    hits.emplace_back(v + add[i], i);
+    admit(v + add[i], i);
   }
   write_topk(hits, k, vals, idx);
 }

@@ -20,8 +20,10 @@ struct TermScan {
 constexpr int kMaxTerms = 8;  // = ops.MAX_SCAN_TERMS (mixed-width codes: one term per run)
 
 // Query qi's exact scores of the candidate rows with every term, from the terms' packed
-// (row-major) codes -> its top k (the second pass of a two-stage scan).
+// (row-major) codes -> its top k (the second pass of a two-stage scan). ub: the rows' upper
+// bounds, largest first, or null; given, the pass stops where no later row can enter.
 void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vector<int64_t>& rows,
-                   const float* add, int64_t k, float* vals, int64_t* idx);
+                   const float* add, int64_t k, float* vals, int64_t* idx,
+                   const float* ub = nullptr);
 
 }  // namespace tqvec::fastscan

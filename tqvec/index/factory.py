@@ -60,9 +60,8 @@ from .pca import PCAIndex
 __all__ = ["index_factory", "parse_codec", "PREFILTER_SIGMAS"]
 
 #: ``Prefilter``'s error bound, in standard deviations of the first pass's error (a true top-k
-#: row at the k-th place is missed with probability ~0.13 % where that error is Gaussian; 2 is
-#: 1.1-2.5x faster and kept recall@10 within 0.001 on the sets of ``bench/prefilter.py``, but
-#: missed ~0.5 % of the exact scan's own top 10 on isotropic data).
+#: row at the k-th place is missed with probability ~0.13 % where that error is Gaussian; a
+#: smaller bound is faster and can miss more: docs/search.md).
 PREFILTER_SIGMAS = 3.0
 
 _REFINE = re.compile(r"^(?P<base>[^,]+)(,(?P<first>Prefilter)(\((?P<pf>\d+)\))?)?"

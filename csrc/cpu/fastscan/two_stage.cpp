@@ -210,7 +210,7 @@ void fast_scan_two_stage(const float* qr, int64_t nq, const CodeTable& signs_t,
       // The k best estimates first, then the rest by bound, largest first (ties by the lower
       // row), re-scored until none can enter. The first k's k-th score (at most the final
       // k-th) drops every row whose bound is below it - the rows the stop would pass over -
-      // before the sort (e.g. ~300 rows of ~1,500 on Fashion-MNIST).
+      // before the sort.
       std::vector<BoundedRow> cand;
       for (const auto& p : parts)
         for (const auto& c : p.cand)

@@ -63,8 +63,8 @@ def query_rows(x: Any, name: str, dim: int, device: torch.device) -> torch.Tenso
     within float32 (as ``add`` requires: a finite query of norm 1e20 would score NaN against
     every row). The common case - a C-contiguous, writable float32 numpy array for a CPU index
     - is checked by one float32 sum of squares and wrapped without a copy (a NaN or Inf
-    anywhere, or a row norm past float32, makes that sum non-finite; the general checks cost
-    ~30 us at one query, cache-cold after the previous search's scan)."""
+    anywhere, or a row norm past float32, makes that sum non-finite; the general checks would
+    weigh on a one-query search: docs/kernel-costs.md)."""
     if (type(x) is np.ndarray and x.dtype == np.float32 and x.ndim == 2 and x.shape[1] == dim
             and device.type == "cpu" and x.flags.c_contiguous and x.flags.writeable
             and norms_fit(x)):

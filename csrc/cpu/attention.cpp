@@ -64,10 +64,10 @@ struct StateArgs {
 void softmax_states(const StateArgs* segs, int nseg, int64_t bh, int64_t g, int64_t d,
                     float scale, int nthreads) {
   constexpr int64_t kMinPart = 512;  // tokens per part below which a split costs more than it saves
-  // A second thread only for work worth waking it: a parked worker takes ~0.1-0.25 ms to start
-  // in a virtual machine (futex wake of a halted vCPU, or one that torch's OpenMP threads spin
-  // on), while a 1k-token head of 4 x 256 query coordinates is ~0.15 ms of one core's work.
-  // kMinWork: visible tokens x query rows x d per thread (~0.3 ms of one core's work).
+  // A second thread only for work worth waking it: a parked worker is slow to start in a
+  // virtual machine (futex wake of a halted vCPU, or one that torch's OpenMP threads spin on),
+  // about as slow as a 1k-token head of 4 x 256 query coordinates (docs/kernel-costs.md).
+  // kMinWork: visible tokens x query rows x d per thread (about twice that work).
   constexpr int64_t kMinWork = int64_t{1} << 21;
   int64_t work = 0;
   for (int s = 0; s < nseg; ++s)

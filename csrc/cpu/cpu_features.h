@@ -24,11 +24,11 @@ inline bool simd_neon() { return kCpuFeatures.neon; }
 // Whether the AVX-512 (F + BW) block sums run where they exist (the fast scans of 1, 2 and
 // 4-bit codes; the rest stays on AVX2): the CPU has them and TQVEC_SIMD is "avx512". Opt-in:
 // on Zen 4 (512-bit ops split in two 256-bit halves) the lookups are bound by the shuffle
-// ports either way and the path measured 0.90-1.0x the AVX2 one.
+// ports either way and the path was no faster than the AVX2 one (docs/kernel-costs.md).
 inline bool simd_avx512() { return kCpuFeatures.avx512; }
 // Whether the 3-bit block sums take AVX-512 VBMI (vpermb: a pair's 64-entry table in one
 // lookup): the CPU has F, BW and VBMI, the AVX2 loops run and TQVEC_SIMD is not "avx2" (which
-// keeps every scan on AVX2). On by default: the same bits as the AVX2 path, measured faster.
+// keeps every scan on AVX2). On by default: the same bits as the AVX2 path, and faster.
 inline bool simd_vbmi() { return kCpuFeatures.vbmi; }
 // Whether VNNI's vpdpbusd runs (simd_vbmi and the CPU has AVX-512 VNNI): the 1, 2 and 4-bit
 // table sums gather a row's four code bytes per 32-bit lane and add its lookups in one

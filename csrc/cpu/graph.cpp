@@ -76,8 +76,8 @@ struct Pool {
     done[static_cast<size_t>(next)] = 1;
     return next++;
   }
-  // Calls fetch(row) for the best unexpanded entry - again where fetched before, which
-  // measured faster (perhaps a prefetch dropped on a full miss queue is made again) - and for
+  // Calls fetch(row) for the best unexpanded entry - again where fetched before, which is
+  // faster (perhaps a prefetch dropped on a full miss queue is made again) - and for
   // each of the next depth - 1 not fetched before.
   template <class Fetch>
   void fetch_next(int depth, Fetch&& fetch) {

@@ -207,8 +207,8 @@ void hadamard_rotate(const float* x, int64_t n, int64_t d, const int64_t* perms,
   const float inv_sqrt_p = static_cast<float>(1.0 / std::sqrt(static_cast<double>(p)));
   const int64_t groups = (n + kLanes - 1) / kLanes;
   // Threads split whole groups of kLanes rows (never one group between two threads).
-  // A group (kLanes rows x d x rounds butterflies) is ~19 us at d = 784, 3 rounds: threads pay
-  // from a few groups each (the default of 512 rows per thread left a 1,000-query batch on one).
+  // Threads pay from ~64k butterflies each (a thread's start costs about that much work:
+  // docs/kernel-costs.md); a fixed 512 rows per thread left a 1,000-query batch on one.
   const int64_t min_groups =
       std::max<int64_t>(1, (int64_t{1} << 16) / std::max<int64_t>(1, kLanes * d * rounds));
   parallel_rows(groups, nthreads, [&](int64_t glo, int64_t ghi) {

@@ -1,6 +1,6 @@
 // Row-parallel loops over [0, n) on a pool of parked std::threads (no OpenMP runtime to clash
-// with torch's). Starting a thread costs ~20-25 us here, as much as a whole single-query scan of
-// a few thousand rows, so the workers are started once and reused.
+// with torch's). Starting a thread costs as much as a whole single-query scan of a few thousand
+// rows (docs/kernel-costs.md), so the workers are started once and reused.
 #pragma once
 #include <algorithm>
 #include <atomic>
@@ -41,7 +41,7 @@ struct Task {
 // Workers 1 .. size() wait for a run; a run publishes (generation, thread count) in one atomic
 // word so that a worker late to one run cannot mistake the next run's count for its own. After
 // a run the workers spin for kSpin before they sleep: back-to-back calls (one query after
-// another) then start in well under a microsecond instead of a futex wake (~10-30 us).
+// another) then start without a futex wake.
 class Workers {
  public:
   static constexpr auto kSpin = std::chrono::microseconds(100);

@@ -7,7 +7,7 @@
 // Gathering the candidates into a (nq, kk, d) tensor first (what torch indexing does) writes and
 // re-reads kk * d * 4 bytes per query; here each candidate row is read once, both sums from the
 // same load, and the next candidate's row is prefetched while this one is summed. The metric and
-// the top-k run here too: the same dozen steps in numpy cost ~40 us per query, 3x the sums.
+// the top-k run here too: the same dozen steps in numpy cost several times the sums.
 #include "arch.h"
 
 #include <algorithm>
@@ -79,7 +79,7 @@ void dot_and_sqnorm_portable(const float* __restrict q, const float* __restrict 
 // <q, x> alone with four independent 8-lane accumulators (lane l of accumulator u sums the
 // terms j = 8u + l (mod 32); the 8-wide blocks past the last 32 go to accumulator 0, the tail
 // to a scalar; then the tail and the lanes, u-major, in order): one accumulator is an add
-// latency per 8 terms, which made a probe of 256 x 784 centroids compute-bound (~25 us).
+// latency per 8 terms, which made a probe of 256 x 784 centroids latency-bound.
 #ifdef TQVEC_X86
 __attribute__((target("avx2"))) float dot_avx2(const float* __restrict q,
                                                const float* __restrict x, int64_t d) {
@@ -345,7 +345,7 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
         if (ii[r] >= 0) ii[r] = rows[i * kk + ii[r]];
     }
   };
-  // a thread start (~20 us) pays from ~64k multiply-adds of work per thread
+  // a thread start pays from ~64k multiply-adds of work per thread (docs/kernel-costs.md)
   const int64_t t = std::max<int64_t>(
       1, std::min<int64_t>({static_cast<int64_t>(nthreads), nq, nq * kk * d / 65536}));
   const int64_t chunk = (nq + t - 1) / t;
@@ -354,7 +354,7 @@ void rescore_topk(const float* q, int64_t nq, int64_t d, const float* x, const i
 
 // The nprobe nearest lists of each query (ivf_probe_ref): score_l = <q, c_l>, or for l2
 // 2 <q, c_l> - csq_l - ||q||^2 = -||q - c_l||^2; the best first (ties: lower l). One call for
-// what took ~40 us of numpy steps around a 15 us product at one query.
+// what took numpy steps costing more than the product itself at one query.
 void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nlist,
                const float* csq, bool l2, int64_t nprobe, int64_t* probes, float* offsets,
                int nthreads) {
@@ -418,7 +418,7 @@ void ivf_probe(const float* q, int64_t nq, int64_t d, const float* c, int64_t nl
       }
     }
   };
-  // a thread start (~20 us) pays from ~64k multiply-adds of work per thread; whole tiles each
+  // a thread start pays from ~64k multiply-adds of work per thread; whole tiles each
   const int64_t t = std::max<int64_t>(
       1, std::min<int64_t>({static_cast<int64_t>(nthreads), (nq + kQ - 1) / kQ,
                             nq * nlist * d / 65536}));

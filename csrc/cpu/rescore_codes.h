@@ -1,6 +1,6 @@
 // Exact scores of a few packed rows against one query (lut_rescore, and the second stage of
 // the two-stage fast scan): a table only where it pays for a small multiple of k rows — 16
-// entries per nibble for b = 1, 2 (2 rb x 16 floats, ~1 us to build; rescore_rows8_avx2 scores
+// entries per nibble for b = 1, 2 (2 rb x 16 floats; rescore_rows8_avx2 scores
 // 8 rows at a time) — and none for b >= 3, whose centroids are looked up in registers (b = 3,
 // 4), decoded affinely (a grid codebook: grid_half_step, a call's one test) or gathered.
 #pragma once
@@ -205,7 +205,7 @@ __attribute__((target("avx2"))) inline void rescore_rows8_avx2(const float* T,
 // order at the end. b >= 3: row_lanes (no table; indices unpacked in registers for b = 3, 4, 8),
 // then the tail and the 16 lanes in order; a grid codebook (hs > 0, see grid_half_step) decodes
 // affinely instead of gathering c[idx]: hs (sum q_j (2 idx_j - K + 1)). One running sum over a
-// table per coordinate made every row a chain of d dependent adds (~0.9 us at d = 784), and the
+// table per coordinate made every row a chain of d dependent adds (latency-bound), and the
 // 16-entry-per-nibble table of b = 4 cost as much to build, 16 d products per query, as scoring
 // 16 rows directly.
 inline float rescore_row(const float* q, const float* T, const uint8_t* row, int64_t d, int b,

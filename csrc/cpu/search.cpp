@@ -35,8 +35,8 @@ const float* unit_rows(const float* q, int64_t nq, int64_t d, std::vector<float>
 
 // The queries as an index scores them (the general path's float operations): unit rows
 // (normalize), or q - center (the torch subtraction), in qc; <q, ip_center> per query in qoff
-// (a centred inner product); ||q||^2 in qsq for l2 (in Python these steps cost ~20 us per
-// query). Returns the queries to use.
+// (a centred inner product); ||q||^2 in qsq for l2 (in Python these steps weighed on a
+// one-query search). Returns the queries to use.
 const float* prepare_queries(const float* q, int64_t nq, int64_t d, bool normalize,
                              const float* center, const float* ip_center, bool l2,
                              std::vector<float>& qc, std::vector<float>& qsq,

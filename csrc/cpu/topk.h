@@ -16,8 +16,8 @@ using Hit = std::pair<float, int64_t>;  // (score, row position)
 // The k-th largest of a[0 .. n) (1 <= k <= n, no NaN), with a rearranged so that a[0 .. k) holds
 // the k largest: what std::nth_element(a, a + k - 1, a + n, std::greater<float>()) gives, by a
 // quickselect whose partitions are branch-free (three-way, through tmp). On the random scores
-// of a shortlist nth_element's comparisons mispredict half the time: ~1.2 us for 80 values,
-// 13 % of a batched IVF search, several times what this takes.
+// of a shortlist nth_element's comparisons mispredict half the time, which made it a tenth
+// of a batched IVF search.
 inline float select_kth_largest(float* a, int64_t n, int64_t k, std::vector<float>& tmp) {
   int64_t lo = 0, hi = n;
   k -= 1;  // 0-based rank within [lo, hi)
@@ -64,7 +64,7 @@ inline void write_topk(std::vector<Hit>& hits, int64_t k, float* vals, int64_t* 
   } else {
     if (n > m) {
       // Only the hits that reach the m-th best score (the branch-free select) are sorted:
-      // partial_sort's heap (O(n log m) mispredicted comparisons) was 8 % of a batched IVF
+      // partial_sort's heap (O(n log m) mispredicted comparisons) weighed on a batched IVF
       // scan at k = 40 over ~100 hits, and its partial sort of all n a heap sort. Ties at the
       // m-th score all pass and sort by row: the same m hits, in the same order.
       thread_local std::vector<float> sc, tmp;

@@ -18,8 +18,7 @@ is one term with a fast-scan layout (``ops.fast_scan_terms``). The terms come in
 prefix of them is the code of the leading runs, which an index's ``prefilter`` scans first
 (``first_pass_terms``). (The run's two nibbles as two terms, with a 7-bit table each, cost a
 second pass over the blocks; the high nibbles alone make a 4-bit code of the leading
-components, and a first pass over them kept Fashion-MNIST's recall@10 with
-``PCA,TQ2,Prefilter(10)`` at 0.880 against 0.947.)
+components, and a first pass over them lost recall: docs/benchmarks.md.)
 """
 
 from __future__ import annotations

@@ -56,7 +56,7 @@ def check_fingerprint(path: str, codec: Codec, fingerprint: Any, what: str = "co
 
 
 #: Draw work (``Codec.draw_work``) a reader spends on checking fingerprints at once, beyond
-#: ``_DRAW_PER_BYTE`` per byte of the file's arrays: ~30 ms and ~32 MiB at most.
+#: ``_DRAW_PER_BYTE`` per byte of the file's arrays (docs/formats.md gives the bound).
 _DRAW_FREE = 1 << 22
 _DRAW_PER_BYTE = 64
 

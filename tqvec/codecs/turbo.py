@@ -84,8 +84,8 @@ class TurboQuant(Codec):
         the lowest error they allow (||x||^2 (1 - cos^2(u, c[idx])) against ||x||^2 ||u -
         c[idx]||^2 for the norm's). Same indices as ``"norm"``; biased like it, so search ranks
         by the distance to the reconstruction. The per-vector fit is what EDEN's and RaBitQ's
-        corrections buy on low-rank data (Fashion-MNIST L2, mean-centred, recall@10 at 2 / 3 /
-        4 bits 0.841 / 0.914 / 0.945 with the norm's scale, 0.849 / 0.916 / 0.953 fitted). It
+        corrections buy on low-rank data (docs/benchmarks.md: Fashion-MNIST, the norm's scale
+        against the fitted one). It
         stores no true norm: inner-product search (not cosine) uses <q, x_hat> as it is.
     codebook: ``"lloyd-max"`` (default, the paper: the optimal scalar quantizer of a rotated
         coordinate) or ``"grid"``: the best uniform grid for the same law

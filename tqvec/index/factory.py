@@ -18,7 +18,8 @@ spec                codec                                                    byt
 ==================  =======================================================  ==================
 
 ``TQ2,Refine(TQ8)`` searches 2-bit codes and re-ranks 4k candidates with 8-bit codes
-(``Refine(TQ8g)``: the same bytes on a uniform grid, re-scored ~2x faster on the CPU).
+(``Refine(TQ8g)``: the same bytes on a uniform grid, re-scored faster on the CPU: affine
+decoding instead of a codebook gather).
 ``TQ4,Prefilter`` (TurboQuant-mse at 2-4 bits, CPU) scans only the sign bits of the codes first
 and re-scores with the full codes every row whose sign estimate, within 3 standard deviations of
 its error, can reach the k-th best (``FlatIndex.prefilter_sigmas``; no extra bytes: the sign

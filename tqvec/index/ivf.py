@@ -191,8 +191,8 @@ class IVFIndex(CodesIndex):
     @centroids.setter
     def centroids(self, c: torch.Tensor | None) -> None:
         self._centroids = c
-        # ||c||^2, needed by every L2/cosine probe (recomputing it cost ~100 us per query at
-        # nlist 256, d 784: a third of a one-query search)
+        # ||c||^2, needed by every L2/cosine probe (recomputed per query it was a third of a
+        # one-query search)
         self._centroid_sqn = None if c is None else (c * c).sum(1)
         self._probe = None if c is None else ops.IVFProbe(
             c, self._centroid_sqn, self.metric_type != METRIC_INNER_PRODUCT)

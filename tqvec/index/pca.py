@@ -1,7 +1,7 @@
 """``PCAIndex``: a fitted PCA basis, then TurboQuant at mixed widths (factory ``PCA,TQ{b}``).
 
 The one index here that learns more than a mean - say so wherever it is compared. Data of low
-intrinsic dimension (Fashion-MNIST: 50 of 784 principal components hold 86 % of the variance)
+intrinsic dimension (a few principal components holding most of the variance: docs/search.md)
 wastes a data-oblivious code's bits: the random rotation spreads every direction's energy over
 every coordinate, so a 2-bit TurboQuant code spends as much on noise directions as on the
 leading ones. Trained PQ exploits the structure and wins there.
@@ -144,9 +144,8 @@ FIRST_PASS_VARIANCE = 0.9
 def first_pass_runs(runs: Sequence[tuple[int, int]], variances: Any,
                     share: float = FIRST_PASS_VARIANCE) -> int:
     """How many leading coded runs hold ``share`` of the variance (at least one, at most all):
-    the first pass of ``PCAIndex``'s prefilter. On Fashion-MNIST the 8- and 4-bit runs at
-    2 bits/dim (101 of 784 components, 91 % of the variance, 13 + 44 of the 200 code bytes);
-    at 4 bits the 8-bit run alone."""
+    the first pass of ``PCAIndex``'s prefilter (on low-rank data the 8- and 4-bit runs at
+    2 bits/dim, a quarter of the code bytes; at 4 bits the 8-bit run alone)."""
     var = np.asarray(variances, dtype=np.float64)
     total, held, start, coded = max(float(var.sum()), 1e-300), 0.0, 0, 0
     for n, b in runs:
@@ -211,8 +210,8 @@ class PCAIndex:
         if self.metric_type == METRIC_COSINE:  # the inner index codes unit rows
             t = normalized(t)
         mu = row_mean(t)
-        # float32 products of centred blocks, summed in float64 (half the time of float64
-        # products; the components' variances span ~4 orders of magnitude on Fashion-MNIST)
+        # float32 products of centred blocks, summed in float64 (faster than float64
+        # products; the components' variances span orders of magnitude)
         cov = torch.zeros((self.d, self.d), dtype=torch.float64)
         mu32 = mu.to(torch.float32)
         for s in range(0, t.shape[0], 8192):
@@ -288,12 +287,12 @@ class PCAIndex:
     def _search_fused(self, x: Any, k: int, snap: Any) -> tuple[np.ndarray, np.ndarray] | None:
         """``search`` of float32 numpy queries without a filter or refinement on the CPU fast
         scan, with one product per query block, x W, for the basis and every run's rotation
-        (they cost ~0.3 ms per query as a basis product and five rotations); None where that
+        (instead of a basis product and one rotation per run); None where that
         does not apply (the general path then also reports bad input). The inner index's
         query steps, in the original space: L2 queries centred by mu (||q - mu|| is the
         basis's, V being orthogonal), inner products offset by <q, mu>, cosine on unit rows -
         all of it one compiled call where the inner index has it (``FlatIndex.search_mapped``:
-        at one query the Python steps cost ~50 us of ~250), else these steps composed."""
+        at one query the Python steps are a fifth of the search), else these steps composed."""
         index = self.index
         if not (one_call_queries(x, self.d) and index.refine is None):
             return None

@@ -93,7 +93,7 @@ def rerank(q: torch.Tensor, s: np.ndarray, p: np.ndarray, refine: Any, ref: Any,
         new = ip
     new[~np.isfinite(s)] = -np.inf
     # a full stable sort of kk (= k_factor * k) values is cheaper here than numpy's
-    # partition-then-gather steps (~10 us each at one query)
+    # partition-then-gather steps (each a call's overhead at one query)
     order = np.argsort(-new, axis=1, kind="stable")[:, :k]
     rows = np.arange(nq)[:, None]
     return new[rows, order], p[rows, order]

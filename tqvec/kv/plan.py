@@ -344,9 +344,8 @@ def plan_layers(model, input_ids: torch.Tensor, budget: float,
         tokens before them); see ``layer_error``. The per-layer errors of 64 queries are noisy
         (on Gemma 3 270M, one KV head, a layer's 3-bit error moved by up to 2x between
         consecutive blocks of 64 queries), and a plan that picks each layer's cheapest-looking
-        candidate favours the lucky ones (Gemma 3 at 3.5 bits from 64 queries: predicted +0.012
-        nats/token, measured +0.027 on GPL-3; from 256 queries: +0.013 and +0.0175). More
-        queries cost time in proportion.
+        candidate favours the lucky ones (docs/kv-benchmarks.md: the predicted and measured
+        loss from 64 and 256 queries). More queries cost time in proportion.
     progress: called with a line per candidate measured (e.g. ``print``).
     Costs one forward plus ``len(candidates) x layers`` decode-regime measurements (SmolLM2,
     36 candidates, 2,048 tokens: about 5 minutes on 2 CPU cores).

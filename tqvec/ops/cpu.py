@@ -38,8 +38,9 @@ def available() -> bool:
 
 
 def host_views(*ts: torch.Tensor) -> tuple[np.ndarray, ...]:
-    """numpy views of CPU tensors: nanobind takes them ~2x faster than torch tensors (whose
-    __dlpack__ runs Python code), which matters for one-query searches."""
+    """numpy views of CPU tensors: nanobind takes them faster than torch tensors (whose
+    __dlpack__ runs Python code), which matters for one-query searches
+    (docs/kernel-costs.md)."""
     return tuple(t.numpy() for t in ts)
 
 

@@ -1,6 +1,6 @@
 """The prepared ops on the compiled CPU kernels (``prepared.py``): each factory takes an op's
 argument struct and returns a runner holding the numpy views the kernel reads (made once: a
-view costs ~1 us, as much as a small part of a one-query search), or None where the kernel
+view per call would weigh on a one-query search), or None where the kernel
 cannot take the struct; the fused factories make one compiled searcher from an index's prepared
 parts when every part runs here."""
 

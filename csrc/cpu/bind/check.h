@@ -37,7 +37,7 @@ inline constexpr Extent::AnyTag kAny{};
 
 // Raises std::invalid_argument (ValueError) unless ok. The message is built only on failure: a
 // std::string argument would be constructed, and past 15 characters heap-allocated, on every
-// call - 20 us per one-query rotation, whose loop checks each permutation entry.
+// call - a heavy cost per one-query rotation, whose loop checks each permutation entry.
 template <class... Parts>
 void require(bool ok, const Parts&... parts) {
   if (ok) return;
@@ -137,7 +137,7 @@ struct Rotation {
 };
 
 // Whether every one of n floats is finite (the one-call searches check their queries here: a
-// numpy isfinite pass cost ~2 us per one-query search, cache-cold after the previous scan).
+// numpy isfinite pass per one-query search ran cache-cold after the previous scan).
 // Whether every row of x (n, d) is finite and its squared norm fits in float32 (a NaN or an
 // infinity anywhere makes its row's sum of squares non-finite): what an index's add requires of
 // its rows, so that a query of norm 1e20 is reported (the caller's general path), not scored.

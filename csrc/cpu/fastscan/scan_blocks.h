@@ -18,7 +18,7 @@ namespace tqvec::fastscan {
 // Queries per pass of the multi-query scan, 0 where there is none (the portable build scans
 // query by query): AVX2 3 (four queries' accumulators, tables and temporaries overflow the 16
 // registers), 2 for b = 3 (its pair tables take more registers); AVX-512 4 (32 registers; b = 3
-// with VBMI too: 8 measured slower); the VNNI sums 6 (4 measured slower, 8 no faster;
+// with VBMI too: 8 ran slower); the VNNI sums 6 (4 ran slower, 8 no faster;
 // 12 accumulators); the dot form 8 (uses_dot: exact scans of 4-bit codes with
 // VNNI; 16 accumulators); NEON 4, 2 for b = 3 (32 registers; the totals stay in memory between
 // flushes). exact: the scan re-scores its shortlists (not an approximate first stage).

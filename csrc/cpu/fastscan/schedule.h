@@ -98,7 +98,7 @@ void fast_scan_impl(const float* qr, int64_t nq, int64_t d, int64_t qstride,
     // Threads over queries. A chunk of blocks that fits in L2 is scanned for a group of queries
     // before moving on, so codes come from memory once per group, not once per query.
     // a multiple of the queries per pass (2, 3, 4: 12; the dot form's 8: 24 - 24 tables of the
-    // 3-bit scan measured 3 % slower than 12)
+    // 3-bit scan were slower than 12)
     const int qpp = queries_per_pass(b, !approx);
     const int64_t group = qpp == 8 ? 24 : 12;
     const int64_t chunk_blocks = std::max<int64_t>(1, (192 * 1024) / (rb * kRows));

@@ -196,7 +196,7 @@ Lut build_lut(const float* q, int64_t d, int b, const float* c, int64_t rb, bool
   const float inv = 1.0f / L.delta;
   // Round to nearest by +0.5 and truncation (the values are >= 0): std::nearbyint is a libm
   // call that saves and restores the FP environment, and it made table building dominate
-  // batched IVF search (~100 us per query at d = 784, b = 4).
+  // batched IVF search.
   // Local restrict pointers and counts: a uint8_t store may alias anything, so through L the
   // compiler reloaded the table pointers after every store and left the loop scalar.
 #ifdef TQVEC_X86

@@ -165,3 +165,22 @@ def test_the_fused_call_runs_where_it_applies():
             scan = index._snapshot().scan
         assert (scan is not None and scan.fused is not None) == fused, spec
         assert isinstance(index, (FlatIndex, IVFIndex))
+
+
+@pytest.mark.skipif("cpu" not in tqvec.ops.available_backends(), reason="tqvec._C not built")
+@pytest.mark.parametrize("spec", ["TQ2", "TQ4u"])
+def test_a_small_index_keeps_the_fast_scan(spec, monkeypatch):
+    """Few rows per result (64 rows, k = 10): the exact scan stays on the fast-scan kernels,
+    whose layout holds the codes - the per-query tables would gather them back on every call."""
+    xb, xq = _data(n=64, nq=3)
+    index = tqvec.index_factory(xb.shape[1], spec)
+    index.add(xb)
+    expected = index.search(xq, 10)
+
+    def gathered(*a, **k):
+        raise AssertionError("the codes were scanned by per-query tables")
+
+    monkeypatch.setattr(tqvec.ops, "lut_scan", gathered)
+    for q in (xq, torch.from_numpy(xq), xq[:1]):
+        D, I = index.search(q, 10)
+        assert np.array_equal(I[:len(q)], expected[1][:len(q)])

@@ -8,19 +8,19 @@ biased mse codes that store ||x|| rescaled to the true norm, ||x|| <q, x_hat> / 
 mse codes, the true ||x||^2 for unbiased ones); ``cosine`` est<q, x> / (||q|| sqrt(N(x))). A
 centred index (``center``) codes y = x - mu: L2 is translation-invariant, and an inner product
 is <q, mu> (exact per query) + <mu, y> (exact per row, stored as a per-row correction,
-``rowterms.ip_row_correction``) + est<q - mu, y> (RaBitQ's estimator, Gao & Long 2024). The
-derivations and what each choice measured: docs/search.md.
+``rowterms.ip_row_correction``) + est<q - mu, y> (RaBitQ's estimator, Gao & Long 2024);
+derivations and measurements: docs/search.md.
 
-A search is one composition - prepare the queries (validate, unit rows for cosine, centre) ->
-scan the codes for each query's best candidates -> re-rank them with the refinement -> ids and
-the metric's distances - and its scan is one of three, chosen in one place (``_route``): the
-SIMD fast-scan kernels over the codes' blocked layout (codes whose estimator is a sum of 1-4-bit
-terms, on the CPU), per-query lookup tables over the packed codes (``ops.lut_scan``:
-TurboQuant-mse, few queries or a GPU) or decoded blocks and a GEMM (any codec), each keeping a
-running top-k so memory stays bounded. For float32 numpy queries the whole composition may run
-as one compiled call (``fused.FlatSearch``; same float operations, same results). The blocked
-layout is built at the first search after a change, under the index's lock, so concurrent
-``search`` calls are safe; ``add``/``remove_ids`` must not run concurrently with them.
+A search is one composition - prepare the queries (validate, unit rows for cosine, centre) -> scan
+the codes for each query's best candidates -> re-rank them with the refinement -> ids and the
+metric's distances - and its scan is one of three, chosen in one place (``_route``): the SIMD
+fast-scan kernels over the codes' blocked layout (codes whose estimator is a sum of 1-4-bit terms,
+on the CPU), per-query lookup tables over the packed codes (``ops.lut_scan``: TurboQuant-mse,
+few queries or a GPU) or decoded blocks and a GEMM (any codec), each keeping a running top-k so
+memory stays bounded. For float32 numpy queries the whole composition may run as one compiled
+call (``fused.FlatSearch``; same float operations, same results). The blocked layout is built at
+the first search after a change, under the index's lock, so concurrent ``search`` calls are
+safe; ``add``/``remove_ids`` must not run concurrently with them.
 """
 
 from __future__ import annotations
@@ -58,13 +58,10 @@ from .state import StoredKind, float_rows, register_kind, row_correction, rows_s
 __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "metric_code",
            "metric_name"]
 
-# Up to this many queries, TurboQuant-mse codes are scanned with per-query lookup tables (reads
-# only the packed codes); above it, decoding blocks to floats and one GEMM per block is faster.
-# At 1-4 bits the CPU fast-scan kernel (7-bit tables in SIMD registers) beats the GEMM at
-# any number of queries, so it is used for all of them.
+# Without the fast scan, up to this many queries take per-query lookup tables over the packed
+# codes; above it, decoding blocks to floats and one GEMM per block is faster.
 _LUT_MAX_QUERIES = 32
-# The fast-scan kernel re-scores every row whose error bound reaches the k-th best: with few
-# rows per result (digits, n = 1,597, k = 100) that is most rows and the float paths are faster.
+# Fewer rows per result: a prefilter re-scores most rows, and per-query tables are faster.
 _FAST_SCAN_ROWS_PER_RESULT = 64
 _MAX_SIGMAS = 10.0  # a wider bound re-scores nearly every row: the exact scan is cheaper
 
@@ -481,10 +478,12 @@ class FlatIndex(CodesIndex):
         return FlatSnapshot(self._rows.snapshot(), scan, self._refine_lut())
 
     # -- search ------------------------------------------------------------------------------
-    def _fast_rows_ok(self, n: int, kk: int) -> bool:
-        """Enough rows per result for the fast scan's shortlist to pay (digits, n = 1,597,
-        k = 100: most rows reach it, and the float paths are faster)."""
-        return n > 0 and n >= _FAST_SCAN_ROWS_PER_RESULT * kk
+    def _fast_rows_ok(self, scan: FlatScan, n: int, kk: int) -> bool:
+        """Whether the fast scan runs for kk results of n rows: the exact scan wherever each
+        has a row (the layout holds the codes); a prefilter, or a refinement's table-ranked
+        candidates (ties at the cut), only with enough rows per result."""
+        few = scan.first_pass or self.refine is not None
+        return n > 0 and n >= (_FAST_SCAN_ROWS_PER_RESULT if few else 1) * kk
 
     def _route(self, snap: FlatSnapshot, nq: int, kk: int, route: tuple[int, int] | None = None
                ) -> str:
@@ -492,7 +491,7 @@ class FlatIndex(CodesIndex):
         ``"lut"`` (per-query tables over the packed codes) or ``"gemm"`` (decoded blocks)."""
         scan = snap.scan
         n, kr = (snap.n, kk) if route is None else route  # a larger collection's route
-        if scan is not None and scan.fast and self._fast_rows_ok(n, kr):
+        if scan is not None and scan.fast and self._fast_rows_ok(scan, n, kr):
             return "fast"
         # On a GPU the LUT kernel handles query groups itself (fused top-k, no score matrix).
         if scan is not None and self._lut_ok() and (nq <= _LUT_MAX_QUERIES
@@ -523,7 +522,7 @@ class FlatIndex(CodesIndex):
         (``_fused``)."""
         if not (one_call_queries(x, self.d)
                 and snap.scan is not None and snap.scan.fused is not None
-                and self._fast_rows_ok(snap.n, self._candidates(snap.n, k))):
+                and self._fast_rows_ok(snap.scan, snap.n, self._candidates(snap.n, k))):
             return None
         return snap.scan.fused.search(x, k, self.k_factor)
 
@@ -572,7 +571,8 @@ class FlatIndex(CodesIndex):
         C-contiguous float32. ``snap``: the ``snapshot`` to answer from (default: a new one)."""
         snap = self._current() if snap is None else snap
         kk = self._candidates(snap.n, k)
-        if snap.scan is None or snap.scan.mapped is None or not self._fast_rows_ok(snap.n, kk):
+        if (snap.scan is None or snap.scan.mapped is None
+                or not self._fast_rows_ok(snap.scan, snap.n, kk)):
             return None
         return snap.scan.mapped.search(x, k)
 
@@ -589,7 +589,7 @@ class FlatIndex(CodesIndex):
         snap = self._current() if snap is None else snap
         kk = self._candidates(snap.n, k)
         if (self.refine is not None or snap.scan is None or not snap.scan.fast
-                or not self._fast_rows_ok(snap.n, kk)):
+                or not self._fast_rows_ok(snap.scan, snap.n, kk)):
             return None
         prepared = prepare()
         if prepared is None:

@@ -45,6 +45,11 @@ class FlatScan:
         """Whether the CPU fast-scan kernels scan these rows."""
         return self.scanner is not None or self.signs is not None
 
+    @property
+    def first_pass(self) -> bool:
+        """Whether that scan has a first pass (a prefilter) before it re-scores rows."""
+        return self.signs is not None or (self.scanner is not None and self.scanner.first > 0)
+
     def scan_terms(self, blocked: list[torch.Tensor],
                    packed: list[torch.Tensor] | None = None) -> list[ops.ScanTerm]:
         """These terms for ``ops.FastScan`` over their fast-scan layout ``blocked``, with the

@@ -122,7 +122,7 @@ def test_fused_rows_give_no_fused_form_on_the_reference(rng):
     scan = make("ref")
     d = 40
     rot = ops.HadamardRotate(torch.arange(d)[None], torch.ones(1, d), 32, "ref")
-    args = ops.FlatSearchArgs(rot, scan, np.arange(scan.n), "l2")
+    args = ops.FlatSearchArgs(scan, np.arange(scan.n), "l2", rotate=rot)
     assert ops.prepare("flat_search_fused", args, torch.device("cpu"), "ref") is None
     # on the compiled kernels too where a part is the reference's
     if "cpu" in ops.available_backends():

@@ -43,8 +43,9 @@ class FlatSearch:
         the scan ranks by its tables alone (``rescore_topk`` / ``lut_rescore``; no prefilter)."""
         if metric not in ops.RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
-        args = ops.FlatSearchArgs(rotate, scan, ids, metric, int(prefilter), center,
-                                  bool(normalize), ip_center, ref_x, _refinement(ref_codes))
+        args = ops.FlatSearchArgs(scan, ids, metric, int(prefilter), center, bool(normalize),
+                                  ip_center, rotate=rotate, ref_x=ref_x,
+                                  ref_codes=_refinement(ref_codes))
         searcher = ops.prepare("flat_search_fused", args, scan.device, scan.backend)
         return None if searcher is None else cls(searcher)
 
@@ -81,8 +82,8 @@ class TermsSearch:
                 ) -> TermsSearch | None:
         if metric not in ops.RESCORE_METRICS:
             raise ValueError(f"metric must be one of {list(ops.RESCORE_METRICS)}, got {metric!r}")
-        args = ops.TermsSearchArgs(W, list(slices), scan, ids, metric, int(prefilter), center,
-                                   bool(normalize), ip_center)
+        args = ops.TermsSearchArgs(scan, ids, metric, int(prefilter), center, bool(normalize),
+                                   ip_center, W=W, slices=list(slices))
         searcher = ops.prepare("terms_search_fused", args, scan.device, scan.backend)
         return None if searcher is None else cls(searcher)
 

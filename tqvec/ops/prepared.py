@@ -26,7 +26,8 @@ from .dispatch import OPS, pick
 from .ref import FAST_SCAN_BITS, SignBound, check_sign_bound
 
 __all__ = ["prepare", "HadamardRotate", "ScanTerm", "FullCodes", "FastScan", "IVFFastScan",
-           "IVFProbe", "FlatSearchArgs", "TermsSearchArgs", "IVFSearchArgs", "GraphSearchArgs",
+           "IVFProbe", "ScanSearchArgs", "FlatSearchArgs", "TermsSearchArgs", "IVFSearchArgs",
+           "GraphSearchArgs",
            "CodeRefinement", "MAX_SCAN_TERMS"]
 
 #: Code terms one fast scan sums per row (csrc/cpu/fastscan/terms.h kMaxTerms).
@@ -231,14 +232,12 @@ class CodeRefinement:
 
 
 @dataclass(frozen=True)
-class FlatSearchArgs:
-    """A whole flat search (row ``flat_search_fused``): minus ``center`` or rows to unit norm
-    (``normalize``) -> ``rotate`` -> ``scan`` (one term; two stages with ``prefilter`` and a
-    ``FullCodes`` scan) -> for l2 the score minus ``row_sqnorms`` -> ids and distances as faiss
-    returns them (plus ``row_dots(q, ip_center)`` where given), re-ranked by exact vectors
-    ``ref_x`` or finer codes ``ref_codes`` where given."""
+class ScanSearchArgs:
+    """What a whole search over one fast scan shares: the queries minus ``center`` or to unit
+    norm (``normalize``) before the index's query step, ``scan`` (two stages with
+    ``prefilter``), for l2 the score minus the queries' squared norms, then the ids and
+    distances as faiss returns them (plus ``row_dots(q, ip_center)`` where given)."""
 
-    rotate: HadamardRotate
     scan: FastScan
     ids: np.ndarray
     metric: str
@@ -246,25 +245,26 @@ class FlatSearchArgs:
     center: np.ndarray | None = None
     normalize: bool = False
     ip_center: np.ndarray | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlatSearchArgs(ScanSearchArgs):
+    """A whole flat search (row ``flat_search_fused``): the query step ``rotate``, the scan of
+    one term (two stages with a ``FullCodes`` scan), re-ranked by exact vectors ``ref_x`` or
+    finer codes ``ref_codes`` where given."""
+
+    rotate: HadamardRotate
     ref_x: np.ndarray | None = None
     ref_codes: CodeRefinement | None = None
 
 
-@dataclass(frozen=True)
-class TermsSearchArgs:
+@dataclass(frozen=True, kw_only=True)
+class TermsSearchArgs(ScanSearchArgs):
     """A whole search through one query product (row ``terms_search_fused``; ``PCAIndex``):
-    unit rows or minus ``center`` -> x ``W`` -> each term's columns (``slices``) -> ``scan``
-    over the terms (two stages with ``prefilter``) -> ids and distances as ``FlatSearchArgs``."""
+    the query step x ``W``, each term's columns (``slices``), the scan over the terms."""
 
     W: torch.Tensor
     slices: list[slice]
-    scan: FastScan
-    ids: np.ndarray
-    metric: str
-    prefilter: int = 0
-    center: np.ndarray | None = None
-    normalize: bool = False
-    ip_center: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -91,18 +91,26 @@ def test_the_bounded_pass_finds_the_exact_scans_results(metric):
     assert np.array_equal(It, Ib) and np.array_equal(Dt, Db)
 
 
+def _kernel_inputs(seed, codec_seed, d, n):
+    """3-bit codes of n random rows for the kernel-level tests: the generator (to draw on),
+    the codec, the rows' sign reconstructions, full and sign terms, and the bounded pass's
+    multipliers (each row's gain times its scale)."""
+    rng = np.random.default_rng(seed)
+    codec = tqvec.TurboQuant(d, 3, seed=codec_seed)
+    codes, _, _, sign = _planes(codec, rng.standard_normal((n, d)).astype(np.float32))
+    term, signs = codec.lut_terms(codes)[0], codec.sign_term(codes)
+    mult1 = (codec.sign_term_gains(codes) * term.scale).float().contiguous()
+    return rng, codec, sign, term, signs, mult1
+
+
 @needs_cpu
 def test_the_kernel_keeps_every_row_its_reference_keeps():
     """ops.fast_scan_two_stage with a bound: the kernel's candidates include the reference's
     (its table scores' error widens each bound), so its k-th best is at least the reference's,
     and both agree with the full codes' exact top k on nearly every row."""
-    rng = np.random.default_rng(5)
     d, n, k = 128, 3000, 10
-    codec = tqvec.TurboQuant(d, 3, seed=2)
-    codes, m, _, _ = _planes(codec, rng.standard_normal((n, d)).astype(np.float32))
-    term, signs = codec.lut_terms(codes)[0], codec.sign_term(codes)
+    rng, codec, _, term, signs, mult1 = _kernel_inputs(5, 2, d, n)
     model = codec.sign_term_error()
-    mult1 = (codec.sign_term_gains(codes) * term.scale).float().contiguous()
     add = torch.from_numpy(rng.standard_normal(n).astype(np.float32))
     add[::17] = -float("inf")
     qr = codec.query_terms(torch.from_numpy(rng.standard_normal((8, d)).astype(np.float32)))[0]
@@ -129,13 +137,9 @@ def test_rows_the_stop_passes_over_are_not_scored():
     never scored, in the kernel and the reference alike: planted full codes that score it
     first (its sign plane, hence its bound, left low) stay out of both results, and would be
     in them if every candidate were scored."""
-    rng = np.random.default_rng(11)
     d, n, k = 128, 3000, 10
-    codec = tqvec.TurboQuant(d, 3, seed=4)
-    codes, m, _, sign = _planes(codec, rng.standard_normal((n, d)).astype(np.float32))
-    term, signs = codec.lut_terms(codes)[0], codec.sign_term(codes)
+    rng, codec, sign, term, signs, mult1 = _kernel_inputs(11, 4, d, n)
     model = codec.sign_term_error()
-    mult1 = (codec.sign_term_gains(codes) * term.scale).float().contiguous()
     add = torch.zeros(n)
     q = rng.standard_normal((1, d)).astype(np.float32)
     qr = codec.query_terms(torch.from_numpy(q))[0]

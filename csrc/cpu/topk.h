@@ -13,6 +13,20 @@ namespace tqvec {
 
 using Hit = std::pair<float, int64_t>;  // (score, row position)
 
+// v into heap, a min-heap of the r largest values so far (heap.front() is the r-th once it
+// holds r): pushed while it holds fewer, else in place of the front where v exceeds it.
+inline void keep_largest(std::vector<float>& heap, int64_t r, float v) {
+  const auto greater = std::greater<float>();
+  if (static_cast<int64_t>(heap.size()) < r) {
+    heap.push_back(v);
+    std::push_heap(heap.begin(), heap.end(), greater);
+  } else if (v > heap.front()) {
+    std::pop_heap(heap.begin(), heap.end(), greater);
+    heap.back() = v;
+    std::push_heap(heap.begin(), heap.end(), greater);
+  }
+}
+
 // The k-th largest of a[0 .. n) (1 <= k <= n, no NaN), with a rearranged so that a[0 .. k) holds
 // the k largest: what std::nth_element(a, a + k - 1, a + n, std::greater<float>()) gives, by a
 // quickselect whose partitions are branch-free (three-way, through tmp). On the random scores

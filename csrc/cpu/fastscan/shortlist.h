@@ -113,14 +113,7 @@ void rescore_best_first(const std::vector<Shortlist*>& parts, int64_t k, Score&&
     const float v = score(*c);
     hits.emplace_back(v, c->row);
     if (!(v > -std::numeric_limits<float>::infinity())) continue;
-    if (static_cast<int64_t>(best.size()) < k) {
-      best.push_back(v);
-      std::push_heap(best.begin(), best.end(), std::greater<float>());
-    } else if (v > best.front()) {
-      std::pop_heap(best.begin(), best.end(), std::greater<float>());
-      best.back() = v;
-      std::push_heap(best.begin(), best.end(), std::greater<float>());
-    }
+    keep_largest(best, k, v);
   }
   write_topk(hits, k, vals, idx);
 }
@@ -205,18 +198,10 @@ inline void append_at_least(const float* s, int64_t m, float t, int64_t base,
 // the r best so far: one compare per value for the small r of a sampled threshold.
 inline float rth_largest_finite(const float* s, int64_t m, int64_t r, std::vector<float>& heap) {
   heap.clear();
-  const auto greater = std::greater<float>();
   for (int64_t i = 0; i < m; ++i) {
     const float v = s[i];
     if (!(v > -std::numeric_limits<float>::infinity())) continue;  // -inf, NaN
-    if (static_cast<int64_t>(heap.size()) < r) {
-      heap.push_back(v);
-      std::push_heap(heap.begin(), heap.end(), greater);
-    } else if (v > heap.front()) {
-      std::pop_heap(heap.begin(), heap.end(), greater);
-      heap.back() = v;
-      std::push_heap(heap.begin(), heap.end(), greater);
-    }
+    keep_largest(heap, r, v);
   }
   return static_cast<int64_t>(heap.size()) < r ? -std::numeric_limits<float>::infinity()
                                                : heap.front();

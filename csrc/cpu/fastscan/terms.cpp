@@ -246,18 +246,9 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   std::vector<Hit> hits;
   hits.reserve(ub ? std::min(rows.size(), static_cast<size_t>(4 * k + 64)) : rows.size());
   std::vector<float> best;  // with bounds: a min-heap of the k best scores so far
-  const auto greater = std::greater<float>();
   auto admit = [&](float v, int64_t i) {
     hits.emplace_back(v, i);
-    if (!ub || !(v > -std::numeric_limits<float>::infinity())) return;
-    if (static_cast<int64_t>(best.size()) < k) {
-      best.push_back(v);
-      std::push_heap(best.begin(), best.end(), greater);
-    } else if (v > best.front()) {
-      std::pop_heap(best.begin(), best.end(), greater);
-      best.back() = v;
-      std::push_heap(best.begin(), best.end(), greater);
-    }
+    if (ub && v > -std::numeric_limits<float>::infinity()) keep_largest(best, k, v);
   };
   // strictly greater: a row whose bound equals the k-th score could still tie it
   auto done = [&](size_t r) {

@@ -126,7 +126,6 @@ void bounded_rows(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, i
   const float ninf = -std::numeric_limits<float>::infinity();
   auto& best = part.best;
   auto& cand = part.cand;
-  const auto greater = std::greater<float>();
   size_t kept = 0;  // candidates after the last compaction
   for (int64_t c0 = j0; c0 < j1; c0 += kChunk) {
     const int64_t c1 = std::min(j1, c0 + kChunk);
@@ -142,15 +141,7 @@ void bounded_rows(const Lut& L, const uint8_t* blocked, int64_t rb, int64_t n, i
       if (top == ninf || (static_cast<int64_t>(best.size()) == k && top < best.front())) continue;
       for (int64_t t = g; t < ge; ++t) {
         const float th = static_cast<int64_t>(best.size()) < k ? ninf : best.front();
-        if (lb[t] > th) {
-          if (static_cast<int64_t>(best.size()) == k) {
-            std::pop_heap(best.begin(), best.end(), greater);
-            best.back() = lb[t];
-          } else {
-            best.push_back(lb[t]);
-          }
-          std::push_heap(best.begin(), best.end(), greater);
-        }
+        if (lb[t] > th) keep_largest(best, k, lb[t]);
         if (ub[t] >= th && ub[t] > ninf) cand.push_back({ub[t], s[t], base + t});
       }
     }

@@ -123,7 +123,7 @@ def main(argv=None):
             print(f"skipping {name}: {e}", file=sys.stderr)
             continue
         run(name, data["train"], data["test"][:a.nq], data["distance"], a.bits, rows)
-    meta = {"command": "python bench/prefilter.py " + " ".join(argv or sys.argv[1:]),
+    meta = {"command": " ".join(["python bench/prefilter.py", *(argv or sys.argv[1:])]),
             "machine": machine_info(), "rows": rows}
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, f"{a.out}.json"), "w") as f:

@@ -61,7 +61,7 @@ __all__ = ["FlatIndex", "METRIC_INNER_PRODUCT", "METRIC_L2", "METRIC_COSINE", "m
 # Without the fast scan, up to this many queries take per-query lookup tables over the packed
 # codes; above it, decoding blocks to floats and one GEMM per block is faster.
 _LUT_MAX_QUERIES = 32
-# Fewer rows per result: a prefilter re-scores most rows, and per-query tables are faster.
+# Fewer rows per result: a prefilter or refinement re-scores most rows; per-query tables win.
 _FAST_SCAN_ROWS_PER_RESULT = 64
 _MAX_SIGMAS = 10.0  # a wider bound re-scores nearly every row: the exact scan is cheaper
 

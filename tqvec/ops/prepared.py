@@ -27,8 +27,7 @@ from .ref import FAST_SCAN_BITS, SignBound, check_sign_bound
 
 __all__ = ["prepare", "HadamardRotate", "ScanTerm", "FullCodes", "FastScan", "IVFFastScan",
            "IVFProbe", "ScanSearchArgs", "FlatSearchArgs", "TermsSearchArgs", "IVFSearchArgs",
-           "GraphSearchArgs",
-           "CodeRefinement", "MAX_SCAN_TERMS"]
+           "GraphSearchArgs", "CodeRefinement", "MAX_SCAN_TERMS"]
 
 #: Code terms one fast scan sums per row (csrc/cpu/fastscan/terms.h kMaxTerms).
 MAX_SCAN_TERMS = 8

@@ -262,8 +262,10 @@ void rescore_terms(const ScanTerm* terms, int nterms, int64_t qi, const std::vec
   for (int x = 0; x < nterms; ++x) tabled = tabled || terms[x].b == 1 || terms[x].b == 2;
   tabled = tabled && simd_avx2();
   for (; tabled && r0 + 8 <= end; r0 += 8) {
-    if (done(r0)) end = r0;
-    if (r0 == end) break;
+    if (done(r0)) {
+      end = r0;
+      break;
+    }
     if (r0 % kChunk == 0) touch(r0 + kChunk);
     float v[8] = {0, 0, 0, 0, 0, 0, 0, 0}, sc[8];
     for (int x = 0; x < nterms; ++x) {

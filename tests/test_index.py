@@ -266,8 +266,7 @@ def test_refinement_rotation_shared_or_its_own(metric, rng):
     ivf.train(xb)
     for index in (shared, own, ivf):
         index.add(xb)
-        with index._lock:
-            state = index._snapshot().scan
+        state = index.snapshot().scan
         assert state.fused is not None  # the compiled call, not the composition
         assert_numpy_path_matches(index, [xq[:1], xq])
 
@@ -288,7 +287,7 @@ def test_ivf_candidates_one_call_equals_the_composition(spec, metric, rng, monke
     index.add(xb)
     index.nprobe = 3
     with index._lock:
-        assert index._snapshot().scan.fused is not None
+        assert index.snapshot().scan.fused is not None
     cases = [(q, k, probes) for q in (xq[:1], xq[:9], xq) for k in (1, 10, 2000)
              for probes in (None, index.probe(q))]
     fused = [index.search_candidates(q, k, rows=4000, probes=p) for q, k, p in cases]

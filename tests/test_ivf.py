@@ -90,7 +90,10 @@ def test_search_after_remove_ids_equals_the_oracle_and_a_fresh_index(spec, metri
     fresh.add_with_ids(xb[keep], keep)
     D2, I2 = fresh.search(xq, 10)
     np.testing.assert_array_equal(I, I2)
-    np.testing.assert_array_equal(D, D2)
+    if spec.endswith("TQ2"):  # the fast scan's integer sums: bit for bit
+        np.testing.assert_array_equal(D, D2)
+    else:  # torch's GEMMs: rounding may follow a row's place in memory (seen on AVX-512 hosts)
+        np.testing.assert_allclose(D, D2, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("b", [1, 2, 3, 4])
@@ -128,7 +131,7 @@ def test_numpy_fast_path_equals_general_path(spec, metric, rng):
     index.remove_ids(np.arange(0, 2000, 7))
     # one compiled call (ops.IVFSearch), with no refinement, exact vectors or TurboQuant codes
     if "cpu" in tqvec.available_backends():
-        assert index._snapshot().scan.fused is not None
+        assert index.snapshot().scan.fused is not None
     for q in (xq[:1], xq[:8], xq):
         _, I1 = assert_numpy_path_matches(index, [q])
         assert (I1 >= 0).all() and not np.isin(I1, np.arange(0, 2000, 7)).any()

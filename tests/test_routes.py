@@ -73,8 +73,7 @@ def _close_candidates(a, b) -> None:
 def _routes(index) -> list[str]:
     """The routes that apply to this index after a search built its state."""
     inner = index.index if isinstance(index, PCAIndex) else index
-    with inner._lock:
-        snap = inner._snapshot()
+    snap = inner.snapshot()
     if isinstance(inner, IVFIndex):
         return (["fast"] if snap.scan.scanner is not None else []) + ["lists"]
     out = []
@@ -161,8 +160,7 @@ def test_the_fused_call_runs_where_it_applies():
         index.train(xb)
         index.add(xb)
         index.search(xq, 5)
-        with index._lock:
-            scan = index._snapshot().scan
+        scan = index.snapshot().scan
         assert (scan is not None and scan.fused is not None) == fused, spec
         assert isinstance(index, (FlatIndex, IVFIndex))
 

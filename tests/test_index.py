@@ -286,8 +286,7 @@ def test_ivf_candidates_one_call_equals_the_composition(spec, metric, rng, monke
     index.train(xb)
     index.add(xb)
     index.nprobe = 3
-    with index._lock:
-        assert index.snapshot().scan.fused is not None
+    assert index.snapshot().scan.fused is not None
     cases = [(q, k, probes) for q in (xq[:1], xq[:9], xq) for k in (1, 10, 2000)
              for probes in (None, index.probe(q))]
     fused = [index.search_candidates(q, k, rows=4000, probes=p) for q, k, p in cases]
